@@ -1,0 +1,290 @@
+"""Engine configuration: frozen dataclasses, YAML loading and flat keyword overrides.
+
+A YAML preset mirrors the dataclasses one to one::
+
+    model: null              # Hugging Face model dir; null = built-in tiny random model
+    dtype: float32
+    max_model_len: 512
+    cache:     {page_size: 16, num_pages: 256}
+    scheduler: {max_num_seqs: 8, max_num_batched_tokens: 64}
+    kernels:   {attention: auto}
+
+Every field, however nested, can also be given flat (`LLM(page_size=16)`,
+`serve.py --page-size 16`): field names are unique across sections. Unknown names and bad
+values raise ValueError naming the offender and the valid choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DTYPES = ("float32", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "xla", "pallas")
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV page pool. Size it with `num_pages`, or `kv_cache_memory_gb`, or neither (auto)."""
+
+    page_size: int = 16  # tokens per page
+    num_pages: int | None = None  # pages in the pool (per layer)
+    kv_cache_memory_gb: float | None = None  # K+V bytes for all layers, in GiB
+    # Fraction of accelerator memory left after the weights that auto sizing may use.
+    memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        _check(self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}")
+        _check(
+            self.num_pages is None or self.num_pages >= 1,
+            f"num_pages must be >= 1, got {self.num_pages}",
+        )
+        _check(
+            self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0,
+            f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}",
+        )
+        _check(
+            self.num_pages is None or self.kv_cache_memory_gb is None,
+            "give num_pages or kv_cache_memory_gb, not both",
+        )
+        _check(
+            0 < self.memory_utilization <= 1,
+            f"memory_utilization must be in (0, 1], got {self.memory_utilization}",
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Iteration-level scheduling under a token budget."""
+
+    max_num_seqs: int = 64  # running requests at most
+    max_num_batched_tokens: int = 512  # tokens per step at most (the largest bucket)
+    # Precompiled token buckets; None = powers of two from 16 up to max_num_batched_tokens.
+    token_buckets: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check(
+            self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        if self.token_buckets is not None:
+            buckets = tuple(int(b) for b in self.token_buckets)
+            object.__setattr__(self, "token_buckets", buckets)
+            _check(len(buckets) > 0, "token_buckets must not be empty")
+            _check(
+                all(b >= 1 for b in buckets) and list(buckets) == sorted(set(buckets)),
+                f"token_buckets must be positive and strictly increasing, got {list(buckets)}",
+            )
+            _check(
+                buckets[-1] == self.max_num_batched_tokens,
+                f"the largest token bucket ({buckets[-1]}) must equal "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens})",
+            )
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Attention backend: "xla" (plain jnp, the CPU path and the reference), "pallas"
+    (TPU Mosaic / GPU Triton kernels; interpret mode on CPU, for tests), or "auto"
+    (pallas on TPU and GPU, xla on CPU)."""
+
+    attention: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check(
+            self.attention in ATTENTION_BACKENDS,
+            f"attention must be one of {list(ATTENTION_BACKENDS)}, got {self.attention!r}",
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs; `EngineConfig.from_yaml(path, **flat_overrides)`."""
+
+    model: str | None = None  # Hugging Face model directory; None = built-in tiny model
+    tokenizer: str | None = None  # tokenizer directory; None = the model directory
+    dtype: str = "float32"  # weights, activations and KV pages
+    max_model_len: int | None = None  # prompt + output tokens; None = model's limit, <= 2048
+    seed: int = 0  # seeds requests that bring no seed of their own
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in DTYPES, f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        _check(
+            self.max_model_len is None or self.max_model_len >= 1,
+            f"max_model_len must be >= 1, got {self.max_model_len}",
+        )
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None = None, **flat: Any) -> EngineConfig:
+        """Build from a nested mapping (YAML layout) plus flat keyword overrides."""
+        nested = _nest(dict(data or {}), source="config")
+        for key, value in _nest_flat(flat).items():
+            if isinstance(value, dict):
+                nested.setdefault(key, {}).update(value)
+            else:
+                nested[key] = value
+        return _build(cls, nested, path="")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **flat: Any) -> EngineConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ValueError(f"config file {path} is not valid YAML: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {path} must hold a mapping, got {type(data).__name__}")
+        return cls.from_dict(data, **flat)
+
+    def replace(self, **flat: Any) -> EngineConfig:
+        """A copy with flat overrides applied."""
+        return EngineConfig.from_dict(self.to_dict(), **flat)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(dataclasses.asdict(self))
+
+
+# ---- helpers ----------------------------------------------------------------------------
+
+_SECTIONS: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig, "kernels": KernelConfig}
+
+
+def flat_fields() -> dict[str, tuple[str | None, dataclasses.Field]]:
+    """Every settable field by flat name → (section or None, dataclass field)."""
+    out: dict[str, tuple[str | None, dataclasses.Field]] = {}
+    for f in fields(EngineConfig):
+        if f.name in _SECTIONS:
+            for sub in fields(_SECTIONS[f.name]):
+                out[sub.name] = (f.name, sub)
+        else:
+            out[f.name] = (None, f)
+    return out
+
+
+def field_type(f: dataclasses.Field, owner: type) -> Any:
+    return typing.get_type_hints(owner)[f.name]
+
+
+def _nest_flat(flat: Mapping[str, Any]) -> dict[str, Any]:
+    known = flat_fields()
+    nested: dict[str, Any] = {}
+    for name, value in flat.items():
+        if name in _SECTIONS and isinstance(value, Mapping):
+            nested.setdefault(name, {}).update(value)
+            continue
+        if name not in known:
+            raise ValueError(f"unknown config field {name!r}; valid fields: {sorted(known)}")
+        section, _ = known[name]
+        if section is None:
+            nested[name] = value
+        else:
+            nested.setdefault(section, {})[name] = value
+    return nested
+
+
+def _nest(data: dict[str, Any], source: str) -> dict[str, Any]:
+    top = {f.name for f in fields(EngineConfig)}
+    for key, value in data.items():
+        if key not in top:
+            raise ValueError(f"unknown key {key!r} in {source}; valid keys: {sorted(top)}")
+        if key in _SECTIONS:
+            if value is None:
+                data[key] = {}
+            elif not isinstance(value, Mapping):
+                raise ValueError(f"{key!r} in {source} must be a mapping, got {value!r}")
+            else:
+                data[key] = dict(value)
+    return data
+
+
+def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    valid = {f.name for f in fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in valid:
+            where = path.rstrip(".") or "config"
+            raise ValueError(f"unknown key {key!r} in {where}; valid keys: {sorted(valid)}")
+        if key in _SECTIONS and cls is EngineConfig:
+            kwargs[key] = _build(_SECTIONS[key], value, path=f"{key}.")
+        else:
+            kwargs[key] = _coerce(value, hints[key], f"{path}{key}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    """Check (and gently convert) a value against a field's type hint."""
+    args = typing.get_args(hint)
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, name)
+            except ValueError as exc:
+                errors.append(str(exc))
+        raise ValueError(errors[0])
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v for v in value.replace(",", " ").split() if v]
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"{name} must be a list, got {value!r}")
+        return tuple(_coerce(v, args[0], name) for v in value)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ValueError(f"{name} must be a boolean, got {value!r}")
+    if hint is int:
+        if isinstance(value, bool):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return int(value)
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, bool):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if hint is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [_to_plain(v) for v in value]
+    return value

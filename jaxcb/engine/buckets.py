@@ -1,0 +1,40 @@
+"""Token-budget buckets: the few batch shapes the step function is compiled for."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Bucket:
+    num_tokens: int  # T: token rows in the packed batch
+    num_seqs: int  # S: sequence rows (page tables, sampling rows)
+
+
+def default_token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> tuple[int, ...]:
+    """Powers of two from `smallest` up to, and ending at, max_num_batched_tokens."""
+    buckets = []
+    b = min(smallest, max_num_batched_tokens)
+    while b < max_num_batched_tokens:
+        buckets.append(b)
+        b *= 2
+    buckets.append(max_num_batched_tokens)
+    return tuple(buckets)
+
+
+def make_buckets(token_buckets: tuple[int, ...], max_num_seqs: int) -> tuple[Bucket, ...]:
+    """A bucket of T tokens holds at most min(T, max_num_seqs) sequences."""
+    return tuple(Bucket(t, min(t, max_num_seqs)) for t in token_buckets)
+
+
+def pick_bucket(buckets: tuple[Bucket, ...], num_tokens: int, num_seqs: int) -> Bucket:
+    """The smallest bucket that holds the batch."""
+    i = bisect.bisect_left([b.num_tokens for b in buckets], num_tokens)
+    while i < len(buckets) and buckets[i].num_seqs < num_seqs:
+        i += 1
+    if i == len(buckets):
+        raise ValueError(
+            f"batch of {num_tokens} tokens / {num_seqs} sequences fits no bucket {buckets}"
+        )
+    return buckets[i]

@@ -1,0 +1,93 @@
+"""Per-request state: tokens, progress through the KV cache, pages, and life cycle.
+
+    WAITING ──admit──> RUNNING ──finish──> FINISHED (stop | length | abort)
+       ^                  │
+       └──── preempt ─────┘   (pages freed, recomputed from scratch when re-admitted)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from jaxcb.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.monotonic seconds) of a request's milestones."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated. (A prompt with `n > 1` becomes n of these.)"""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the request's own seed, or one drawn from the engine's seed at arrival
+    max_tokens: int  # output tokens at most (already clamped to max_model_len)
+    eos_token_ids: frozenset[int]
+    arrival_time: float
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    page_ids: list[int] = field(default_factory=list)
+    slot: int = -1  # row of the device-side token history while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.token_ids: list[int] = list(self.prompt_token_ids)  # prompt, then output
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """All tokens but the newest are in the cache: it needs exactly one token this step."""
+        return self.num_uncomputed_tokens == 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+
+    def check_stop_tokens(self, max_model_len: int) -> None:
+        """Set finish_reason from the newest token and the length limits."""
+        token = self.output_token_ids[-1]
+        if not self.params.ignore_eos and token in self.eos_token_ids:
+            self.finish_reason, self.stop_reason = "stop", None
+        elif token in self.params.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", token
+        elif len(self.output_token_ids) >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.finish_reason = "length"

@@ -1,0 +1,123 @@
+"""Offline batch inference: `LLM(...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jaxcb.config import EngineConfig
+from jaxcb.engine.llm_engine import LLMEngine
+from jaxcb.outputs import RequestOutput
+from jaxcb.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """An engine for offline generation.
+
+    `LLM()` runs the built-in tiny random-weight model; `LLM(path)` a Hugging Face model
+    directory. `config` is an EngineConfig or a YAML preset path; any config field can also be
+    given as a keyword (`LLM(path, max_num_seqs=64, page_size=16)`).
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        config: EngineConfig | str | Path | None = None,
+        **overrides: Any,
+    ) -> None:
+        if model is not None:
+            overrides["model"] = str(model)
+        if isinstance(config, EngineConfig):
+            engine_config = config.replace(**overrides)
+        elif config is not None:
+            engine_config = EngineConfig.from_yaml(config, **overrides)
+        else:
+            engine_config = EngineConfig.from_dict(None, **overrides)
+        self.engine = LLMEngine(engine_config)
+        self.config = engine_config
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        A prompt is a string or a list of token ids. One SamplingParams applies to all
+        prompts, or pass one per prompt. Every prompt is validated before any is queued.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts"
+                )
+        engine = self.engine
+        for prompt, params in zip(prompt_list, params_list, strict=True):
+            self._validate(prompt, params)
+        ids = [engine.add_request(None, p, sp) for p, sp in zip(prompt_list, params_list, strict=True)]
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="generating", unit="req", dynamic_ncols=True)
+        start, generated = time.perf_counter(), 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        generated += sum(len(o.token_ids) for o in out.outputs)
+                        if bar is not None:
+                            bar.update(1)
+                            rate = generated / max(time.perf_counter() - start, 1e-9)
+                            bar.set_postfix_str(f"{rate:,.0f} out tok/s")
+        except BaseException:
+            for request_id in ids:  # leave nothing behind on Ctrl-C or an error
+                engine.abort_request(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]
+
+    def _validate(self, prompt: Prompt, params: SamplingParams) -> None:
+        """Raise ValueError for a bad prompt/params without queueing anything."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+        params.validate()
+        _, ids = self.engine._tokenize(prompt)
+        if len(ids) > self.engine.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, longer than max_model_len="
+                f"{self.engine.max_model_len}"
+            )
+
+    def stats(self) -> dict[str, Any]:
+        """Steps, bucket histogram, padding fraction, compile seconds, KV page use."""
+        return self.engine.stats()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # one prompt of token ids
+    return list(prompts)

@@ -1,0 +1,161 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+The forward pass takes a packed, ragged batch of tokens (prefill chunks and decode tokens of
+many requests on one axis), writes each layer's new K/V into the page pool, runs ragged paged
+attention, and returns logits only at the rows that are sampled.
+
+Parameter pytree (plain dicts and lists; projections stored as [in, out]):
+
+    embed        [V, H]
+    layers[i]    attn_norm [H]; wqkv [H, Hkv, G + 2, D] (per KV head: its G query heads,
+                 then K, then V); bqkv [Hkv, G + 2, D] (Qwen2); q_norm, k_norm [D] (Qwen3);
+                 wo [Hq * D, H]; mlp_norm [H]; w_gate_up [H, 2, I]; w_down [I, H]
+    final_norm   [H]
+    lm_head      [H, V]   (absent when the embeddings are tied)
+
+Grouping q/k/v per KV head makes one matmul for all three and lets tensor parallelism shard
+the KV-head axis without splitting a group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxcb.models.layers import apply_rope, dense, rms_norm, rope_inv_freq
+from pallas_kernels.ragged_paged_attention import write_kv
+
+Params = dict[str, Any]
+KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k_pages, v_pages)
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture facts the forward pass needs; hashable so it can be static in jit."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: tuple[tuple[str, Any], ...] | None
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    sliding_windows: tuple[int | None, ...]  # per layer
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def sm_scale(self) -> float:
+        return self.head_dim**-0.5
+
+    def inv_freq(self) -> jax.Array:
+        scaling = dict(self.rope_scaling) if self.rope_scaling else None
+        return jnp.asarray(rope_inv_freq(self.head_dim, self.rope_theta, scaling))
+
+    def num_params(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        per_layer = (
+            h * (self.num_q_heads + 2 * self.num_kv_heads) * d
+            + self.num_q_heads * d * h
+            + 3 * h * i
+            + 2 * h
+        )
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """What ragged paged attention needs besides q and the pages (all from StepInput)."""
+
+    kv_lens: jax.Array  # i32[S]
+    page_indices: jax.Array  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array  # i32[S + 1]
+    num_seqs: jax.Array  # i32[1]
+    slot_mapping: jax.Array  # i32[T]
+
+
+AttentionFn = Callable[..., jax.Array]
+
+
+def forward(
+    params: Params,
+    kv_caches: KVCache,
+    input_ids: jax.Array,  # i32[T]
+    positions: jax.Array,  # i32[T]
+    logits_indices: jax.Array,  # i32[S]: rows whose next token is sampled
+    meta: AttentionMetadata,
+    *,
+    spec: ModelSpec,
+    attention_fn: AttentionFn,
+) -> tuple[jax.Array, KVCache]:  # (f32[S, V] logits, updated caches)
+    """One forward pass over a packed ragged batch."""
+    num_tokens = input_ids.shape[0]
+    g, d = spec.group_size, spec.head_dim
+    inv_freq = spec.inv_freq()
+    x = params["embed"][input_ids]  # [T, H]
+    new_caches: KVCache = []
+    for i, layer in enumerate(params["layers"]):
+        h = rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
+        w = layer["wqkv"]  # [H, Hkv, G + 2, D]
+        qkv = dense(h, w.reshape(w.shape[0], -1))  # [T, Hkv * (G + 2) * D]
+        qkv = qkv.reshape(num_tokens, spec.num_kv_heads, g + 2, d)  # [T, Hkv, G + 2, D]
+        if "bqkv" in layer:
+            qkv = qkv + layer["bqkv"].astype(qkv.dtype)
+        q = qkv[:, :, :g].reshape(num_tokens, spec.num_q_heads, d)  # [T, Hq, D]
+        k = qkv[:, :, g]  # [T, Hkv, D]
+        v = qkv[:, :, g + 1]  # [T, Hkv, D]
+        if spec.qk_norm:
+            q = rms_norm(q, layer["q_norm"], spec.rms_norm_eps)
+            k = rms_norm(k, layer["k_norm"], spec.rms_norm_eps)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+
+        k_pages, v_pages = write_kv(*kv_caches[i], k, v, meta.slot_mapping)
+        new_caches.append((k_pages, v_pages))
+        attn = attention_fn(
+            q,
+            k_pages,
+            v_pages,
+            meta.kv_lens,
+            meta.page_indices,
+            meta.cu_q_lens,
+            meta.num_seqs,
+            sm_scale=spec.sm_scale,
+            sliding_window=spec.sliding_windows[i],
+        )  # [T, Hq, D]
+        x = x + dense(attn.reshape(num_tokens, -1), layer["wo"])
+
+        h = rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
+        w = layer["w_gate_up"]  # [H, 2, I]
+        gate_up = dense(h, w.reshape(w.shape[0], -1)).reshape(num_tokens, 2, -1)  # [T, 2, I]
+        act = jax.nn.silu(gate_up[:, 0].astype(jnp.float32)).astype(x.dtype) * gate_up[:, 1]
+        x = x + dense(act, layer["w_down"])
+
+    last = rms_norm(x[logits_indices], params["final_norm"], spec.rms_norm_eps)  # [S, H]
+    lm_head = params["embed"].T if spec.tie_word_embeddings else params["lm_head"]
+    logits = jnp.dot(last, lm_head, preferred_element_type=jnp.float32)  # [S, V]
+    return logits, new_caches

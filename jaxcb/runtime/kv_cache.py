@@ -1,0 +1,89 @@
+"""Device state: the KV page pool (layout from pallas_kernels) and the token history.
+
+Also decides how many pages the pool gets: `num_pages`, or a memory budget, or (auto) enough
+for `max_num_seqs` full-length sequences within what the device can spare.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxcb.config import CacheConfig
+from jaxcb.models.llama import KVCache, ModelSpec
+from pallas_kernels.ragged_paged_attention import kv_pages_bytes, kv_pages_shape, pages_per_seq
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+CPU_AUTO_BUDGET_BYTES = 4 * GIB  # auto sizing on CPU never takes more than this
+
+
+@dataclass
+class DeviceState:
+    kv_caches: KVCache  # per layer (k_pages, v_pages), each [Hkv, P, page_size, D]
+    token_history: jax.Array  # i32[max_num_seqs, max_model_len]: tokens fed so far, per slot
+
+
+jax.tree_util.register_dataclass(
+    DeviceState, data_fields=["kv_caches", "token_history"], meta_fields=[]
+)
+
+
+def page_bytes(spec: ModelSpec, page_size: int, itemsize: int) -> int:
+    """Bytes one page takes across all layers (K and V)."""
+    return spec.num_layers * kv_pages_bytes(1, page_size, spec.num_kv_heads, spec.head_dim, itemsize)
+
+
+def resolve_num_pages(
+    cache: CacheConfig,
+    spec: ModelSpec,
+    *,
+    itemsize: int,
+    max_model_len: int,
+    max_num_seqs: int,
+) -> int:
+    per_page = page_bytes(spec, cache.page_size, itemsize)
+    min_pages = pages_per_seq(max_model_len, cache.page_size)
+    if cache.num_pages is not None:
+        num_pages = cache.num_pages
+    elif cache.kv_cache_memory_gb is not None:
+        num_pages = int(cache.kv_cache_memory_gb * GIB // per_page)
+    else:
+        wanted = max_num_seqs * min_pages
+        num_pages = min(wanted, _spare_device_bytes(cache.memory_utilization) // per_page)
+    if num_pages < min_pages:
+        raise ValueError(
+            f"the KV pool has {num_pages} pages of {cache.page_size} tokens "
+            f"({num_pages * cache.page_size} tokens), fewer than max_model_len={max_model_len} "
+            f"needs ({min_pages} pages); raise num_pages / kv_cache_memory_gb or lower "
+            "max_model_len"
+        )
+    return num_pages
+
+
+def _spare_device_bytes(utilization: float) -> int:
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return CPU_AUTO_BUDGET_BYTES
+    free = stats["bytes_limit"] * utilization - stats.get("bytes_in_use", 0)
+    return max(0, int(free))
+
+
+def init_state(
+    spec: ModelSpec,
+    *,
+    num_pages: int,
+    page_size: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    dtype: jnp.dtype,
+) -> DeviceState:
+    shape = kv_pages_shape(num_pages, page_size, spec.num_kv_heads, spec.head_dim)
+    caches = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(spec.num_layers)]
+    history = jnp.zeros((max_num_seqs, max_model_len), jnp.int32)
+    return DeviceState(caches, history)

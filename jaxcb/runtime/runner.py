@@ -1,0 +1,99 @@
+"""ModelRunner: owns params and device state, compiles every bucket ahead of time, runs steps."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcb.engine.buckets import Bucket
+from jaxcb.models.llama import AttentionFn, ModelSpec, Params
+from jaxcb.runtime import step as step_module
+from jaxcb.runtime.kv_cache import init_state
+from jaxcb.runtime.step_input import FLAG_TOP_LOGPROBS, StepInput, empty_step_input
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """What the host needs back from one step (numpy, sequence rows)."""
+
+    token_ids: np.ndarray  # i32[S]
+    logprobs: np.ndarray  # f32[S]
+    top_token_ids: np.ndarray | None  # i32[S, K] when any row asked for top logprobs
+    top_logprobs: np.ndarray | None  # f32[S, K]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        params: Params,
+        *,
+        dtype: jnp.dtype,
+        num_pages: int,
+        page_size: int,
+        pages_per_seq: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        attention_fn: AttentionFn,
+        num_top_logprobs: int,
+    ) -> None:
+        self.spec = spec
+        self.page_size = page_size
+        self.pages_per_seq = pages_per_seq
+        self.num_top_logprobs = num_top_logprobs
+        self._static = dict(spec=spec, attention_fn=attention_fn, num_top_logprobs=num_top_logprobs)
+        self.params = jax.device_put(params)
+        self.state = init_state(
+            spec,
+            num_pages=num_pages,
+            page_size=page_size,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            dtype=dtype,
+        )
+        self._compiled: dict[Bucket, jax.stages.Compiled] = {}
+        self.compile_seconds: dict[int, float] = {}
+
+    def compile(self, buckets: tuple[Bucket, ...], progress: bool = False) -> float:
+        """AOT-compile the step for every bucket; returns total seconds."""
+        items = buckets
+        if progress:
+            from tqdm.auto import tqdm
+
+            items = tqdm(buckets, desc="compiling buckets", unit="bucket", leave=False)
+        total = 0.0
+        for bucket in items:
+            t0 = time.perf_counter()
+            example = empty_step_input(bucket, self.pages_per_seq)
+            lowered = step_module.jitted_step.lower(
+                self.params, self.state, example, **self._static
+            )
+            self._compiled[bucket] = lowered.compile()
+            seconds = time.perf_counter() - t0
+            self.compile_seconds[bucket.num_tokens] = seconds
+            total += seconds
+            logger.info(
+                "compiled bucket T=%d S=%d in %.2fs", bucket.num_tokens, bucket.num_seqs, seconds
+            )
+        return total
+
+    def execute(self, bucket: Bucket, inp: StepInput) -> StepResult:
+        compiled = self._compiled[bucket]
+        out, self.state = compiled(self.params, self.state, inp)
+        want_top = bool(inp.flags[FLAG_TOP_LOGPROBS])
+        fetched = jax.device_get(
+            (out.token_ids, out.logprobs) + ((out.top_token_ids, out.top_logprobs) if want_top else ())
+        )
+        return StepResult(
+            token_ids=fetched[0],
+            logprobs=fetched[1],
+            top_token_ids=fetched[2] if want_top else None,
+            top_logprobs=fetched[3] if want_top else None,
+        )

@@ -1,0 +1,81 @@
+"""THE step function: model forward over a packed ragged batch, KV write, sampling.
+
+One jitted function serves every bucket (each bucket is compiled once, ahead of time). The
+device state (KV pages and the token history used for penalties) is donated, so XLA
+updates it in place.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxcb.models.llama import AttentionFn, AttentionMetadata, ModelSpec, Params, forward
+from jaxcb.runtime.kv_cache import DeviceState
+from jaxcb.runtime.step_input import StepInput
+from jaxcb.sampling import SamplingOutput, sample
+
+
+#: Incremented each time the step function is traced; tests assert it stays put after warm-up.
+TRACE_COUNT = [0]
+
+
+def step(
+    params: Params,
+    state: DeviceState,
+    inp: StepInput,
+    *,
+    spec: ModelSpec,
+    attention_fn: AttentionFn,
+    num_top_logprobs: int,
+) -> tuple[SamplingOutput, DeviceState]:
+    TRACE_COUNT[0] += 1
+    history = state.token_history
+    flat_history = history.reshape(-1).at[inp.history_index].set(inp.input_ids, mode="drop")
+    history = flat_history.reshape(history.shape)
+
+    meta = AttentionMetadata(
+        kv_lens=inp.kv_lens,
+        page_indices=inp.page_indices,
+        cu_q_lens=inp.cu_q_lens,
+        num_seqs=inp.num_seqs,
+        slot_mapping=inp.slot_mapping,
+    )
+    logits, kv_caches = forward(
+        params,
+        state.kv_caches,
+        inp.input_ids,
+        inp.positions,
+        inp.logits_indices,
+        meta,
+        spec=spec,
+        attention_fn=attention_fn,
+    )
+    penalty_args = (
+        history,
+        inp.seq_slots,
+        inp.kv_lens,
+        inp.num_prompt_tokens,
+        inp.presence_penalty,
+        inp.frequency_penalty,
+        inp.repetition_penalty,
+    )
+    out = sample(
+        logits,
+        temperature=inp.temperature,
+        top_k=inp.top_k,
+        top_p=inp.top_p,
+        min_p=inp.min_p,
+        rng_keys=inp.rng_keys,
+        sample_counters=inp.sample_counters,
+        flags=inp.flags,
+        penalty_args=penalty_args,
+        num_top_logprobs=num_top_logprobs,
+    )
+    return out, DeviceState(kv_caches, history)
+
+
+jitted_step = jax.jit(
+    step,
+    static_argnames=("spec", "attention_fn", "num_top_logprobs"),
+    donate_argnames=("state",),
+)

@@ -1,0 +1,130 @@
+"""On-device sampling: penalties, greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+Each row draws with its own key, `fold_in(key(seed), number of tokens generated so far)`, so a
+request's tokens depend only on its seed and its own logits, never on its batch neighbours,
+and a preempted request that is recomputed draws the same tokens again.
+
+Work that most batches do not need (sorting for top-k/p, penalties, top logprobs) sits
+behind `lax.cond` so all-greedy batches pay only for an argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -jnp.inf
+
+
+@dataclass(frozen=True)
+class SamplingOutput:
+    token_ids: jax.Array  # i32[S]
+    logprobs: jax.Array  # f32[S]: log-probability of the chosen token (raw distribution)
+    top_token_ids: jax.Array  # i32[S, K]
+    top_logprobs: jax.Array  # f32[S, K]
+
+
+jax.tree_util.register_dataclass(
+    SamplingOutput,
+    data_fields=["token_ids", "logprobs", "top_token_ids", "top_logprobs"],
+    meta_fields=[],
+)
+
+
+def apply_penalties(
+    logits: jax.Array,  # f32[S, V]
+    token_history: jax.Array,  # i32[max_num_seqs, M]: tokens so far (prompt, then output)
+    seq_slots: jax.Array,  # i32[S]: each row's row of token_history
+    history_lens: jax.Array,  # i32[S]: valid entries of each history row
+    num_prompt_tokens: jax.Array,  # i32[S]
+    presence: jax.Array,  # f32[S]
+    frequency: jax.Array,  # f32[S]
+    repetition: jax.Array,  # f32[S]
+) -> jax.Array:
+    """vLLM/OpenAI semantics: repetition over prompt + output, presence/frequency over output."""
+    num_seqs, vocab = logits.shape
+    history = token_history[seq_slots]  # [S, M]
+    cols = jnp.arange(history.shape[1])[None, :]  # [1, M]
+    seen = cols < history_lens[:, None]  # [S, M]
+    is_output = seen & (cols >= num_prompt_tokens[:, None])
+    rows = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], history.shape)
+    tokens = jnp.clip(history, 0, vocab - 1)
+    zeros = jnp.zeros((num_seqs, vocab), jnp.float32)
+    out_counts = zeros.at[rows, tokens].add(is_output.astype(jnp.float32))  # [S, V]
+    any_seen = zeros.at[rows, tokens].max(seen.astype(jnp.float32)) > 0  # [S, V]
+    rep = repetition[:, None]
+    logits = jnp.where(any_seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - frequency[:, None] * out_counts
+    logits = logits - presence[:, None] * (out_counts > 0)
+    return logits
+
+
+def _filtered_sample(
+    logits: jax.Array,  # f32[S, V]
+    temperature: jax.Array,  # f32[S]
+    top_k: jax.Array,  # i32[S]: 0 disables
+    top_p: jax.Array,  # f32[S]
+    min_p: jax.Array,  # f32[S]
+    keys: jax.Array,  # key[S]
+) -> jax.Array:  # i32[S]
+    greedy = temperature == 0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    order = jnp.argsort(-scaled, axis=-1)  # [S, V] token ids, most likely first
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    rank = jnp.arange(logits.shape[-1])[None, :]
+    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    cum_before = jnp.cumsum(probs, axis=-1) - probs  # probability mass ranked above
+    keep &= cum_before < top_p[:, None]
+    keep &= probs >= min_p[:, None] * probs[:, :1]
+    keep = keep.at[:, 0].set(True)  # the most likely token always survives
+    masked = jnp.where(keep, sorted_logits, NEG_INF)
+    choice = jax.vmap(jax.random.categorical)(keys, masked)  # [S] rank of the draw
+    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+    return jnp.where(greedy, order[:, 0], sampled).astype(jnp.int32)
+
+
+def sample(
+    logits: jax.Array,  # f32[S, V]
+    *,
+    temperature: jax.Array,  # f32[S]
+    top_k: jax.Array,  # i32[S]
+    top_p: jax.Array,  # f32[S]
+    min_p: jax.Array,  # f32[S]
+    rng_keys: jax.Array,  # u32[S, 2] raw threefry key data per request
+    sample_counters: jax.Array,  # i32[S] tokens already generated per request
+    flags: jax.Array,  # i32[3]: any random row, any penalty, any top-logprobs request
+    penalty_args: tuple[jax.Array, ...],  # apply_penalties' arguments after logits
+    num_top_logprobs: int,
+) -> SamplingOutput:
+    any_random, any_penalty, any_top = flags[0] > 0, flags[1] > 0, flags[2] > 0
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # [S, V]
+    logits = jax.lax.cond(
+        any_penalty, lambda x: apply_penalties(x, *penalty_args), lambda x: x, logits
+    )
+
+    def draw(x: jax.Array) -> jax.Array:
+        keys = jax.vmap(
+            lambda data, n: jax.random.fold_in(jax.random.wrap_key_data(data), n)
+        )(rng_keys, sample_counters)
+        return _filtered_sample(x, temperature, top_k, top_p, min_p, keys)
+
+    token_ids = jax.lax.cond(
+        any_random, draw, lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32), logits
+    )
+    chosen = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
+
+    num_seqs = logits.shape[0]
+    k = num_top_logprobs
+
+    def top(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        values, ids = jax.lax.top_k(x, k)
+        return ids.astype(jnp.int32), values
+
+    def no_top(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return jnp.zeros((num_seqs, k), jnp.int32), jnp.zeros((num_seqs, k), jnp.float32)
+
+    top_ids, top_values = jax.lax.cond(any_top, top, no_top, raw_logprobs)
+    return SamplingOutput(token_ids, chosen, top_ids, top_values)

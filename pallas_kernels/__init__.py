@@ -1,0 +1,1 @@
+"""Pallas kernels used by jaxcb. Depends only on jax; never imports jaxcb."""
