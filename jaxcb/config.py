@@ -80,6 +80,11 @@ class SchedulerConfig:
             self.max_num_batched_tokens >= 1,
             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
         )
+        _check(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+            f"({self.max_num_seqs}) so every running request can decode in each step",
+        )
         if self.token_buckets is not None:
             buckets = tuple(int(b) for b in self.token_buckets)
             object.__setattr__(self, "token_buckets", buckets)

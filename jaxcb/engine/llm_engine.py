@@ -82,6 +82,7 @@ class LLMEngine:
             itemsize=dtype.itemsize,
             max_model_len=max_model_len,
             max_num_seqs=sched.max_num_seqs,
+            params_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params)),
         )
         self.num_pages = num_pages
         self.kv_cache_bytes = num_pages * page_bytes(spec, cache.page_size, dtype.itemsize)

@@ -45,7 +45,9 @@ def resolve_num_pages(
     itemsize: int,
     max_model_len: int,
     max_num_seqs: int,
+    params_bytes: int = 0,
 ) -> int:
+    """Pages in the pool; `params_bytes`: weights not yet on the device when this is called."""
     per_page = page_bytes(spec, cache.page_size, itemsize)
     min_pages = pages_per_seq(max_model_len, cache.page_size)
     if cache.num_pages is not None:
@@ -54,7 +56,8 @@ def resolve_num_pages(
         num_pages = int(cache.kv_cache_memory_gb * GIB // per_page)
     else:
         wanted = max_num_seqs * min_pages
-        num_pages = min(wanted, _spare_device_bytes(cache.memory_utilization) // per_page)
+        spare = _spare_device_bytes(cache.memory_utilization) - params_bytes
+        num_pages = min(wanted, max(0, spare) // per_page)
     if num_pages < min_pages:
         raise ValueError(
             f"the KV pool has {num_pages} pages of {cache.page_size} tokens "

@@ -1,0 +1,75 @@
+"""Shared test helpers: tiny random-weight Hugging Face models and their greedy references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.2,  # 0.02 makes greedy output repeat one token: a parity test of nothing
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+FAMILIES = {
+    # name: (transformers config class name, extra config)
+    "llama3": ("LlamaConfig", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}),
+    "llama2-tied": ("LlamaConfig", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+    "mistral": ("MistralConfig", {"sliding_window": 48}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": True}),
+}
+
+
+def make_hf_model(family: str, path: Path, *, seed: int = 0, dtype: str = "float32", **overrides):
+    """Create a random-weight model with transformers, save it to `path`, return the model."""
+    import torch
+    import transformers
+
+    cls_name, extra = FAMILIES[family]
+    config = getattr(transformers, cls_name)(**{**TINY, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(path)
+    return model
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens of transformers' generate for one request alone (stops at EOS)."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def random_prompts(n: int, *, seed: int, max_len: int, vocab: int = 512) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, max_len, size=n)
+    lengths[0], lengths[1] = 1, max_len  # the extremes always appear
+    return [rng.integers(3, vocab, size=int(k)).tolist() for k in lengths]
