@@ -1,7 +1,7 @@
 """jaxcb: continuous-batching LLM inference on JAX/XLA.
 
-    from jaxcb import LLM, SamplingParams
-    outs = LLM().generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+from jaxcb import LLM, SamplingParams
+outs = LLM().generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
 """
 
 from jaxcb.config import EngineConfig

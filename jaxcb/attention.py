@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_backend(name: str, platform: str | None = None) -> str:
-    """"auto" → "pallas" on TPU and GPU, "xla" on CPU."""
+    """ "auto" → "pallas" on TPU and GPU, "xla" on CPU."""
     platform = platform or jax.default_backend()
     if name == "auto":
         return "pallas" if platform in ("tpu", "gpu", "cuda", "rocm") else "xla"

@@ -171,7 +171,11 @@ class EngineConfig:
 
 # ---- helpers ----------------------------------------------------------------------------
 
-_SECTIONS: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig, "kernels": KernelConfig}
+_SECTIONS: dict[str, type] = {
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "kernels": KernelConfig,
+}
 
 
 def flat_fields() -> dict[str, tuple[str | None, dataclasses.Field]]:

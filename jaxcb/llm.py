@@ -71,7 +71,9 @@ class LLM:
         engine = self.engine
         for prompt, params in zip(prompt_list, params_list, strict=True):
             self._validate(prompt, params)
-        ids = [engine.add_request(None, p, sp) for p, sp in zip(prompt_list, params_list, strict=True)]
+        ids = [
+            engine.add_request(None, p, sp) for p, sp in zip(prompt_list, params_list, strict=True)
+        ]
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:

@@ -106,9 +106,9 @@ def sample(
     )
 
     def draw(x: jax.Array) -> jax.Array:
-        keys = jax.vmap(
-            lambda data, n: jax.random.fold_in(jax.random.wrap_key_data(data), n)
-        )(rng_keys, sample_counters)
+        keys = jax.vmap(lambda data, n: jax.random.fold_in(jax.random.wrap_key_data(data), n))(
+            rng_keys, sample_counters
+        )
         return _filtered_sample(x, temperature, top_k, top_p, min_p, keys)
 
     token_ids = jax.lax.cond(

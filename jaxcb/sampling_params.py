@@ -47,29 +47,66 @@ class SamplingParams:
                 self.max_tokens,
                 "must be an integer >= 1",
             )
-        _require(_is_number(self.temperature) and self.temperature >= 0, "temperature",
-                 self.temperature, "must be >= 0")
-        _require(_is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k,
-                 "must be an integer >= 0 (0 or -1 disables it)")
-        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p,
-                 "must be in (0, 1]")
-        _require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p,
-                 "must be in [0, 1]")
+        _require(
+            _is_number(self.temperature) and self.temperature >= 0,
+            "temperature",
+            self.temperature,
+            "must be >= 0",
+        )
+        _require(
+            _is_int(self.top_k) and self.top_k >= -1,
+            "top_k",
+            self.top_k,
+            "must be an integer >= 0 (0 or -1 disables it)",
+        )
+        _require(
+            _is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]"
+        )
+        _require(
+            _is_number(self.min_p) and 0 <= self.min_p <= 1,
+            "min_p",
+            self.min_p,
+            "must be in [0, 1]",
+        )
         if self.seed is not None:
             _require(_is_int(self.seed), "seed", self.seed, "must be an integer")
-        _require(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
-                 "must be non-empty strings")
-        _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-                 self.stop_token_ids, "must be non-negative integers")
+        _require(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            self.stop,
+            "must be non-empty strings",
+        )
+        _require(
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            self.stop_token_ids,
+            "must be non-negative integers",
+        )
         if self.logprobs is not None:
-            _require(_is_int(self.logprobs) and self.logprobs >= 0, "logprobs", self.logprobs,
-                     "must be an integer >= 0")
-        _require(_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-                 "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
-        _require(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-                 "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
-        _require(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-                 "repetition_penalty", self.repetition_penalty, "must be > 0")
+            _require(
+                _is_int(self.logprobs) and self.logprobs >= 0,
+                "logprobs",
+                self.logprobs,
+                "must be an integer >= 0",
+            )
+        _require(
+            _is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            self.presence_penalty,
+            "must be in [-2, 2]",
+        )
+        _require(
+            _is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            self.frequency_penalty,
+            "must be in [-2, 2]",
+        )
+        _require(
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            self.repetition_penalty,
+            "must be > 0",
+        )
 
     @property
     def greedy(self) -> bool:

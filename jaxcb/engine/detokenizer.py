@@ -46,9 +46,18 @@ class IncrementalDetokenizer:
         if self.tokenizer is None:
             return None
         self.tokens.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str | None:
+        """The request ended: emit what was held back for an incomplete character."""
+        if self.tokenizer is None or self.stopped_by is not None:
+            return None
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str | None:
         prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.tokens[self.prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not final):
             return None  # nothing printable yet (special token or an incomplete character)
         delta = new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)

@@ -299,7 +299,12 @@ class LLMEngine:
             k = req.params.logprobs or 0
             if k > 0 and result.top_token_ids is not None:
                 req.output_top_logprobs.append(
-                    {int(t): float(v) for t, v in zip(result.top_token_ids[s, :k], result.top_logprobs[s, :k], strict=True)}
+                    {
+                        int(t): float(v)
+                        for t, v in zip(
+                            result.top_token_ids[s, :k], result.top_logprobs[s, :k], strict=True
+                        )
+                    }
                 )
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
@@ -312,6 +317,7 @@ class LLMEngine:
             if stop_str is not None and req.finish_reason is None:
                 req.finish_reason, req.stop_reason = "stop", stop_str
             if req.finish_reason is not None:
+                detok.flush()
                 req.metrics.finished_time = now
                 self.scheduler.finish(req)
             touched[group.request_id] = group
@@ -377,7 +383,11 @@ class LLMEngine:
         return {
             "bucket": bucket_tokens,
             "chunks": [
-                (c.request.request_id, c.num_tokens, "decode" if c.request.is_decoding else "prefill")
+                (
+                    c.request.request_id,
+                    c.num_tokens,
+                    "decode" if c.request.is_decoding else "prefill",
+                )
                 for c in sched.chunks
             ],
             "num_tokens": sched.num_tokens,

@@ -1,8 +1,8 @@
 """Per-request state: tokens, progress through the KV cache, pages, and life cycle.
 
-    WAITING ──admit──> RUNNING ──finish──> FINISHED (stop | length | abort)
-       ^                  │
-       └──── preempt ─────┘   (pages freed, recomputed from scratch when re-admitted)
+WAITING ──admit──> RUNNING ──finish──> FINISHED (stop | length | abort)
+   ^                  │
+   └──── preempt ─────┘   (pages freed, recomputed from scratch when re-admitted)
 """
 
 from __future__ import annotations

@@ -93,7 +93,10 @@ def write_random_llama(path: Path, config: dict, *, seed: int, std: float) -> No
     def normal(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * std).astype(np.float32)
 
-    tensors = {"model.embed_tokens.weight": normal(v, h), "model.norm.weight": np.ones(h, np.float32)}
+    tensors = {
+        "model.embed_tokens.weight": normal(v, h),
+        "model.norm.weight": np.ones(h, np.float32),
+    }
     for layer in range(config["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         tensors |= {

@@ -29,7 +29,9 @@ def dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None) -> np.ndarray:
+def rope_inv_freq(
+    head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None
+) -> np.ndarray:
     """Inverse frequencies for rotary embeddings, with Llama 3 / linear scaling.
 
     Computed once on the host in float64 and rounded to float32, as the reference does in

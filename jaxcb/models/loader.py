@@ -24,7 +24,9 @@ class LoadedModel:
     is_default: bool
 
 
-def load_model(model: str | Path | None, *, tokenizer_path: str | Path | None, dtype: Any) -> LoadedModel:
+def load_model(
+    model: str | Path | None, *, tokenizer_path: str | Path | None, dtype: Any
+) -> LoadedModel:
     is_default = model is None
     if is_default:
         from jaxcb.models.default_model import default_model_dir
@@ -55,7 +57,10 @@ def load_model(model: str | Path | None, *, tokenizer_path: str | Path | None, d
 
 def load_tokenizer(path: Path) -> Any | None:
     """transformers.AutoTokenizer from `path`; None (with a warning) if it has no tokenizer."""
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not any(
+        (path / name).is_file()
+        for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
         logger.warning("no tokenizer files in %s: only token-id prompts will work", path)
         return None
     from transformers import AutoTokenizer

@@ -40,10 +40,13 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
 def spec_from_hf_config(cfg: dict[str, Any]) -> ModelSpec:
     """Map a Hugging Face config.json onto the facts the forward pass needs."""
     architectures = cfg.get("architectures") or []
+    if not architectures:  # configs saved without a model class: go by model_type
+        by_type = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
+        architectures = [by_type.get(cfg.get("model_type"), cfg.get("model_type"))]
     supported = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
     if not supported:
         raise ModelLoadError(
-            f"unsupported architecture {architectures or cfg.get('model_type')!r}; "
+            f"unsupported architecture {', '.join(map(str, architectures))!r}; "
             f"jaxcb supports {sorted(SUPPORTED_ARCHITECTURES)}"
         )
     family = SUPPORTED_ARCHITECTURES[supported[0]]
@@ -63,7 +66,8 @@ def spec_from_hf_config(cfg: dict[str, Any]) -> ModelSpec:
     num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
     if num_heads % num_kv_heads:
         raise ModelLoadError(
-            f"num_attention_heads={num_heads} is not divisible by num_key_value_heads={num_kv_heads}"
+            f"num_attention_heads={num_heads} is not divisible by "
+            f"num_key_value_heads={num_kv_heads}"
         )
     head_dim = int(cfg.get("head_dim") or hidden // num_heads)
 

@@ -35,7 +35,9 @@ jax.tree_util.register_dataclass(
 
 def page_bytes(spec: ModelSpec, page_size: int, itemsize: int) -> int:
     """Bytes one page takes across all layers (K and V)."""
-    return spec.num_layers * kv_pages_bytes(1, page_size, spec.num_kv_heads, spec.head_dim, itemsize)
+    return spec.num_layers * kv_pages_bytes(
+        1, page_size, spec.num_kv_heads, spec.head_dim, itemsize
+    )
 
 
 def resolve_num_pages(

@@ -89,7 +89,8 @@ class ModelRunner:
         out, self.state = compiled(self.params, self.state, inp)
         want_top = bool(inp.flags[FLAG_TOP_LOGPROBS])
         fetched = jax.device_get(
-            (out.token_ids, out.logprobs) + ((out.top_token_ids, out.top_logprobs) if want_top else ())
+            (out.token_ids, out.logprobs)
+            + ((out.top_token_ids, out.top_logprobs) if want_top else ())
         )
         return StepResult(
             token_ids=fetched[0],

@@ -14,7 +14,6 @@ from jaxcb.runtime.kv_cache import DeviceState
 from jaxcb.runtime.step_input import StepInput
 from jaxcb.sampling import SamplingOutput, sample
 
-
 #: Incremented each time the step function is traced; tests assert it stays put after warm-up.
 TRACE_COUNT = [0]
 

@@ -30,7 +30,9 @@ def prompts(n: int, seed: int, max_len: int = 120) -> list[list[int]]:
 
 def test_page_invariant_every_step_and_pool_full_after_aborts(llm):
     engine = llm.engine
-    reqs = [(p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)) for p in prompts(12, 0)]
+    reqs = [
+        (p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)) for p in prompts(12, 0)
+    ]
     ids = [engine.add_request(None, p, sp) for p, sp in reqs]
     steps = 0
     while engine.has_unfinished_requests():
@@ -72,12 +74,24 @@ def test_seeded_sampling_independent_of_batch(llm):
     sp = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, top_k=50, seed=1234)
     alone = llm.generate([target], sp, use_tqdm=False)[0].token_ids
     others = prompts(7, seed=43, max_len=150)
-    mixed_params = [SamplingParams(max_tokens=int(10 + i), temperature=0.7, seed=i) for i in range(7)]
-    batch = llm.generate(others[:3] + [target] + others[3:], mixed_params[:3] + [sp] + mixed_params[3:], use_tqdm=False)
+    mixed_params = [
+        SamplingParams(max_tokens=int(10 + i), temperature=0.7, seed=i) for i in range(7)
+    ]
+    batch = llm.generate(
+        [*others[:3], target, *others[3:]],
+        [*mixed_params[:3], sp, *mixed_params[3:]],
+        use_tqdm=False,
+    )
     assert batch[3].token_ids == alone
-    greedy_batch = llm.generate([target, *others], [sp] + [SamplingParams(max_tokens=5, temperature=0)] * 7, use_tqdm=False)
+    greedy_batch = llm.generate(
+        [target, *others], [sp] + [SamplingParams(max_tokens=5, temperature=0)] * 7, use_tqdm=False
+    )
     assert greedy_batch[0].token_ids == alone
-    other_seed = llm.generate([target], SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, top_k=50, seed=99), use_tqdm=False)
+    other_seed = llm.generate(
+        [target],
+        SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, top_k=50, seed=99),
+        use_tqdm=False,
+    )
     assert other_seed[0].token_ids != alone
 
 
@@ -93,27 +107,49 @@ def test_preempted_seeded_request_keeps_its_tokens():
 
 
 def test_generate_api(llm):
-    outs = llm.generate(["Hello", "Hi there"], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        ["Hello", "Hi there"],
+        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert [len(o.token_ids) for o in outs] == [5, 5]
     assert all(o.finish_reason == "length" and isinstance(o.text, str) for o in outs)
     assert outs[0].metrics.first_token_time >= outs[0].metrics.arrival_time
-    single = llm.generate("Hello", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), use_tqdm=False)
+    single = llm.generate(
+        "Hello", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), use_tqdm=False
+    )
     assert single[0].token_ids == outs[0].token_ids
     ids = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
     assert ids[0].prompt_token_ids == [5, 6, 7]
-    two = llm.generate("Hello", SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=3), use_tqdm=False)[0]
+    two = llm.generate(
+        "Hello", SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=3), use_tqdm=False
+    )[0]
     assert len(two.outputs) == 2 and two.outputs[0].token_ids != two.outputs[1].token_ids
     stats = llm.stats()
-    for key in ("steps", "bucket_histogram", "padding_fraction", "compile_seconds", "kv_pages_peak"):
+    for key in (
+        "steps",
+        "bucket_histogram",
+        "padding_fraction",
+        "compile_seconds",
+        "kv_pages_peak",
+    ):
         assert key in stats
 
 
 def test_stop_conditions(llm):
-    base = llm.generate([[10, 11, 12]], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    base = llm.generate(
+        [[10, 11, 12]],
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     tokens = base.token_ids
     stop_tok = tokens[5]
     first = tokens.index(stop_tok)
-    out = llm.generate([[10, 11, 12]], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_tok]), use_tqdm=False)[0]
+    out = llm.generate(
+        [[10, 11, 12]],
+        SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_tok]),
+        use_tqdm=False,
+    )[0]
     assert out.token_ids == tokens[: first + 1] and out.finish_reason == "stop"
     assert out.outputs[0].stop_reason == stop_tok
     # EOS: make the engine treat the 4th greedy token as EOS by checking ignore_eos semantics
@@ -122,13 +158,19 @@ def test_stop_conditions(llm):
     text = base.text
     if len(text) >= 4:
         stop = text[2:4]
-        out = llm.generate([[10, 11, 12]], SamplingParams(max_tokens=20, temperature=0, stop=[stop], ignore_eos=True), use_tqdm=False)[0]
+        out = llm.generate(
+            [[10, 11, 12]],
+            SamplingParams(max_tokens=20, temperature=0, stop=[stop], ignore_eos=True),
+            use_tqdm=False,
+        )[0]
         assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
         assert out.text == text[: text.index(stop)]
 
 
 def test_logprobs(llm):
-    out = llm.generate([[10, 11, 12]], SamplingParams(max_tokens=4, temperature=0, logprobs=3), use_tqdm=False)[0]
+    out = llm.generate(
+        [[10, 11, 12]], SamplingParams(max_tokens=4, temperature=0, logprobs=3), use_tqdm=False
+    )[0]
     lp = out.outputs[0].logprobs
     top = out.outputs[0].top_logprobs
     assert len(lp) == len(out.token_ids) == len(top)
@@ -165,7 +207,7 @@ def test_bad_input_is_rejected_and_changes_nothing(llm):
 
 
 def test_bad_config_is_rejected():
-    with pytest.raises(ValueError, match="unknown config field 'max_num_seq'.*max_num_seqs"):
+    with pytest.raises(ValueError, match=r"unknown config field 'max_num_seq'.*max_num_seqs"):
         LLM(max_num_seq=4)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         LLM(max_num_seqs=64, max_num_batched_tokens=32, token_buckets=[32])

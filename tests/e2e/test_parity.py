@@ -39,7 +39,10 @@ def run_parity(family: str, tmp_path, **engine_kw):
     outs = llm.generate(prompts, params, use_tqdm=False)
     got = [o.token_ids for o in outs]
     mismatched = [i for i in range(NUM_REQUESTS) if got[i] != expected[i]]
-    assert not mismatched, f"{family}: requests {mismatched} differ, e.g. {got[mismatched[0]]} != {expected[mismatched[0]]}"
+    assert not mismatched, (
+        f"{family}: requests {mismatched} differ, e.g. "
+        f"{got[mismatched[0]]} != {expected[mismatched[0]]}"
+    )
     stats = llm.stats()
     assert stats["preemptions"] > 0, "the pool was meant to be small enough to preempt"
     assert stats["kv_pages_used"] == 0

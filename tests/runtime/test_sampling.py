@@ -12,7 +12,17 @@ from jaxcb.sampling import apply_penalties, sample
 V = 12
 
 
-def run(logits, *, temperature, top_k=0, top_p=1.0, min_p=0.0, seeds=None, counters=None, flags=(1, 0, 0)):
+def run(
+    logits,
+    *,
+    temperature,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    seeds=None,
+    counters=None,
+    flags=(1, 0, 0),
+):
     s = logits.shape[0]
     seeds = np.arange(s) if seeds is None else np.asarray(seeds)
     keys = np.stack([np.zeros_like(seeds), seeds], axis=1).astype(np.uint32)
@@ -39,7 +49,9 @@ def run(logits, *, temperature, top_k=0, top_p=1.0, min_p=0.0, seeds=None, count
     return np.asarray(out.token_ids)
 
 
-LOGITS = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.01, 0.005, 0.003, 0.001, 0.0005, 0.0005]))
+LOGITS = np.log(
+    np.array([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.01, 0.005, 0.003, 0.001, 0.0005, 0.0005])
+)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,145 @@
+"""Loading Hugging Face model directories: formats, dtypes, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import jax
+import numpy as np
+import pytest
+from helpers import make_hf_model
+
+from jaxcb.models import default_model
+from jaxcb.models.loader import load_model
+from jaxcb.models.weights import ModelLoadError, load_params, read_safetensors, spec_from_hf_config
+
+
+def params_equal(a, b) -> bool:
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(x, y) for x, y in zip(la, lb, strict=True))
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    make_hf_model("llama3", path)
+    return path
+
+
+def test_sharded_checkpoint_equals_single_file(llama_dir, tmp_path):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    single = load_model(llama_dir, tokenizer_path=None, dtype=np.float32)
+    sharded = load_model(tmp_path, tokenizer_path=None, dtype=np.float32)
+    assert single.spec == sharded.spec
+    assert params_equal(single.params, sharded.params)
+
+
+def test_bfloat16_checkpoint_and_dtype(tmp_path):
+    import ml_dtypes
+
+    make_hf_model("qwen2", tmp_path, dtype="bfloat16")
+    tensors = read_safetensors(tmp_path)
+    assert next(iter(tensors.values())).dtype == ml_dtypes.bfloat16
+    bf16 = load_model(tmp_path, tokenizer_path=None, dtype=ml_dtypes.bfloat16)
+    f32 = load_model(tmp_path, tokenizer_path=None, dtype=np.float32)
+    leaf_bf16 = jax.tree_util.tree_leaves(bf16.params)
+    assert all(x.dtype == ml_dtypes.bfloat16 for x in leaf_bf16)
+    # bf16 -> f32 is exact, so both loads hold the same numbers
+    assert all(
+        np.array_equal(x.astype(np.float32), y)
+        for x, y in zip(leaf_bf16, jax.tree_util.tree_leaves(f32.params), strict=True)
+    )
+
+
+def test_spec_reads_family_features(tmp_path):
+    for family, check in [
+        ("qwen2", lambda s: s.qkv_bias and not s.qk_norm),
+        ("qwen3", lambda s: s.qk_norm and s.tie_word_embeddings and s.head_dim == 32),
+        ("mistral", lambda s: s.sliding_windows == (48, 48)),
+        (
+            "llama3",
+            lambda s: dict(s.rope_scaling)["rope_type"] == "llama3" and s.rope_theta == 500000,
+        ),
+    ]:
+        path = tmp_path / family
+        make_hf_model(family, path)
+        spec = spec_from_hf_config(json.loads((path / "config.json").read_text()))
+        assert check(spec), (family, spec)
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    import transformers
+
+    transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=64, architectures=["GPT2LMHeadModel"]
+    ).save_pretrained(tmp_path)
+    with pytest.raises(
+        ModelLoadError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"
+    ):
+        load_model(tmp_path, tokenizer_path=None, dtype=np.float32)
+
+
+def test_missing_files(tmp_path, llama_dir):
+    with pytest.raises(ModelLoadError, match="not found"):
+        load_model(tmp_path / "nope", tokenizer_path=None, dtype=np.float32)
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
+        load_model(tmp_path, tokenizer_path=None, dtype=np.float32)
+    (tmp_path / "config.json").write_text((llama_dir / "config.json").read_text())
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors"):
+        load_model(tmp_path, tokenizer_path=None, dtype=np.float32)
+
+
+def test_shape_mismatch_and_missing_tensor(tmp_path, llama_dir):
+    from safetensors.numpy import save_file
+
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    tensors = {k: np.asarray(v) for k, v in read_safetensors(llama_dir).items()}
+    spec = spec_from_hf_config(cfg)
+    wrong = dict(tensors)
+    wrong["model.layers.1.mlp.up_proj.weight"] = np.zeros((7, 64), np.float32)
+    save_file(wrong, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"up_proj.weight.*\(7, 64\).*\(128, 64\)"):
+        load_params(tmp_path, spec, np.float32)
+    del wrong["model.layers.1.mlp.up_proj.weight"]
+    save_file(wrong, str(tmp_path / "model.safetensors"))
+    with pytest.raises(
+        ModelLoadError, match=r"lacks tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"
+    ):
+        load_params(tmp_path, spec, np.float32)
+
+
+def test_bad_config_values(tmp_path, llama_dir):
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    bad = {**cfg, "num_key_value_heads": 3}
+    with pytest.raises(ModelLoadError, match="not divisible"):
+        spec_from_hf_config(bad)
+    bad = {**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}
+    with pytest.raises(ModelLoadError, match="yarn"):
+        spec_from_hf_config(bad)
+    bad = dict(cfg)
+    del bad["hidden_size"]
+    with pytest.raises(ModelLoadError, match="hidden_size"):
+        spec_from_hf_config(bad)
+
+
+def test_default_model_is_deterministic_and_says_random(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("JAXCB_CACHE_DIR", str(tmp_path / "a"))
+    first = default_model.default_model_dir()
+    monkeypatch.setenv("JAXCB_CACHE_DIR", str(tmp_path / "b"))
+    second = default_model.default_model_dir()
+    assert first != second
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    with caplog.at_level(logging.WARNING):
+        loaded = load_model(None, tokenizer_path=None, dtype=np.float32)
+    assert loaded.is_default and "RANDOM" in caplog.text
+    tok = loaded.tokenizer
+    ids = tok("héllo 日本")["input_ids"]
+    assert tok.decode(ids, skip_special_tokens=True) == "héllo 日本"
+    assert loaded.eos_token_ids == (2,)
