@@ -1,5 +1,12 @@
 """Ragged paged attention: reference, KV page layout, KV write path and Pallas kernels."""
 
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+
+from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_paged_attention.kv_write import write_kv
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention.shapes import (
@@ -8,12 +15,74 @@ from pallas_kernels.ragged_paged_attention.shapes import (
     kv_pages_shape,
     pages_per_seq,
 )
+from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
+from pallas_kernels.ragged_paged_attention.tuning import (
+    DEFAULT_BLOCK_SIZES,
+    BlockSizes,
+    default_block_sizes,
+)
+from pallas_kernels.ragged_paged_attention.validate import (
+    dynamic_validate_inputs,
+    static_validate_inputs,
+)
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    backend: Literal["tpu", "gpu"],
+    interpret: bool = False,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    num_queries_per_block: int | None = None,
+    num_kv_pages_per_block: int | None = None,
+) -> jax.Array:  # [T, num_q_heads, head_dim]
+    """Run the Pallas kernel of `backend`; same semantics as `ragged_paged_attention_reference`.
+
+    Block sizes left as None come from `DEFAULT_BLOCK_SIZES[backend][(head_dim, page_size)]`.
+    Backend-only knobs (TPU `vmem_limit_bytes`, GPU `num_warps`/`num_stages`) are reached by
+    calling `ragged_paged_attention_tpu` / `ragged_paged_attention_gpu` directly.
+    """
+    kernels = {"tpu": ragged_paged_attention_tpu, "gpu": ragged_paged_attention_gpu}
+    if backend not in kernels:
+        raise ValueError(f"{backend=} must be one of {sorted(kernels)}")
+    return kernels[backend](
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        num_queries_per_block=num_queries_per_block,
+        num_kv_pages_per_block=num_kv_pages_per_block,
+        interpret=interpret,
+    )
+
 
 __all__ = [
+    "DEFAULT_BLOCK_SIZES",
     "PADDING_SLOT",
+    "BlockSizes",
+    "default_block_sizes",
+    "dynamic_validate_inputs",
     "kv_pages_bytes",
     "kv_pages_shape",
     "pages_per_seq",
+    "ragged_paged_attention",
+    "ragged_paged_attention_gpu",
     "ragged_paged_attention_reference",
+    "ragged_paged_attention_tpu",
+    "static_validate_inputs",
     "write_kv",
 ]

@@ -1,0 +1,333 @@
+"""Ragged paged attention as a Mosaic TPU Pallas kernel.
+
+Grid `(num_kv_heads, num_q_blocks)`, both parallel. One grid step owns one KV head and one
+query block: `num_queries_per_block` tokens (possibly of several sequences) times the `G`
+query heads of that KV head, packed as a `[rows, head_dim]` tile (see common.py). It walks,
+in one flat loop, every (sequence, KV block) pair its rows need, and keeps an online softmax
+per row, so the rows of each sequence only ever see their own sequence's keys.
+
+Memory path:
+- page tables, lengths and per-block sequence ranges are scalar-prefetched into SMEM;
+- K/V pages stay in HBM (`memory_space=pl.ANY`); each KV block is gathered page by page with
+  async copies into a `[2, kv_block_tokens, head_dim]` VMEM scratch (double buffer: block
+  i + 1 is in flight while block i is computed; the prefetch crosses sequence boundaries);
+  pages past the causal end of the block's rows are neither copied nor waited on;
+- the DMA writes each page straight into its rows of a 2-D buffer, so the kernel computes on
+  the buffer as is: no reshape of a DMA'd value, and only full-block stores (softmax state
+  lives in VMEM scratch, masks are `jnp.where`). That is also what lets it run in TPU
+  interpret mode on CPU, which is how CI checks it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.ragged_paged_attention.common import (
+    MASK_VALUE,
+    pack_queries,
+    query_block_seq_ranges,
+    unpack_outputs,
+)
+from pallas_kernels.ragged_paged_attention.tuning import default_block_sizes
+from pallas_kernels.ragged_paged_attention.validate import static_validate_inputs
+
+#: Softmax max/sum are kept replicated over one vreg of lanes: full-width loads and stores.
+LANES = 128
+
+
+def _div(a, b):
+    """Floor division of non-negative ints; `//` on tracers emits sign fix-ups Mosaic lowers
+    only with a real TPU attached."""
+    return lax.div(a, jnp.int32(b))
+
+
+def _cdiv(a, b):
+    return _div(a + (b - 1), b)
+
+
+def _start_or_wait(copies, wait: bool) -> None:
+    for copy in copies:
+        copy.wait() if wait else copy.start()
+
+
+def _kernel(
+    # scalar prefetch (SMEM)
+    kv_lens_ref,  # i32[S]
+    page_indices_ref,  # i32[S * pages_per_seq]
+    cu_q_lens_ref,  # i32[S + 1]
+    first_seq_ref,  # i32[num_q_blocks]
+    end_seq_ref,  # i32[num_q_blocks]
+    # inputs
+    q_ref,  # [rows, D] (VMEM block), rows = num_queries_per_block * G
+    k_hbm_ref,  # [Hkv, num_pages, page_size, D] (HBM)
+    v_hbm_ref,  # [Hkv, num_pages, page_size, D] (HBM)
+    # output
+    o_ref,  # [rows, D]
+    # scratch
+    k_buf,  # [2, kv_block_tokens, D]
+    v_buf,  # [2, kv_block_tokens, D]
+    sems,  # DMA[2, 2]: (K or V, buffer slot)
+    m_ref,  # f32[rows, LANES] running max (replicated over lanes)
+    l_ref,  # f32[rows, LANES] running sum
+    acc_ref,  # f32[rows, D] running numerator
+    *,
+    group: int,
+    page_size: int,
+    pages_per_seq: int,
+    pages_per_block: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
+    head = pl.program_id(0)
+    q_block = pl.program_id(1)
+    rows, head_dim = q_ref.shape
+    block_q = rows // group
+    kv_block = pages_per_block * page_size
+    row_begin = q_block * block_q  # first token of this block
+    row_end = row_begin + block_q
+    seq_end = end_seq_ref[q_block]
+
+    def span(s):
+        """Where sequence `s` meets this block: token rows, context and KV range."""
+        q_start, q_end = cu_q_lens_ref[s], cu_q_lens_ref[s + 1]
+        context = kv_lens_ref[s] - (q_end - q_start)  # position of row q_start
+        lo, hi = jnp.maximum(q_start, row_begin), jnp.minimum(q_end, row_end)
+        kv_stop = context + hi - q_start  # causal end (exclusive) of the block's rows
+        kv_first = 0
+        if sliding_window is not None:
+            kv_first = jnp.maximum(context + lo - q_start - sliding_window + 1, 0)
+        first_blk = _div(kv_first, kv_block)
+        end_blk = jnp.where(hi > lo, _cdiv(kv_stop, kv_block), first_blk)
+        return q_start, q_end, context, kv_stop, first_blk, end_blk
+
+    def clamp(s):
+        # Keeps SMEM reads in bounds where a result is computed but not used.
+        return jnp.clip(s, 0, kv_lens_ref.shape[0] - 1)
+
+    def has_work(s):
+        _, _, _, _, first_blk, end_blk = span(clamp(s))
+        return (s < seq_end) & (end_blk > first_blk)
+
+    def first_work(s):
+        """The first sequence >= s with work in this block, and its first KV block."""
+        s = lax.while_loop(lambda t: (t < seq_end) & ~has_work(t), lambda t: t + 1, s)
+        return s, span(clamp(s))[4]
+
+    def fetch(s, blk, slot, *, wait: bool):
+        """Start (or wait for) the copies of the pages of KV block `blk` of `s` that hold
+        tokens some row can see; the rest of the buffer keeps stale data, masked later."""
+        num_needed = _cdiv(span(s)[3], page_size) - blk * pages_per_block
+        for j in range(pages_per_block):
+            col = jnp.minimum(blk * pages_per_block + j, pages_per_seq - 1)
+            page = page_indices_ref[s * pages_per_seq + col]
+            rows_j = pl.ds(j * page_size, page_size)
+            copies = (
+                pltpu.make_async_copy(
+                    k_hbm_ref.at[head, page], k_buf.at[slot, rows_j], sems.at[0, slot]
+                ),
+                pltpu.make_async_copy(
+                    v_hbm_ref.at[head, page], v_buf.at[slot, rows_j], sems.at[1, slot]
+                ),
+            )
+            pl.when(j < num_needed)(functools.partial(_start_or_wait, copies, wait))
+
+    def compute(s, blk, slot):
+        q_start, q_end, context, kv_stop, _, _ = span(s)
+        kv_base = blk * kv_block
+        # Tokens past the causal end were not copied (stale or NaN): zero V there so that
+        # p == 0 cannot turn into 0 * NaN.
+        v_pos = kv_base + lax.broadcasted_iota(jnp.int32, (kv_block, head_dim), 0)
+        v = jnp.where(v_pos < kv_stop, v_buf[slot], 0)  # [kv_block, D]
+        k = k_buf[slot]  # [kv_block, D]
+        scores = lax.dot_general(
+            q_ref[...], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )  # [rows, kv_block]
+        scores = scores * sm_scale
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        # Row r is token row_begin + r // group. For an integer a, token >= a <=> r >= (a -
+        # row_begin) * group and token < a <=> r < (a - row_begin) * group, so the masks
+        # need no vector integer division (the TPU VPU has none).
+        row = lax.broadcasted_iota(jnp.int32, scores.shape, 0)  # [rows, kv_block]
+        kv_pos = kv_base + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+        first_token = q_start - context  # token whose position would be 0
+
+        def rows_before(token):
+            return (token - row_begin) * group
+
+        mask = (row >= rows_before(q_start)) & (row < rows_before(q_end))
+        mask &= row >= rows_before(kv_pos + first_token)  # causal: kv_pos <= q_pos
+        if sliding_window is not None:  # kv_pos > q_pos - sliding_window
+            mask &= row < rows_before(kv_pos + first_token + sliding_window)
+        scores = jnp.where(mask, scores, MASK_VALUE)
+
+        m_prev = m_ref[...]  # [rows, LANES]
+        m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))  # [rows, LANES]
+        alpha = jnp.exp(m_prev - m_next)  # rows of other sequences: exp(0) = 1, unchanged
+        p = jnp.where(mask, jnp.exp(scores - m_next[:, :1]), 0.0)  # [rows, kv_block]
+        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+        m_ref[...] = m_next
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [rows, D]
+        acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
+
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    s0, blk0 = first_work(first_seq_ref[q_block])
+
+    @pl.when(s0 < seq_end)
+    def _():
+        fetch(s0, blk0, 0, wait=False)
+
+    def body(carry):
+        s, blk, slot = carry
+        more_here = blk + 1 < span(s)[5]
+        s_after, blk_after = first_work(s + 1)
+        next_s = jnp.where(more_here, s, s_after)
+        next_blk = jnp.where(more_here, blk + 1, blk_after)
+
+        @pl.when(next_s < seq_end)
+        def _():
+            fetch(next_s, next_blk, 1 - slot, wait=False)
+
+        fetch(s, blk, slot, wait=True)
+        compute(s, blk, slot)
+        return next_s, next_blk, 1 - slot
+
+    lax.while_loop(lambda c: c[0] < seq_end, body, (s0, blk0, jnp.int32(0)))
+
+    denom = l_ref[...][:, :1]  # [rows, 1]
+    out = acc_ref[...] / jnp.where(denom == 0.0, 1.0, denom)  # padding rows: 0 / 1 = 0
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "num_queries_per_block",
+        "num_kv_pages_per_block",
+        "vmem_limit_bytes",
+        "interpret",
+    ),
+)
+def ragged_paged_attention_tpu(
+    q: jax.Array,  # [T, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    num_queries_per_block: int | None = None,
+    num_kv_pages_per_block: int | None = None,
+    vmem_limit_bytes: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:  # [T, num_q_heads, head_dim]
+    """Ragged paged attention on TPU (Mosaic); semantics of `ragged_paged_attention_reference`.
+
+    Args:
+      q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs: as in the reference.
+      sm_scale: score scale, usually head_dim ** -0.5.
+      sliding_window: attend only to the last `sliding_window` positions (inclusive of self).
+      soft_cap: scores become `soft_cap * tanh(scores / soft_cap)`.
+      num_queries_per_block: query tokens per block (a multiple of 8 on TPU);
+        None takes tuning.DEFAULT_BLOCK_SIZES["tpu"].
+      num_kv_pages_per_block: pages per KV block (capped at pages_per_seq); None: the table.
+      vmem_limit_bytes: Mosaic scoped VMEM limit; None keeps the compiler default.
+      interpret: run in TPU interpret mode (CPU), as the tests do.
+
+    Returns:
+      `[T, num_q_heads, head_dim]` in q's dtype; padding rows are zeros.
+    """
+    static_validate_inputs(
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    pages_per_seq = page_indices.shape[1]
+    group = num_q_heads // num_kv_heads
+    defaults = default_block_sizes("tpu", head_dim, page_size)
+    block_q = num_queries_per_block or defaults.num_queries_per_block
+    pages_per_block = min(num_kv_pages_per_block or defaults.num_kv_pages_per_block, pages_per_seq)
+    if block_q <= 0 or pages_per_block <= 0:
+        raise ValueError(f"{num_queries_per_block=} and {num_kv_pages_per_block=} must be positive")
+    kv_block = pages_per_block * page_size
+    rows = block_q * group
+    num_q_blocks = pl.cdiv(num_tokens, block_q)
+
+    packed_q = pack_queries(q, num_kv_heads, group, block_q)  # [Hkv, num_q_blocks * rows, D]
+    first_seq, end_seq = query_block_seq_ranges(cu_q_lens, num_seqs, num_q_blocks, block_q)
+
+    kernel = functools.partial(
+        _kernel,
+        group=group,
+        page_size=page_size,
+        pages_per_seq=pages_per_seq,
+        pages_per_block=pages_per_block,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+    q_spec = pl.BlockSpec((pl.squeezed, rows, head_dim), lambda h, b, *_: (h, b, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5,
+        grid=(num_kv_heads, num_q_blocks),
+        in_specs=[
+            q_spec,
+            pl.BlockSpec(memory_space=pl.ANY),
+            pl.BlockSpec(memory_space=pl.ANY),
+        ],
+        out_specs=q_spec,
+        scratch_shapes=[
+            pltpu.VMEM((2, kv_block, head_dim), k_pages.dtype),
+            pltpu.VMEM((2, kv_block, head_dim), v_pages.dtype),
+            pltpu.SemaphoreType.DMA((2, 2)),
+            pltpu.VMEM((rows, LANES), jnp.float32),
+            pltpu.VMEM((rows, LANES), jnp.float32),
+            pltpu.VMEM((rows, head_dim), jnp.float32),
+        ],
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(packed_q.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel"),
+            vmem_limit_bytes=vmem_limit_bytes,
+        ),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="ragged_paged_attention_tpu",
+    )(
+        kv_lens,
+        page_indices.reshape(-1),  # 1-D: a 2-D SMEM array pads its last dim to 128 words
+        cu_q_lens,
+        first_seq,
+        end_seq,
+        packed_q,
+        k_pages,
+        v_pages,
+    )
+    return unpack_outputs(out, num_tokens, num_q_heads, group)

@@ -1,0 +1,211 @@
+"""Time ragged paged attention: the plain-jnp reference against the Pallas kernel.
+
+On a GPU the Triton kernel runs, on a TPU the Mosaic kernel; on CPU the kernels exist only in
+interpret mode (a correctness tool, far too slow to time), so only the reference is timed.
+
+For every (batch mix, num_seqs, kv_len) point it prints the median step time, the achieved
+bandwidth over the *ideal* traffic (q and out once, each sequence's K/V once per KV head) and
+the achieved TFLOP/s over the *useful* causal work (4 * head_dim flops per visible
+(query head, key) pair), plus the kernel's max abs difference from the reference.
+
+    python scripts/bench_kernels.py                       # defaults for the backend present
+    python scripts/bench_kernels.py --mixes decode --num-seqs 64,256 --kv-lens 1024,8192 \\
+        --json out/bench_kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+try:
+    import pallas_kernels  # noqa: F401
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from pallas_kernels.ragged_paged_attention import (
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+
+MIXES = {
+    "decode": "every sequence adds 1 token",
+    "prefill": "every sequence adds a chunk of --prefill-chunk tokens (capped at kv_len)",
+    "mixed": "one prefill chunk, the other sequences decode",
+}
+
+#: Grids sized for the machine: the reference gathers T x kv_len K/V rows, so CPU stays small.
+DEFAULT_GRID = {
+    "cpu": dict(num_seqs="2,8", kv_lens="64,256", prefill_chunk=32),
+    "accelerator": dict(num_seqs="8,64,256", kv_lens="512,2048,8192", prefill_chunk=256),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--mixes",
+        default="decode,prefill,mixed",
+        help="comma list of batch mixes: " + "; ".join(f"{k}: {v}" for k, v in MIXES.items()),
+    )
+    parser.add_argument("--num-seqs", help="comma list of sequence counts (default: per backend)")
+    parser.add_argument(
+        "--kv-lens", help="comma list of per-sequence KV lengths (default: per backend)"
+    )
+    parser.add_argument("--prefill-chunk", type=int, help="query tokens of a prefill sequence")
+    parser.add_argument("--num-q-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--sliding-window", type=int, default=None)
+    parser.add_argument("--soft-cap", type=float, default=None)
+    parser.add_argument("--iters", type=int, default=10, help="timed calls per point (median)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls after compiling")
+    parser.add_argument("--json", type=pathlib.Path, help="also write the results here")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    unknown = set(args.mixes.split(",")) - set(MIXES)
+    if unknown:
+        parser.error(f"unknown --mixes {sorted(unknown)}; choose from {sorted(MIXES)}")
+    if args.num_q_heads % args.num_kv_heads:
+        parser.error(f"{args.num_q_heads=} must be divisible by {args.num_kv_heads=}")
+    return args
+
+
+def make_inputs(args, mix: str, num_seqs: int, kv_len: int, key: jax.Array):
+    """Inputs of one benchmark point, plus its ideal bytes and useful flops."""
+    chunk = min(args.prefill_chunk, kv_len)
+    q_lens = {
+        "decode": [1] * num_seqs,
+        "prefill": [chunk] * num_seqs,
+        "mixed": [chunk] + [1] * (num_seqs - 1),
+    }[mix]
+    pages_per_seq = -(-kv_len // args.page_size)
+    num_pages = num_seqs * pages_per_seq
+    rng = np.random.default_rng(args.seed)
+    page_indices = rng.permutation(num_pages).reshape(num_seqs, pages_per_seq).astype(np.int32)
+    cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    num_tokens = int(cu_q_lens[-1])
+    dtype = jnp.dtype(args.dtype)
+    kq, kk, kv = jax.random.split(key, 3)
+    pages_shape = (args.num_kv_heads, num_pages, args.page_size, args.head_dim)
+    inputs = (
+        jax.random.normal(kq, (num_tokens, args.num_q_heads, args.head_dim), dtype),
+        jax.random.normal(kk, pages_shape, dtype),
+        jax.random.normal(kv, pages_shape, dtype),
+        jnp.full((num_seqs,), kv_len, jnp.int32),
+        jnp.asarray(page_indices),
+        jnp.asarray(cu_q_lens),
+        jnp.asarray([num_seqs], jnp.int32),
+    )
+    itemsize = dtype.itemsize
+    q_bytes = 2 * num_tokens * args.num_q_heads * args.head_dim * itemsize  # q in, out out
+    kv_bytes = 2 * num_seqs * kv_len * args.num_kv_heads * args.head_dim * itemsize
+    pairs = sum(q * (kv_len - q) + q * (q + 1) // 2 for q in q_lens)  # causal (query, key)
+    flops = 4 * args.head_dim * args.num_q_heads * pairs
+    return inputs, num_tokens, q_bytes + kv_bytes, flops
+
+
+def time_fn(fn, inputs, iters: int, warmup: int) -> tuple[float, jax.Array]:
+    out = fn(*inputs).block_until_ready()  # compile
+    for _ in range(warmup):
+        fn(*inputs).block_until_ready()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn(*inputs).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    platform = jax.default_backend()
+    kernel_backend = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(platform)
+    grid = DEFAULT_GRID["cpu" if kernel_backend is None else "accelerator"]
+    num_seqs_list = [int(x) for x in (args.num_seqs or grid["num_seqs"]).split(",")]
+    kv_lens = [int(x) for x in (args.kv_lens or grid["kv_lens"]).split(",")]
+    args.prefill_chunk = args.prefill_chunk or grid["prefill_chunk"]
+
+    device = jax.devices()[0]
+    print(f"device: {device.device_kind} ({platform}), jax {jax.__version__}, dtype {args.dtype}")
+    if kernel_backend is None:
+        print(
+            "No GPU/TPU: the Pallas kernels run here only in interpret mode, which checks "
+            "correctness and is not worth timing. Timing the reference alone."
+        )
+    attention = dict(
+        sm_scale=args.head_dim**-0.5, sliding_window=args.sliding_window, soft_cap=args.soft_cap
+    )
+    impls = {"reference": jax.jit(functools.partial(ragged_paged_attention_reference, **attention))}
+    if kernel_backend is not None:
+        impls["kernel"] = jax.jit(
+            functools.partial(ragged_paged_attention, backend=kernel_backend, **attention)
+        )
+
+    header = f"{'mix':<8}{'seqs':>6}{'q_tok':>7}{'kv_len':>8}  {'impl':<10}{'ms':>9}"
+    header += f"{'GB/s':>9}{'TFLOP/s':>9}{'speedup':>9}{'max_err':>10}"
+    print(header)
+    print("-" * len(header))
+    records = []
+    key = jax.random.key(args.seed)
+    for mix in args.mixes.split(","):
+        for num_seqs in num_seqs_list:
+            for kv_len in kv_lens:
+                key, sub = jax.random.split(key)
+                inputs, num_tokens, nbytes, flops = make_inputs(args, mix, num_seqs, kv_len, sub)
+                results = {
+                    name: time_fn(fn, inputs, args.iters, args.warmup) for name, fn in impls.items()
+                }
+                ref_seconds, ref_out = results["reference"]
+                for name, (seconds, out) in results.items():
+                    err = float(
+                        jnp.max(jnp.abs(out.astype(jnp.float32) - ref_out.astype(jnp.float32)))
+                    )
+                    record = dict(
+                        mix=mix,
+                        num_seqs=num_seqs,
+                        num_tokens=num_tokens,
+                        kv_len=kv_len,
+                        impl=name,
+                        ms=seconds * 1e3,
+                        gb_per_s=nbytes / seconds / 1e9,
+                        tflop_per_s=flops / seconds / 1e12,
+                        speedup_vs_reference=ref_seconds / seconds,
+                        max_abs_err=err,
+                    )
+                    records.append(record)
+                    print(
+                        f"{mix:<8}{num_seqs:>6}{num_tokens:>7}{kv_len:>8}  {name:<10}"
+                        f"{record['ms']:>9.3f}{record['gb_per_s']:>9.2f}"
+                        f"{record['tflop_per_s']:>9.4f}{record['speedup_vs_reference']:>9.2f}"
+                        f"{err:>10.2e}"
+                    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = dict(
+            device=device.device_kind,
+            platform=platform,
+            jax=jax.__version__,
+            kernel_backend=kernel_backend,
+            args={k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()},
+        )
+        args.json.write_text(json.dumps(dict(meta=meta, results=records), indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Ragged paged attention test batches: (q_len, kv_len) lists -> kernel inputs.
+
+Every batch is built so that a kernel reading anything it should not poisons its output:
+pages no live sequence uses, and the unused tail slots of partly filled pages, hold NaN;
+page tables are shuffled; columns of a page table past a sequence's last page hold an
+out-of-range page index; padding query rows hold NaN too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.ragged_paged_attention import kv_pages_shape
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """Everything static about a batch: one compiled kernel per Shape."""
+
+    num_tokens: int = 16  # T, query rows including padding
+    max_num_seqs: int = 4  # S
+    num_q_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    page_size: int = 16
+    num_pages: int = 24
+    pages_per_seq: int = 4
+    dtype: str = "float32"
+
+
+def make_batch(
+    shape: Shape,
+    seqs: list[tuple[int, int]],  # (q_len, kv_len) per live sequence
+    seed: int = 0,
+) -> tuple[jax.Array, ...]:
+    """`(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)` for `seqs`."""
+    rng = np.random.default_rng(seed)
+    dtype = jnp.dtype(shape.dtype)
+    n = len(seqs)
+    if n > shape.max_num_seqs:
+        raise ValueError(f"{n} sequences do not fit {shape.max_num_seqs=}")
+    q_lens = np.array([q for q, _ in seqs], np.int32)
+    kv_lens = np.zeros(shape.max_num_seqs, np.int32)
+    kv_lens[:n] = [kv for _, kv in seqs]
+    cu_q_lens = np.zeros(shape.max_num_seqs + 1, np.int32)
+    cu_q_lens[1 : n + 1] = np.cumsum(q_lens)
+    cu_q_lens[n + 1 :] = cu_q_lens[n]
+    if cu_q_lens[n] > shape.num_tokens:
+        raise ValueError(f"{cu_q_lens[n]} query tokens do not fit {shape.num_tokens=}")
+
+    pages_needed = [-(-kv // shape.page_size) for _, kv in seqs]
+    if sum(pages_needed) > shape.num_pages:
+        raise ValueError(f"{sum(pages_needed)} pages do not fit {shape.num_pages=}")
+    free = rng.permutation(shape.num_pages)
+    # Columns past a sequence's last page: an index no pool has, as a stale table might hold.
+    page_indices = np.full((shape.max_num_seqs, shape.pages_per_seq), 10**6, np.int32)
+    pool_shape = kv_pages_shape(
+        shape.num_pages, shape.page_size, shape.num_kv_heads, shape.head_dim
+    )
+    k_pages = np.full(pool_shape, np.nan, np.float32)
+    v_pages = np.full(pool_shape, np.nan, np.float32)
+    used = 0
+    for s, (_, kv_len) in enumerate(seqs):
+        pages = free[used : used + pages_needed[s]]
+        used += pages_needed[s]
+        page_indices[s, : len(pages)] = pages
+        for j, page in enumerate(pages):
+            filled = min(shape.page_size, kv_len - j * shape.page_size)
+            for pages_arr in (k_pages, v_pages):
+                pages_arr[:, page, :filled] = rng.standard_normal(
+                    (shape.num_kv_heads, filled, shape.head_dim)
+                )
+
+    q = rng.standard_normal((shape.num_tokens, shape.num_q_heads, shape.head_dim))
+    q[cu_q_lens[n] :] = np.nan
+    return (
+        jnp.asarray(q, dtype),
+        jnp.asarray(k_pages, dtype),
+        jnp.asarray(v_pages, dtype),
+        jnp.asarray(kv_lens),
+        jnp.asarray(page_indices),
+        jnp.asarray(cu_q_lens),
+        jnp.asarray([n], jnp.int32),
+    )
+
+
+#: Tolerances per dtype. float32 errors are ~1e-6. bfloat16: the kernels round p to bf16
+#: before p @ v (the reference does not) and both round the output, so they may land 1-2 bf16
+#: ulps apart (an ulp is 2**-7 relative; 0.0156 at |x| ~ 2 is the largest seen).
+TOLERANCE = {"float32": dict(atol=2e-5, rtol=2e-5), "bfloat16": dict(atol=1e-2, rtol=1.6e-2)}
+
+
+def assert_matches_reference(out: jax.Array, expected: jax.Array, batch, dtype: str) -> None:
+    """Equal to the reference on real rows, exactly zero on padding rows, NaN-free."""
+    cu_q_lens, num_seqs = batch[5], batch[6]
+    num_real = int(cu_q_lens[int(num_seqs[0])])
+    out = np.asarray(out.astype(jnp.float32))
+    expected = np.asarray(expected.astype(jnp.float32))
+    assert np.all(np.isfinite(out)), "kernel output holds NaN/inf (stray read of a NaN page?)"
+    np.testing.assert_allclose(out[:num_real], expected[:num_real], **TOLERANCE[dtype])
+    np.testing.assert_array_equal(out[num_real:], 0.0)
