@@ -17,6 +17,8 @@ values raise ValueError naming the offender and the valid choices.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -35,6 +37,26 @@ def _check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _check_types(config: Any) -> None:
+    """Type-check (and gently convert) every field, so that direct construction
+    (`CacheConfig(page_size="8")`) fails with the same ValueError as YAML and flags do,
+    never with a TypeError from a comparison further down."""
+    cls = type(config)
+    prefix = next((f"{name}." for name, c in _SECTIONS.items() if c is cls), "")
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        value = getattr(config, f.name)
+        if cls is EngineConfig and f.name in _SECTIONS:
+            section = _SECTIONS[f.name]
+            _check(
+                isinstance(value, section),
+                f"{f.name} must be a {section.__name__} (or build the config with "
+                f"EngineConfig.from_dict), got {value!r}",
+            )
+        else:
+            object.__setattr__(config, f.name, _coerce(value, hints[f.name], prefix + f.name))
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """KV page pool. Size it with `num_pages`, or `kv_cache_memory_gb`, or neither (auto)."""
@@ -46,6 +68,7 @@ class CacheConfig:
     memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check(self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}")
         _check(
             self.num_pages is None or self.num_pages >= 1,
@@ -75,6 +98,7 @@ class SchedulerConfig:
     token_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _check(
             self.max_num_batched_tokens >= 1,
@@ -109,6 +133,7 @@ class KernelConfig:
     attention: str = "auto"
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check(
             self.attention in ATTENTION_BACKENDS,
             f"attention must be one of {list(ATTENTION_BACKENDS)}, got {self.attention!r}",
@@ -129,6 +154,7 @@ class EngineConfig:
     kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check(self.dtype in DTYPES, f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         _check(
             self.max_model_len is None or self.max_model_len >= 1,
@@ -140,6 +166,8 @@ class EngineConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None = None, **flat: Any) -> EngineConfig:
         """Build from a nested mapping (YAML layout) plus flat keyword overrides."""
+        if data is not None and not isinstance(data, Mapping):
+            raise ValueError(f"config must be a mapping, got {type(data).__name__}: {data!r}")
         nested = _nest(dict(data or {}), source="config")
         for key, value in _nest_flat(flat).items():
             if isinstance(value, dict):
@@ -198,7 +226,9 @@ def _nest_flat(flat: Mapping[str, Any]) -> dict[str, Any]:
     known = flat_fields()
     nested: dict[str, Any] = {}
     for name, value in flat.items():
-        if name in _SECTIONS and isinstance(value, Mapping):
+        if name in _SECTIONS:
+            if not isinstance(value, Mapping):
+                raise ValueError(f"{name!r} must be a mapping of its fields, got {value!r}")
             nested.setdefault(name, {}).update(value)
             continue
         if name not in known:
@@ -274,17 +304,25 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
             raise ValueError(f"{name} must be an integer, got {value!r}")
         if isinstance(value, int):
             return value
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if hint is float:
         if isinstance(value, bool):
             raise ValueError(f"{name} must be a number, got {value!r}")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ValueError(f"{name} must be a number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
+        return number
     if hint is str:
+        if isinstance(value, os.PathLike):  # model / tokenizer directories
+            value = os.fspath(value)
         if not isinstance(value, str):
             raise ValueError(f"{name} must be a string, got {value!r}")
         return value

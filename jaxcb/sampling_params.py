@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -33,8 +34,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _as_list(self.stop)
+        self.stop_token_ids = _as_list(self.stop_token_ids)
         self.validate()
 
     def validate(self) -> None:
@@ -71,13 +72,15 @@ class SamplingParams:
         if self.seed is not None:
             _require(_is_int(self.seed), "seed", self.seed, "must be an integer")
         _require(
-            all(isinstance(s, str) and s for s in self.stop),
+            isinstance(self.stop, list | tuple)
+            and all(isinstance(s, str) and s for s in self.stop),
             "stop",
             self.stop,
             "must be non-empty strings",
         )
         _require(
-            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            isinstance(self.stop_token_ids, list | tuple)
+            and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
             self.stop_token_ids,
             "must be non-negative integers",
@@ -107,6 +110,9 @@ class SamplingParams:
             self.repetition_penalty,
             "must be > 0",
         )
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            value = getattr(self, name)
+            _require(isinstance(value, bool), name, value, "must be a boolean")
 
     @property
     def greedy(self) -> bool:
@@ -130,7 +136,21 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+    """A finite int or float (bools, NaN and infinities are not numbers here)."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and value == value
+        and abs(value) != math.inf
+    )
+
+
+def _as_list(value: object) -> object:
+    """None -> [], a list or tuple -> a list; anything else is left for validate() to reject
+    (list(5) would raise a TypeError, list("ab") would split a string)."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else value
 
 
 def _require(ok: bool, name: str, value: object, rule: str) -> None:

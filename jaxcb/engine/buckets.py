@@ -14,6 +14,11 @@ class Bucket:
 
 def default_token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> tuple[int, ...]:
     """Powers of two from `smallest` up to, and ending at, max_num_batched_tokens."""
+    if max_num_batched_tokens < 1 or smallest < 1:
+        raise ValueError(
+            f"max_num_batched_tokens ({max_num_batched_tokens}) and smallest ({smallest}) "
+            "must be >= 1"
+        )
     buckets = []
     b = min(smallest, max_num_batched_tokens)
     while b < max_num_batched_tokens:
@@ -25,6 +30,14 @@ def default_token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> tu
 
 def make_buckets(token_buckets: tuple[int, ...], max_num_seqs: int) -> tuple[Bucket, ...]:
     """A bucket of T tokens holds at most min(T, max_num_seqs) sequences."""
+    # pick_bucket bisects, so the sizes must be sorted; a shuffled set would pick a bigger
+    # bucket than needed.
+    if not token_buckets or any(b < 1 for b in token_buckets):
+        raise ValueError(f"token buckets must be non-empty and >= 1, got {list(token_buckets)}")
+    if list(token_buckets) != sorted(set(token_buckets)):
+        raise ValueError(f"token buckets must be strictly increasing, got {list(token_buckets)}")
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     return tuple(Bucket(t, min(t, max_num_seqs)) for t in token_buckets)
 
 
