@@ -313,11 +313,13 @@ class LLMEngine:
             group = self._request_group[id(req)]
             detok = group.detokenizers[group.children.index(req)]
             stop_str = detok.add_token(token)
-            req.check_stop_tokens(self.max_model_len)
-            if stop_str is not None and req.finish_reason is None:
+            if stop_str is None:
+                req.check_stop_tokens(self.max_model_len)
+                if req.finish_reason is not None:
+                    stop_str = detok.flush()  # may complete a stop string too
+            if stop_str is not None:  # a stop string beats EOS and length limits
                 req.finish_reason, req.stop_reason = "stop", stop_str
             if req.finish_reason is not None:
-                detok.flush()
                 req.metrics.finished_time = now
                 self.scheduler.finish(req)
             touched[group.request_id] = group
