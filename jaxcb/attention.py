@@ -1,7 +1,8 @@
-"""Attention backend choice: "xla" (plain jnp; the CPU path and the reference) or "pallas".
+"""Attention backend choice: "xla" (the CPU path) or "pallas" (TPU / GPU kernels).
 
-Every backend has the kernel-shaped signature of
-`pallas_kernels.ragged_paged_attention.ragged_paged_attention_reference`.
+"xla" is `ragged_paged_attention_xla`: plain XLA with work proportional to the live lengths,
+checked against `ragged_paged_attention_reference` like the kernels are. Every backend has
+the reference's kernel-shaped signature.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import jax
 
 from jaxcb.models.llama import AttentionFn
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ def get_attention_fn(name: str, platform: str | None = None) -> AttentionFn:
     platform = platform or jax.default_backend()
     backend = resolve_backend(name, platform)
     if backend == "xla":
-        return ragged_paged_attention_reference
+        return ragged_paged_attention_xla
     if backend == "pallas":
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 

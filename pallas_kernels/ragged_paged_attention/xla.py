@@ -1,0 +1,206 @@
+"""Ragged paged attention in XLA, shaped for speed: the CPU path of the engine.
+
+Same semantics as `reference.py`, which gathers every query row's whole page table: simple,
+but its cost is `T x max_model_len` K/V reads. This version reads K/V once per *sequence*
+(decode) or once per *block of query rows of one sequence* (prefill), and only up to the
+longest live sequence, with an online softmax over KV chunks in a `while` loop whose trip
+count is the data's, not the bucket's:
+
+- decode path: every sequence with one query row (its newest token) attends over KV chunks
+  of `kv_chunk_pages` pages gathered for all sequences at once: `[S, chunk]` reads.
+- prefill path: the rows of sequences with more than one query row are cut into blocks of
+  `block_q` rows that never span two sequences; blocks are processed `block_group` at a time
+  (a loop over as many groups as there are blocks), each group over the KV chunks its
+  rows can see.
+
+Both paths zero masked K/V before any arithmetic, so garbage (NaN) in pages that a sequence
+does not own cannot leak into its output; padding rows produce zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.ragged_paged_attention.reference import MASK_VALUE
+
+
+def _online_softmax_step(carry, scores, mask, v, out_dtype):
+    """One KV chunk of an online softmax.
+
+    carry: (m [..., R], denom [..., R], acc [..., R, D]); scores, mask: [..., R, C];
+    v: [..., C, D].
+    """
+    m, denom, acc = carry
+    scores = jnp.where(mask, scores, MASK_VALUE)
+    m_new = jnp.maximum(m, scores.max(axis=-1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(scores - m_new[..., None]) * mask
+    denom = denom * alpha + p.sum(axis=-1)
+    pv = jnp.matmul(p.astype(out_dtype), v, preferred_element_type=jnp.float32)
+    return m_new, denom, acc * alpha[..., None] + pv
+
+
+def _gather_chunk(pages, page_ids, valid):
+    """K or V of a chunk: pages [Hkv, P, ps, D], page_ids [N, n], valid [N, n * ps] →
+    [N, Hkv, n * ps, D] with invalid rows zeroed."""
+    num_kv_heads, _, page_size, head_dim = pages.shape
+    n_rows, n_pages = page_ids.shape
+    x = pages[:, page_ids]  # [Hkv, N, n, ps, D]
+    x = x.reshape(num_kv_heads, n_rows, n_pages * page_size, head_dim).swapaxes(0, 1)
+    return jnp.where(valid[:, None, :, None], x, jnp.zeros((), x.dtype))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "block_q",
+        "kv_chunk_pages",
+        "block_group",
+    ),
+)
+def ragged_paged_attention_xla(
+    q: jax.Array,  # [T, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_q: int = 16,
+    kv_chunk_pages: int = 8,
+    block_group: int = 4,
+) -> jax.Array:  # [T, num_q_heads, head_dim]
+    """Ragged paged attention with work proportional to the live lengths (see module doc)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    max_num_seqs, pages_per_seq = page_indices.shape
+    kv_chunk_pages = min(kv_chunk_pages, pages_per_seq)
+    chunk = kv_chunk_pages * page_size
+    num_chunks_max = -(-pages_per_seq // kv_chunk_pages)
+    # Pad the page table to whole chunks; padded columns are always masked.
+    page_table = jnp.pad(
+        page_indices, ((0, 0), (0, num_chunks_max * kv_chunk_pages - pages_per_seq))
+    )
+    cdtype = q.dtype
+
+    live = jnp.arange(max_num_seqs) < num_seqs[0]
+    q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
+    kv_lens = jnp.where(live, kv_lens, 0)
+
+    def score(qs, ks):  # qs [N, Hkv, R, D], ks [N, Hkv, C, D] -> [N, Hkv, R, C]
+        s = jnp.matmul(qs, ks.swapaxes(-1, -2), preferred_element_type=jnp.float32) * sm_scale
+        return soft_cap * jnp.tanh(s / soft_cap) if soft_cap is not None else s
+
+    def window_ok(kv_pos, q_pos):
+        return True if sliding_window is None else kv_pos > q_pos - sliding_window
+
+    out = jnp.zeros((num_tokens + 1, num_q_heads, head_dim), cdtype)  # row T: a sink
+
+    # ---- decode path: one query row per sequence ------------------------------------------
+    is_decode = q_lens == 1
+    dec_rows = jnp.where(is_decode, cu_q_lens[:-1], num_tokens)  # [S]
+    dec_pos = kv_lens - 1  # [S]
+    q_dec = q[jnp.minimum(dec_rows, num_tokens - 1)]  # [S, Hq, D]
+    q_dec = q_dec.reshape(max_num_seqs, num_kv_heads, group, head_dim)  # [S, Hkv, G, D]
+    dec_chunks = -(-jnp.max(jnp.where(is_decode, kv_lens, 0)) // chunk)
+
+    def decode_body(c, carry):
+        ids = lax.dynamic_slice_in_dim(page_table, c * kv_chunk_pages, kv_chunk_pages, axis=1)
+        kv_pos = c * chunk + jnp.arange(chunk)  # [C]
+        valid = (kv_pos[None, :] < kv_lens[:, None]) & window_ok(kv_pos[None, :], dec_pos[:, None])
+        valid &= is_decode[:, None]  # [S, C]
+        k = _gather_chunk(k_pages, ids, valid)  # [S, Hkv, C, D]
+        v = _gather_chunk(v_pages, ids, valid)
+        mask = valid[:, None, None, :]  # [S, 1, 1, C]
+        return _online_softmax_step(carry, score(q_dec, k), mask, v, cdtype)
+
+    init = (
+        jnp.full((max_num_seqs, num_kv_heads, group), MASK_VALUE, jnp.float32),
+        jnp.zeros((max_num_seqs, num_kv_heads, group), jnp.float32),
+        jnp.zeros((max_num_seqs, num_kv_heads, group, head_dim), jnp.float32),
+    )
+    _, l_dec, acc_dec = lax.fori_loop(0, dec_chunks, decode_body, init)
+    o_dec = acc_dec / jnp.where(l_dec == 0, 1.0, l_dec)[..., None]
+    out = out.at[dec_rows].set(o_dec.reshape(max_num_seqs, num_q_heads, head_dim).astype(cdtype))
+
+    # ---- prefill path: blocks of block_q rows of one sequence -----------------------------
+    is_prefill = q_lens > 1
+    blocks_per_seq = jnp.where(is_prefill, -(-q_lens // block_q), 0)  # [S]
+    cu_blocks = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(blocks_per_seq)])
+    num_blocks = cu_blocks[-1]
+    # Static bound: the prefill rows fill at most T // block_q blocks plus one partial block
+    # per prefill sequence (each has >= 2 rows, so there are at most T // 2 of them).
+    max_blocks = num_tokens // block_q + min(max_num_seqs, num_tokens // 2)
+    max_blocks = -(-max_blocks // block_group) * block_group
+    b = jnp.arange(max_blocks)
+    blk_seq = jnp.clip(jnp.searchsorted(cu_blocks[1:], b, side="right"), 0, max_num_seqs - 1)
+    blk_first = cu_q_lens[blk_seq] + (b - cu_blocks[blk_seq]) * block_q  # first row
+    rows = blk_first[:, None] + jnp.arange(block_q)[None, :]  # [NB, B]
+    row_ok = (rows < cu_q_lens[blk_seq + 1][:, None]) & (b < num_blocks)[:, None]
+    row_pos = (
+        kv_lens[blk_seq][:, None] - q_lens[blk_seq][:, None] + rows - cu_q_lens[blk_seq][:, None]
+    )
+    rows = jnp.where(row_ok, rows, num_tokens)  # sink row for padding
+    # KV a block can see ends at its last row's position.
+    blk_kv_end = jnp.where(row_ok, row_pos + 1, 0).max(axis=1)  # [NB]
+    rows_per_block = block_q * group
+
+    def group_body(g, out):
+        sl = functools.partial(
+            lax.dynamic_slice_in_dim, start_index=g * block_group, slice_size=block_group
+        )
+        g_seq, g_rows, g_ok, g_pos, g_end = (
+            sl(blk_seq),
+            sl(rows),
+            sl(row_ok),
+            sl(row_pos),
+            sl(blk_kv_end),
+        )
+        g_pages = page_table[g_seq]  # [BG, pages]
+        q_blk = q[jnp.minimum(g_rows, num_tokens - 1)]  # [BG, B, Hq, D]
+        q_blk = q_blk.reshape(block_group, block_q, num_kv_heads, group, head_dim)
+        q_blk = q_blk.transpose(0, 2, 1, 3, 4).reshape(
+            block_group, num_kv_heads, rows_per_block, head_dim
+        )
+        n_chunks = -(-jnp.max(g_end) // chunk)
+
+        def chunk_body(c, carry):
+            ids = lax.dynamic_slice_in_dim(g_pages, c * kv_chunk_pages, kv_chunk_pages, axis=1)
+            kv_pos = c * chunk + jnp.arange(chunk)  # [C]
+            kv_ok = kv_pos[None, :] < g_end[:, None]  # [BG, C]
+            k = _gather_chunk(k_pages, ids, kv_ok)  # [BG, Hkv, C, D]
+            v = _gather_chunk(v_pages, ids, kv_ok)
+            mask = (kv_pos[None, None, :] <= g_pos[:, :, None]) & window_ok(
+                kv_pos[None, None, :], g_pos[:, :, None]
+            )
+            mask &= g_ok[:, :, None] & kv_ok[:, None, :]  # [BG, B, C]
+            mask = jnp.repeat(mask, group, axis=1)[:, None]  # [BG, 1, B*G, C]
+            return _online_softmax_step(carry, score(q_blk, k), mask, v, cdtype)
+
+        shape = (block_group, num_kv_heads, rows_per_block)
+        init = (
+            jnp.full(shape, MASK_VALUE, jnp.float32),
+            jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, head_dim), jnp.float32),
+        )
+        _, l_blk, acc = lax.fori_loop(0, n_chunks, chunk_body, init)
+        o = acc / jnp.where(l_blk == 0, 1.0, l_blk)[..., None]  # [BG, Hkv, B*G, D]
+        o = o.reshape(block_group, num_kv_heads, block_q, group, head_dim).transpose(0, 2, 1, 3, 4)
+        o = o.reshape(block_group * block_q, num_q_heads, head_dim).astype(cdtype)
+        return out.at[g_rows.reshape(-1)].set(o)
+
+    num_groups = -(-num_blocks // block_group)
+    out = lax.fori_loop(0, num_groups, group_body, out)
+    return out[:num_tokens]
