@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 DTYPES = ("float32", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "xla", "pallas")
+ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas-tpu", "pallas-gpu")
 
 
 def _check(condition: bool, message: str) -> None:
@@ -126,9 +126,10 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Attention backend: "xla" (plain jnp, the CPU path and the reference), "pallas"
-    (TPU Mosaic / GPU Triton kernels; interpret mode on CPU, for tests), or "auto"
-    (pallas on TPU and GPU, xla on CPU)."""
+    """Attention backend: "xla" (plain XLA, the CPU path), "pallas" (the Pallas kernel of
+    this platform: Mosaic on TPU, Triton on GPU; on CPU the GPU kernel in interpret mode,
+    for tests), "pallas-tpu" / "pallas-gpu" (that kernel; interpret mode on CPU), or
+    "auto" (pallas on TPU and GPU, xla on CPU)."""
 
     attention: str = "auto"
 

@@ -53,3 +53,29 @@ def run_parity(family: str, tmp_path, **engine_kw):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_parity_with_transformers(family, tmp_path):
     run_parity(family, tmp_path)
+
+
+@pytest.mark.parametrize("attention", ["pallas-gpu", "pallas-tpu"])
+def test_greedy_parity_with_pallas_kernels_in_interpret_mode(attention, tmp_path):
+    """The engine's parity test with each Pallas kernel (interpret mode on CPU): a smaller
+    workload, since interpret mode is slow, still with chunked prefill and preemption."""
+    model = make_hf_model("qwen3", tmp_path)
+    prompts = random_prompts(6, seed=3, max_len=100)
+    max_tokens = [6, 3, 8, 5, 7, 4]
+    expected = [hf_greedy(model, p, m) for p, m in zip(prompts, max_tokens, strict=True)]
+    llm = LLM(
+        tmp_path,
+        attention=attention,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        token_buckets=[64],
+        max_model_len=128,
+        page_size=16,
+        num_pages=8,
+    )
+    outs = llm.generate(
+        prompts, [SamplingParams(max_tokens=m, temperature=0) for m in max_tokens], use_tqdm=False
+    )
+    assert [o.token_ids for o in outs] == expected
+    assert llm.stats()["preemptions"] > 0
+    assert llm.engine.attention_backend == attention
