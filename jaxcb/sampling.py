@@ -21,7 +21,7 @@ NEG_INF = -jnp.inf
 @dataclass(frozen=True)
 class SamplingOutput:
     token_ids: jax.Array  # i32[S]
-    logprobs: jax.Array  # f32[S]: log-probability of the chosen token (raw distribution)
+    logprobs: jax.Array  # f32[S]: log-probability of the chosen token (0 unless requested)
     top_token_ids: jax.Array  # i32[S, K]
     top_logprobs: jax.Array  # f32[S, K]
 
@@ -95,12 +95,13 @@ def sample(
     min_p: jax.Array,  # f32[S]
     rng_keys: jax.Array,  # u32[S, 2] raw threefry key data per request
     sample_counters: jax.Array,  # i32[S] tokens already generated per request
-    flags: jax.Array,  # i32[3]: any random row, any penalty, any top-logprobs request
+    flags: jax.Array,  # i32[4]: any random row / penalties / logprobs / top logprobs
     penalty_args: tuple[jax.Array, ...],  # apply_penalties' arguments after logits
     num_top_logprobs: int,
 ) -> SamplingOutput:
-    any_random, any_penalty, any_top = flags[0] > 0, flags[1] > 0, flags[2] > 0
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # [S, V]
+    any_random, any_penalty = flags[0] > 0, flags[1] > 0
+    any_logprobs, any_top = flags[2] > 0, flags[3] > 0
+    raw_logits = logits
     logits = jax.lax.cond(
         any_penalty, lambda x: apply_penalties(x, *penalty_args), lambda x: x, logits
     )
@@ -114,17 +115,27 @@ def sample(
     token_ids = jax.lax.cond(
         any_random, draw, lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32), logits
     )
-    chosen = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
 
-    num_seqs = logits.shape[0]
-    k = num_top_logprobs
+    num_seqs, k = logits.shape[0], num_top_logprobs
 
-    def top(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        values, ids = jax.lax.top_k(x, k)
-        return ids.astype(jnp.int32), values
+    def with_logprobs(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        logprobs = jax.nn.log_softmax(x, axis=-1)  # the model's raw distribution
+        chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
+
+        def top(lp: jax.Array) -> tuple[jax.Array, jax.Array]:
+            values, ids = jax.lax.top_k(lp, k)
+            return ids.astype(jnp.int32), values
+
+        top_ids, top_values = jax.lax.cond(any_top, top, no_top, logprobs)
+        return chosen, top_ids, top_values
 
     def no_top(x: jax.Array) -> tuple[jax.Array, jax.Array]:
         return jnp.zeros((num_seqs, k), jnp.int32), jnp.zeros((num_seqs, k), jnp.float32)
 
-    top_ids, top_values = jax.lax.cond(any_top, top, no_top, raw_logprobs)
+    def without_logprobs(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return (jnp.zeros(num_seqs, jnp.float32), *no_top(x))
+
+    chosen, top_ids, top_values = jax.lax.cond(
+        any_logprobs, with_logprobs, without_logprobs, raw_logits
+    )
     return SamplingOutput(token_ids, chosen, top_ids, top_values)

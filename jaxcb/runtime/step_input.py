@@ -18,7 +18,7 @@ from jaxcb.engine.buckets import Bucket
 from jaxcb.engine.scheduler import SchedulerOutput
 from pallas_kernels.ragged_paged_attention import PADDING_SLOT
 
-FLAG_RANDOM, FLAG_PENALTY, FLAG_TOP_LOGPROBS = 0, 1, 2
+FLAG_RANDOM, FLAG_PENALTY, FLAG_LOGPROBS, FLAG_TOP_LOGPROBS = 0, 1, 2, 3
 
 
 @dataclass
@@ -46,7 +46,7 @@ class StepInput:
     presence_penalty: np.ndarray  # f32[S]
     frequency_penalty: np.ndarray  # f32[S]
     repetition_penalty: np.ndarray  # f32[S]
-    flags: np.ndarray  # i32[3]: any random row, any penalties, any top-logprobs
+    flags: np.ndarray  # i32[4]: any random row / penalties / logprobs / top logprobs
 
     @property
     def num_tokens(self) -> int:
@@ -83,7 +83,7 @@ def empty_step_input(bucket: Bucket, pages_per_seq: int) -> StepInput:
         presence_penalty=np.zeros(s, f32),
         frequency_penalty=np.zeros(s, f32),
         repetition_penalty=np.ones(s, f32),
-        flags=np.zeros(3, i32),
+        flags=np.zeros(4, i32),
     )
 
 
@@ -129,6 +129,7 @@ def pack_step_input(
         if chunk.samples:
             inp.flags[FLAG_RANDOM] |= p.temperature > 0
             inp.flags[FLAG_PENALTY] |= p.uses_penalties
+            inp.flags[FLAG_LOGPROBS] |= p.logprobs is not None
             inp.flags[FLAG_TOP_LOGPROBS] |= (p.logprobs or 0) > 0 and num_top_logprobs > 0
     num_seqs = len(sched.chunks)
     inp.cu_q_lens[num_seqs + 1 :] = offset

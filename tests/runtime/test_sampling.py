@@ -21,7 +21,7 @@ def run(
     min_p=0.0,
     seeds=None,
     counters=None,
-    flags=(1, 0, 0),
+    flags=(1, 0, 0, 0),
 ):
     s = logits.shape[0]
     seeds = np.arange(s) if seeds is None else np.asarray(seeds)
@@ -73,7 +73,7 @@ def test_filters_keep_exactly_the_allowed_tokens(kwargs, allowed):
 def test_greedy_and_temperature():
     logits = np.tile(LOGITS, (64, 1))
     assert set(run(logits, temperature=0.0).tolist()) == {0}
-    assert set(run(logits, temperature=0.0, flags=(0, 0, 0)).tolist()) == {0}
+    assert set(run(logits, temperature=0.0, flags=(0, 0, 0, 0)).tolist()) == {0}
     hot = run(np.tile(LOGITS, (2048, 1)), temperature=1.0)
     freq0 = np.mean(hot == 0)
     assert 0.35 < freq0 < 0.45  # p(token 0) = 0.4
