@@ -1,8 +1,9 @@
-"""Command-line flags for every EngineConfig field, shared by the scripts.
+"""Command-line flags for every EngineConfig field, shared by the scripts and the server.
 
-`add_engine_args(parser)` adds `--config` plus one `--flag-name` per config field (with the
-field's default and comment as help); `engine_config_from_args(args)` builds the
-EngineConfig: YAML preset first, then only the flags the user actually gave.
+`add_engine_args(parser)` adds `--config` plus one `--flag-name` per config field, typed from
+the field's annotation, with the field's comment in config.py as its help;
+`engine_config_from_args(args)` builds the EngineConfig: the YAML preset first, then only
+the flags the user actually gave.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import argparse
 import dataclasses
 import inspect
 import re
+import typing
+from types import UnionType
 from typing import Any
 
 from jaxcb.config import _SECTIONS, EngineConfig, field_type, flat_fields
@@ -18,8 +21,8 @@ from jaxcb.config import _SECTIONS, EngineConfig, field_type, flat_fields
 _HELP_OVERRIDES = {
     "model": "Hugging Face model directory (config.json + *.safetensors); default: the "
     "built-in tiny random-weight model",
-    "token_buckets": "precompiled token buckets, e.g. '16,32,64'; default: powers of two up "
-    "to max_num_batched_tokens",
+    "token_buckets": "precompiled token buckets, e.g. '16 32 64' or '16,32,64'; default: "
+    "powers of two up to max_num_batched_tokens",
 }
 
 
@@ -34,33 +37,52 @@ def _field_comments() -> dict[str, str]:
     return comments
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def _unwrap_optional(hint: Any) -> Any:
+    if typing.get_origin(hint) in (typing.Union, UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return hint
+
+
+def add_engine_args(parser: argparse.ArgumentParser, taken: set[str] = frozenset()) -> None:
+    """Add --config and one flag per config field; `taken`: dests the caller already uses."""
     parser.add_argument(
         "--config", default=None, help="YAML preset (configs/*.yaml); flags given override it"
     )
     comments = _field_comments()
-    group = parser.add_argument_group("engine config (any field of EngineConfig)")
+    group = parser.add_argument_group("engine config (any field of the YAML preset)")
     for name, (section, f) in flat_fields().items():
+        if name in taken:
+            raise ValueError(f"config field {name!r} clashes with another flag")
         owner = _SECTIONS[section] if section else EngineConfig
-        hint = field_type(f, owner)
+        hint = _unwrap_optional(field_type(f, owner))
         default = f.default if f.default is not dataclasses.MISSING else None
-        text = _HELP_OVERRIDES.get(name) or comments.get(name, "")
         where = f"{section}.{name}" if section else name
+        text = _HELP_OVERRIDES.get(name) or comments.get(name, "")
         kwargs: dict[str, Any] = dict(
-            dest=name,
-            default=argparse.SUPPRESS,
-            help=f"{text} [{where}; default: {default}]",
-            metavar=name.upper(),
+            dest=name, default=argparse.SUPPRESS, help=f"{text} [{where}; default: {default}]"
         )
         if hint is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
-            del kwargs["metavar"]
+        elif typing.get_origin(hint) is tuple:
+            kwargs |= dict(nargs="+", metavar="N")  # "16 32 64" or "16,32,64"
+        elif hint in (int, float):
+            kwargs |= dict(type=hint, metavar=hint.__name__.upper())
+        else:
+            kwargs["metavar"] = name.upper()
         group.add_argument("--" + name.replace("_", "-"), **kwargs)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from --config and the config flags that were given (ValueError if bad)."""
-    given = {name: getattr(args, name) for name in flat_fields() if hasattr(args, name)}
+    given = {}
+    for name in flat_fields():
+        if hasattr(args, name):
+            value = getattr(args, name)
+            if isinstance(value, list):  # nargs="+": split "16,32" as well as "16 32"
+                value = [v for item in value for v in str(item).replace(",", " ").split()]
+            given[name] = value
     if getattr(args, "config", None):
         return EngineConfig.from_yaml(args.config, **given)
     return EngineConfig.from_dict(None, **given)

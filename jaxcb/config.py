@@ -64,8 +64,7 @@ class CacheConfig:
     page_size: int = 16  # tokens per page
     num_pages: int | None = None  # pages in the pool (per layer)
     kv_cache_memory_gb: float | None = None  # K+V bytes for all layers, in GiB
-    # Fraction of accelerator memory left after the weights that auto sizing may use.
-    memory_utilization: float = 0.9
+    memory_utilization: float = 0.9  # share of free accelerator memory auto sizing may use
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -131,7 +130,7 @@ class KernelConfig:
     for tests), "pallas-tpu" / "pallas-gpu" (that kernel; interpret mode on CPU), or
     "auto" (pallas on TPU and GPU, xla on CPU)."""
 
-    attention: str = "auto"
+    attention: str = "auto"  # auto | xla | pallas | pallas-tpu | pallas-gpu
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -148,7 +147,7 @@ class EngineConfig:
     model: str | None = None  # Hugging Face model directory; None = built-in tiny model
     tokenizer: str | None = None  # tokenizer directory; None = the model directory
     dtype: str = "float32"  # weights, activations and KV pages
-    max_model_len: int | None = None  # prompt + output tokens; None = model's limit, <= 2048
+    max_model_len: int | None = None  # prompt + output tokens; None = model's max positions
     seed: int = 0  # seeds requests that bring no seed of their own
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

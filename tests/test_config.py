@@ -84,7 +84,10 @@ def test_empty_yaml_gives_defaults(tmp_path: Path, text: str) -> None:
         ("cache: {pagesize: 8}\n", r"unknown key 'pagesize' in cache; valid keys: \['kv_cache"),
         ("page_size: 8\n", r"unknown key 'page_size' in config; valid keys: \['cache'"),
         ("dtype: float16\n", r"dtype must be one of \['float32', 'bfloat16'\]"),
-        ("kernels: {attention: triton}\n", r"attention must be one of \['auto', 'xla', 'pallas'\]"),
+        (
+            "kernels: {attention: triton}\n",
+            r"attention must be one of \['auto', 'xla', 'pallas', 'pallas-tpu', 'pallas-gpu'\]",
+        ),
         ("cache: {page_size: eight}\n", "cache.page_size must be an integer, got 'eight'"),
         ("cache: {page_size: 0}\n", "page_size must be >= 1, got 0"),
         ("scheduler: {max_num_seqs: 1.5}\n", "scheduler.max_num_seqs must be an integer"),

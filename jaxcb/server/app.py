@@ -1,0 +1,153 @@
+"""The FastAPI app: routes, API-key check, and OpenAI-shaped errors for every failure.
+
+    POST /v1/completions       POST /v1/chat/completions     GET /v1/models
+    GET  /health               GET  /metrics
+
+The app owns no engine state: `build_app` takes a ready `LLMEngine`, wraps it in an
+`EngineLoop` (started and stopped with the app's lifespan) and serves from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from jaxcb.engine.llm_engine import LLMEngine
+from jaxcb.server.engine_loop import EngineLoop
+from jaxcb.server.metrics import CONTENT_TYPE, ServerMetrics
+from jaxcb.server.protocol import APIError, error_body
+from jaxcb.server.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_names: tuple[str, ...]
+    api_key: str | None = None
+    max_waiting_requests: int = 1024  # 429 once this many sequences wait for admission
+    shutdown_timeout: float = 10.0  # seconds running requests get to finish on shutdown
+
+
+def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
+    model_name = settings.served_model_names[0]
+    metrics = ServerMetrics(model_name, [b.num_tokens for b in engine.buckets])
+    engine_loop = EngineLoop(engine, metrics, max_waiting_requests=settings.max_waiting_requests)
+    serving = OpenAIServing(engine_loop, list(settings.served_model_names))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine_loop.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine_loop.stop)
+
+    app = FastAPI(title="jaxcb", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine_loop = engine_loop
+    app.state.metrics = metrics
+    app.state.settings = settings
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(settings.api_key))])
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.completions(request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serving.chat_completions(request)
+
+    created = int(time.time())
+
+    @v1.get("/models")
+    async def models() -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "jaxcb",
+                    "root": engine.model_path and str(engine.model_path),
+                    "max_model_len": engine.max_model_len,
+                }
+                for name in settings.served_model_names
+            ],
+        }
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine_loop.alive:
+            raise APIError(503, "the engine loop is not running", type="service_unavailable")
+        if engine_loop.draining:
+            raise APIError(503, "the server is shutting down", type="service_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    _install_error_handlers(app)
+    return app
+
+
+def _api_key_check(api_key: str | None):
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            token.strip().encode(), api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+
+    return check
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status_code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        return JSONResponse(
+            error_body(message, type="invalid_request_error"),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(
+            error_body(f"invalid request: {exc.errors()}", type="invalid_request_error"),
+            status_code=400,
+        )
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return JSONResponse(
+            error_body(f"internal error: {exc}", type="server_error"), status_code=500
+        )

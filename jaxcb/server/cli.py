@@ -1,0 +1,205 @@
+"""`scripts/serve.py` / `python -m jaxcb.server`: flags → engine → app → uvicorn.
+
+Every engine config field is a flag of its own, generated from the config dataclasses
+(`--max-num-seqs 64`, `--page-size 16`, `--token-buckets 16 32 64`), applied over the YAML
+preset given with `--config`. The server binds its socket before building the engine, so a
+busy port fails fast and `--port 0` picks a free port (the startup log prints the URL).
+
+SIGINT/SIGTERM drain: new requests get 503, running ones get `--shutdown-timeout` seconds to
+finish and are aborted after that; then the process exits 0. A second SIGINT quits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
+
+import uvicorn
+
+from jaxcb.cli import add_engine_args, engine_config_from_args
+from jaxcb.config import EngineConfig
+from jaxcb.engine.llm_engine import LLMEngine
+from jaxcb.models.default_model import NAME as DEFAULT_MODEL_NAME
+from jaxcb.server.app import ServerSettings, build_app
+
+logger = logging.getLogger("jaxcb.server")
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="serve.py",
+        description="jaxcb OpenAI-compatible server (/v1/completions, /v1/chat/completions).",
+    )
+    server = parser.add_argument_group("server")
+    server.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+    )
+    server.add_argument(
+        "--port", type=int, default=8000, help="port (default: %(default)s; 0: any free port)"
+    )
+    server.add_argument(
+        "--api-key", help="require 'Authorization: Bearer <key>' on every /v1 route"
+    )
+    server.add_argument(
+        "--served-model-name",
+        nargs="+",
+        help="model name(s) clients must send; default: --model, or the built-in model's name",
+    )
+    server.add_argument(
+        "--log-level", choices=LOG_LEVELS, default="info", help="(default: %(default)s)"
+    )
+    server.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=ServerSettings.max_waiting_requests,
+        help="answer 429 while this many sequences wait for admission (default: %(default)s)",
+    )
+    server.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=ServerSettings.shutdown_timeout,
+        help="seconds running requests get to finish on SIGINT/SIGTERM before they are aborted "
+        "(default: %(default)s)",
+    )
+    add_engine_args(parser, taken=set(vars(parser.parse_args([]))))
+    return parser
+
+
+def default_served_name(config: EngineConfig) -> str:
+    return config.model or DEFAULT_MODEL_NAME
+
+
+# ---- running ----------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.max_waiting_requests < 1:
+        parser.error(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
+    if args.shutdown_timeout < 0:
+        parser.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        parser.exit(1, f"serve.py: cannot listen on {args.host}:{args.port}: {exc}\n")
+
+    try:
+        engine = LLMEngine(config, compile_progress=sys.stderr.isatty())
+    except ValueError as exc:  # a config the model or the scheduler cannot take
+        sock.close()
+        parser.exit(2, f"serve.py: error: {exc}\n")
+    settings = ServerSettings(
+        served_model_names=tuple(args.served_model_name or [default_served_name(config)]),
+        api_key=args.api_key,
+        max_waiting_requests=args.max_waiting_requests,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    app = build_app(engine, settings)
+    url = server_url(args.host, sock.getsockname()[1])
+    log_startup(engine, settings, url)
+    uv_config = uvicorn.Config(
+        app,
+        log_config=None,  # our logging format for uvicorn's loggers too
+        log_level=args.log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=args.shutdown_timeout + 5,  # backstop behind our drain
+    )
+    drain = lambda: app.state.engine_loop.begin_drain(settings.shutdown_timeout)
+    _Server(uv_config, on_first_signal=drain).run(sockets=[sock])
+    logger.info("server stopped")
+    return 0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def server_url(host: str, port: int) -> str:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else host
+    if ":" in shown and not shown.startswith("["):
+        shown = f"[{shown}]"
+    return f"http://{shown}:{port}"
+
+
+def log_startup(engine: LLMEngine, settings: ServerSettings, url: str) -> None:
+    config = engine.config
+    tokens = engine.num_pages * engine.page_size
+    model = str(engine.model_path) + (" (built-in, RANDOM WEIGHTS)" if config.model is None else "")
+    auth = ' -H "Authorization: Bearer $API_KEY"' if settings.api_key else ""
+    name = settings.served_model_names[0]
+    curl = (
+        f"curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
+        f'-d \'{{"model": "{name}", "prompt": "Hello", "max_tokens": 16}}\''
+    )
+    lines = [
+        "jaxcb server ready",
+        f"  model:        {model}, served as {', '.join(settings.served_model_names)}",
+        f"  architecture: {engine.spec.architecture}, dtype {config.dtype}, "
+        f"attention {engine.attention_backend}, max_model_len {engine.max_model_len}",
+        f"  KV pages:     {engine.num_pages} pages x {engine.page_size} tokens = {tokens} tokens, "
+        f"{engine.kv_cache_bytes / 2**20:.1f} MiB ({engine.kv_cache_bytes} bytes)",
+        f"  buckets:      tokens {[b.num_tokens for b in engine.buckets]}, "
+        f"max_num_seqs {config.scheduler.max_num_seqs}",
+        f"  compiled in:  {engine.compile_seconds:.1f} s",
+        f"  listening on: {url}  (OpenAI base_url {url}/v1)",
+        f"  try:          {curl}",
+    ]
+    logger.info("\n".join(lines))
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server that drains on the first SIGINT/SIGTERM and exits 0 afterwards.
+
+    (uvicorn re-raises a caught signal once it has shut down, which would end the process
+    with the signal's status instead of 0; this subclass does not.)
+    """
+
+    def __init__(self, config: uvicorn.Config, on_first_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_first_signal = on_first_signal
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        signals = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            self._on_first_signal()
+        super().handle_exit(sig, frame)

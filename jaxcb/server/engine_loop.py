@@ -1,0 +1,436 @@
+"""The engine loop: one thread owns the LLMEngine and steps it while work exists.
+
+HTTP handlers run on the asyncio event loop and never touch the engine. They send commands
+(add, abort, drain, stop) over a thread-safe queue; the thread answers on the event loop:
+an add's outcome through a future, outputs through each request's `Submission` mailbox,
+with one `call_soon_threadsafe` per step for all requests. The thread also owns the tokenizer
+(prompts are tokenized and chat templates rendered here), so the tokenizer is never used
+from two threads at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jaxcb.engine.llm_engine import LLMEngine
+from jaxcb.outputs import RequestOutput
+from jaxcb.sampling_params import SamplingParams
+from jaxcb.server.metrics import ServerMetrics
+from jaxcb.server.prompts import Prompt, check_length, encode_prompt, prompt_param
+from jaxcb.server.protocol import APIError, bad_request
+
+logger = logging.getLogger(__name__)
+
+STALL_WAIT_SECONDS = 0.01  # pause when waiting requests cannot be scheduled yet
+
+
+class EngineFailure(Exception):
+    """The engine failed while a request was in flight; the request is gone."""
+
+
+class Submission:
+    """One HTTP request: an engine request per prompt, all answering through one mailbox.
+
+    The engine thread posts cumulative outputs. A post replaces the not-yet-taken output of
+    the same prompt, so a slow client holds at most one output per prompt instead of a
+    growing backlog, and loses nothing: a later output holds all an earlier one did. With
+    `final_only`, only finished outputs are posted.
+    """
+
+    def __init__(
+        self,
+        request_ids: Sequence[str],
+        *,
+        final_only: bool = False,
+        want_token_texts: bool = False,
+    ) -> None:
+        self.request_ids = list(request_ids)
+        self.final_only = final_only
+        self.want_token_texts = want_token_texts  # logprobs need each token's text
+        self.prompt_token_ids: list[list[int]] = []  # set by the engine thread once added
+        self.token_texts: dict[int, str] = {}  # token id -> text, gathered from the outputs
+        self._pending: dict[int, RequestOutput] = {}
+        self._failure: EngineFailure | None = None
+        self._ready = asyncio.Event()
+
+    async def updates(self) -> dict[int, RequestOutput]:
+        """Wait for news: {prompt index: its latest output}. Raises EngineFailure."""
+        await self._ready.wait()
+        self._ready.clear()
+        if self._failure is not None:
+            raise self._failure
+        pending, self._pending = self._pending, {}
+        return pending
+
+    def _post(self, index: int, out: RequestOutput | EngineFailure) -> None:
+        """On the event loop thread."""
+        if isinstance(out, EngineFailure):
+            self._failure = out
+        else:
+            self._pending[index] = out
+            self.token_texts.update(out.extra.get("token_texts", {}))
+        self._ready.set()
+
+
+@dataclass(eq=False)
+class _Route:
+    """Engine-thread bookkeeping of one engine request."""
+
+    submission: Submission
+    index: int  # which prompt of the submission
+    arrival_time: float
+    num_tokens: list[int]  # tokens already counted in the metrics, per sample
+    last_token_time: list[float]
+    num_text_tokens: list[int]  # tokens whose texts were already sent, per sample
+    got_first_token: bool = False
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        metrics: ServerMetrics,
+        *,
+        max_waiting_requests: int,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_waiting_requests = max_waiting_requests
+        self._saved_step_trace = engine.step_trace
+        engine.step_trace = []  # read and cleared after every step, for per-step metrics
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._routes: dict[str, _Route] = {}
+        self._token_text_cache: dict[int, str] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="jaxcb-engine-loop", daemon=True)
+        self._draining = False
+        self._drain_deadline: float | None = None
+        self._stopped = False
+        self.error: BaseException | None = None  # why the thread died, if it did
+
+    # ---- called from the event loop (or any thread) --------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    async def submit(
+        self,
+        submission: Submission,
+        prompts: Sequence[Prompt],
+        params: SamplingParams,
+        *,
+        arrival_time: float,
+    ) -> None:
+        """Queue the prompts; raises APIError (400/429/503) if they were not accepted."""
+        if not self.alive:
+            raise APIError(503, "the engine is not running", type="service_unavailable")
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(
+            lambda: self._add(submission, list(prompts), params, arrival_time, future)
+        )
+        try:
+            await future
+        except asyncio.CancelledError:
+            self.abort(submission.request_ids)  # queued after the add, so it always lands
+            raise
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort requests and free their pages (non-blocking; unknown ids are ignored)."""
+        ids = list(request_ids)
+        self._commands.put(lambda: self._abort_ids(ids))
+
+    def begin_drain(self, grace_seconds: float) -> None:
+        """Stop admitting; abort what is still running after `grace_seconds`.
+
+        Safe to call from a signal handler: it only sets a flag and puts on a SimpleQueue.
+        """
+        self._draining = True
+        deadline = time.monotonic() + grace_seconds
+        self._commands.put(lambda: self._set_drain_deadline(deadline))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort everything left and end the thread (blocks until it has ended)."""
+        self._commands.put(self._stop)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- the thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        failure: EngineFailure | None = None
+        try:
+            while not self._stopped:
+                self._run_commands(wait=not self.engine.has_unfinished_requests())
+                if self._stopped:
+                    break
+                deadline = self._drain_deadline
+                if deadline is not None and self._routes and time.monotonic() >= deadline:
+                    logger.warning(
+                        "shutdown grace period is over: aborting %d requests", len(self._routes)
+                    )
+                    self._abort_ids(list(self._routes))
+                stalled = False
+                if self.engine.has_unfinished_requests():
+                    stalled = not self._step()
+                if stalled:  # nothing could be scheduled: wait a little for a command
+                    self._run_commands(wait=True, timeout=STALL_WAIT_SECONDS)
+        except BaseException as exc:
+            logger.exception("the engine loop died")
+            self.error = exc
+            failure = EngineFailure(f"the engine loop died: {exc}")
+        finally:
+            if failure is not None:
+                self._fail_all(failure)
+            else:
+                self._abort_ids(list(self._routes))
+            self._update_gauges()
+            self.engine.step_trace = self._saved_step_trace
+
+    def _run_commands(self, wait: bool, timeout: float | None = None) -> None:
+        commands = []
+        if wait:
+            if self._drain_deadline is not None and self._routes:
+                remaining = max(0.0, self._drain_deadline - time.monotonic())
+                timeout = remaining if timeout is None else min(timeout, remaining)
+            try:
+                commands.append(self._commands.get(timeout=timeout))
+            except queue.Empty:
+                return
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        for command in commands:
+            command()
+
+    def _step(self) -> bool:
+        """One engine step; False if it had nothing it could schedule."""
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing %d requests", len(self._routes))
+            self._fail_all(EngineFailure(f"engine step failed: {exc}"))
+            return True
+        trace = self.engine.step_trace  # one entry per step that ran
+        if not trace and not outputs:
+            return False
+        for entry in trace:
+            self.metrics.step(entry["bucket"], entry["num_tokens"], len(entry["preempted"]))
+        trace.clear()
+        now = time.monotonic()
+        batch = []
+        for out in outputs:
+            route = self._routes.get(out.request_id)
+            if route is None:
+                continue
+            self._observe(route, out, now)
+            if out.finished:
+                del self._routes[out.request_id]
+            if out.finished or not route.submission.final_only:
+                self._attach_token_texts(route, out)
+                batch.append((route.submission, route.index, out))
+        self._update_gauges()  # before delivering, so a client that sees its end sees them
+        self._deliver(batch)
+        return True
+
+    # ---- commands --------------------------------------------------------------------------
+
+    def _add(
+        self,
+        submission: Submission,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        arrival_time: float,
+        future: asyncio.Future,
+    ) -> None:
+        try:
+            encoded = self._admit(submission, prompts, params, arrival_time)
+        except APIError as exc:
+            self._call_soon(_settle, future, exc)
+            return
+        except Exception as exc:
+            logger.exception("adding request %s failed", submission.request_ids)
+            self._call_soon(_settle, future, APIError(500, str(exc), type="server_error"))
+            return
+        submission.prompt_token_ids = encoded
+        n = params.n
+        for index, request_id in enumerate(submission.request_ids):
+            self._routes[request_id] = _Route(
+                submission, index, arrival_time, [0] * n, [arrival_time] * n, [0] * n
+            )
+        self.metrics.prompt_tokens.inc(sum(len(ids) for ids in encoded))
+        self._call_soon(_settle, future, None)
+
+    def _admit(
+        self,
+        submission: Submission,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> list[list[int]]:
+        """Validate everything first, then add all prompts (or none) to the engine."""
+        if self._draining or self._stopped:
+            raise APIError(
+                503, "the server is shutting down", type="service_unavailable", code="shutting_down"
+            )
+        waiting = self.engine.num_waiting
+        if waiting >= self.max_waiting_requests:
+            raise APIError(
+                429,
+                f"too many requests are waiting ({waiting}; the limit is "
+                f"{self.max_waiting_requests}); retry later",
+                type="rate_limit_error",
+                code="queue_full",
+            )
+        encoded = [encode_prompt(self.engine, p) for p in prompts]
+        for prompt, ids in zip(prompts, encoded, strict=True):
+            check_length(self.engine.max_model_len, ids, params, prompt_param(prompt))
+        added: list[str] = []
+        try:
+            for request_id, ids in zip(submission.request_ids, encoded, strict=True):
+                self.engine.add_request(request_id, ids, params, arrival_time=arrival_time)
+                added.append(request_id)
+        except ValueError as exc:
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            raise bad_request(str(exc), prompt_param(prompts[0])) from None
+        return encoded
+
+    def _abort_ids(self, request_ids: list[str]) -> None:
+        now = time.monotonic()
+        batch = []
+        for request_id in request_ids:
+            route = self._routes.pop(request_id, None)
+            if route is None:
+                continue  # finished already
+            out = self.engine.abort_request(request_id)
+            if out is not None:
+                self._observe(route, out, now)
+                self._attach_token_texts(route, out)
+                batch.append((route.submission, route.index, out))
+        self._update_gauges()
+        self._deliver(batch)
+
+    def _fail_all(self, failure: EngineFailure) -> None:
+        batch = []
+        for request_id, route in list(self._routes.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("aborting %s failed", request_id)
+            batch.append((route.submission, route.index, failure))
+        self._routes.clear()
+        self._deliver(batch)
+
+    def _set_drain_deadline(self, deadline: float) -> None:
+        self._draining = True
+        self._drain_deadline = deadline
+        if self._routes:
+            logger.info(
+                "draining: %d requests get %.1f s to finish",
+                len(self._routes),
+                max(0.0, deadline - time.monotonic()),
+            )
+
+    def _stop(self) -> None:
+        self._stopped = True
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _observe(self, route: _Route, out: RequestOutput, now: float) -> None:
+        """Metrics for what is new in `out`."""
+        metrics = self.metrics
+        for j, sample in enumerate(out.outputs):
+            seen, total = route.num_tokens[j], len(sample.token_ids)
+            if total <= seen:
+                continue
+            new = total - seen
+            metrics.generation_tokens.inc(new)
+            if not route.got_first_token:
+                route.got_first_token = True
+                metrics.time_to_first_token.observe(now - route.arrival_time)
+            elif seen:
+                gap = (now - route.last_token_time[j]) / new
+                for _ in range(new):
+                    metrics.inter_token_latency.observe(gap)
+            route.num_tokens[j] = total
+            route.last_token_time[j] = now
+        if out.finished:
+            reasons = [s.finish_reason or "abort" for s in out.outputs]
+            for reason in reasons:
+                metrics.request_finished(reason)
+            if "abort" not in reasons:
+                metrics.e2e_request_latency.observe(now - route.arrival_time)
+
+    def _attach_token_texts(self, route: _Route, out: RequestOutput) -> None:
+        """Put the text of each token not yet sent into `out.extra` (for logprobs)."""
+        if not route.submission.want_token_texts:
+            return
+        texts: dict[int, str] = {}
+        for j, sample in enumerate(out.outputs):
+            start = route.num_text_tokens[j]
+            for token_id in sample.token_ids[start:]:
+                texts[token_id] = self._token_text(token_id)
+            for top in (sample.top_logprobs or [])[start:]:
+                for token_id in top:
+                    texts[token_id] = self._token_text(token_id)
+            route.num_text_tokens[j] = len(sample.token_ids)
+        out.extra["token_texts"] = texts
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            tokenizer = self.engine.tokenizer
+            if tokenizer is None:
+                text = f"token_id:{token_id}"
+            else:
+                text = tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text_cache[token_id] = text
+        return text
+
+    def _update_gauges(self) -> None:
+        engine = self.engine
+        self.metrics.num_requests_running.set(engine.num_running)
+        self.metrics.num_requests_waiting.set(engine.num_waiting)
+        self.metrics.kv_cache_usage_perc.set(engine.pool.num_used / engine.num_pages)
+
+    def _deliver(self, batch: list[tuple[Submission, int, Any]]) -> None:
+        if batch:
+            self._call_soon(_post_all, batch)
+
+    def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
+        # RuntimeError: the event loop is closed, so nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(fn, *args)
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():  # the handler was cancelled; its abort is already queued
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _post_all(batch: list[tuple[Submission, int, Any]]) -> None:
+    for submission, index, item in batch:
+        submission._post(index, item)

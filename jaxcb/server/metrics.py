@@ -1,0 +1,101 @@
+"""Prometheus metrics of the server, named like vLLM's where they mean the same thing.
+
+Everything is updated from the engine loop thread (prometheus-client metrics are thread-safe)
+and lives in the server's own registry, so several apps in one process do not collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Histogram bounds in seconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2.5, 5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 240, 480, 960)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """The server's metrics, each already bound to its `model_name` label."""
+
+    def __init__(self, model_name: str, token_buckets: Sequence[int]) -> None:
+        self.registry = registry = CollectorRegistry()
+        label = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, label, registry=registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, label, registry=registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, doc, label, buckets=buckets, registry=registry).labels(
+                model_name
+            )
+
+        self.num_requests_running = gauge(
+            "jaxcb:num_requests_running", "Sequences in the running batch (one per sample)."
+        )
+        self.num_requests_waiting = gauge(
+            "jaxcb:num_requests_waiting", "Sequences waiting to be admitted (one per sample)."
+        )
+        self.kv_cache_usage_perc = gauge(
+            "jaxcb:kv_cache_usage_perc", "Fraction of KV cache pages in use (1 = all)."
+        )
+        self.padding_fraction = gauge(
+            "jaxcb:padding_fraction",
+            "Fraction of the token slots of all steps so far that were padding.",
+        )
+        self.time_to_first_token = histogram(
+            "jaxcb:time_to_first_token_seconds",
+            "Seconds from arrival to the first generated token.",
+            TTFT_BUCKETS,
+        )
+        self.inter_token_latency = histogram(
+            "jaxcb:inter_token_latency_seconds",
+            "Seconds between consecutive generated tokens of a sequence.",
+            ITL_BUCKETS,
+        )
+        self.e2e_request_latency = histogram(
+            "jaxcb:e2e_request_latency_seconds",
+            "Seconds from arrival to the end of a request that was not aborted.",
+            E2E_BUCKETS,
+        )
+        self.step_bucket_tokens = histogram(
+            "jaxcb:step_bucket_tokens",
+            "Token bucket (padded batch size) chosen for each engine step.",
+            sorted(set(token_buckets)),
+        )
+        self.prompt_tokens = counter("jaxcb:prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("jaxcb:generation_tokens", "Generated tokens.")
+        self.num_preemptions = counter(
+            "jaxcb:num_preemptions", "Sequences preempted (pages freed, recomputed later)."
+        )
+        self._request_success = Counter(
+            "jaxcb:request_success",
+            "Finished sequences by finish reason (stop, length, abort).",
+            ["model_name", "finished_reason"],
+            registry=registry,
+        )
+        self._model_name = model_name
+        self._token_slots = 0
+        self._tokens_scheduled = 0
+
+    def request_finished(self, finish_reason: str) -> None:
+        self._request_success.labels(self._model_name, finish_reason).inc()
+
+    def step(self, bucket_tokens: int, num_tokens: int, num_preempted: int) -> None:
+        """Record one engine step: its bucket, real tokens and preemptions."""
+        self.step_bucket_tokens.observe(bucket_tokens)
+        self._token_slots += bucket_tokens
+        self._tokens_scheduled += num_tokens
+        self.padding_fraction.set(1.0 - self._tokens_scheduled / self._token_slots)
+        if num_preempted:
+            self.num_preemptions.inc(num_preempted)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
