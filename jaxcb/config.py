@@ -65,6 +65,7 @@ class CacheConfig:
     num_pages: int | None = None  # pages in the pool (per layer)
     kv_cache_memory_gb: float | None = None  # K+V bytes for all layers, in GiB
     memory_utilization: float = 0.9  # share of free accelerator memory auto sizing may use
+    kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16; auto: model dtype, f32 on CPU
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -80,6 +81,10 @@ class CacheConfig:
         _check(
             self.num_pages is None or self.kv_cache_memory_gb is None,
             "give num_pages or kv_cache_memory_gb, not both",
+        )
+        _check(
+            self.kv_cache_dtype in ("auto", *DTYPES),
+            f"kv_cache_dtype must be one of {['auto', *DTYPES]}, got {self.kv_cache_dtype!r}",
         )
         _check(
             0 < self.memory_utilization <= 1,

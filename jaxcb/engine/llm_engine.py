@@ -53,7 +53,7 @@ class LLMEngine:
 
         from jaxcb.attention import get_attention_fn, resolve_backend
         from jaxcb.models.loader import load_model
-        from jaxcb.runtime.kv_cache import page_bytes, resolve_num_pages
+        from jaxcb.runtime.kv_cache import page_bytes, resolve_kv_cache_dtype, resolve_num_pages
         from jaxcb.runtime.runner import ModelRunner
         from pallas_kernels.ragged_paged_attention import pages_per_seq
 
@@ -76,16 +76,18 @@ class LLMEngine:
         cache, sched = config.cache, config.scheduler
         self.page_size = cache.page_size
         self.pages_per_seq = pages_per_seq(max_model_len, cache.page_size)
+        kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, dtype)
+        self.kv_cache_dtype = str(kv_dtype)
         num_pages = resolve_num_pages(
             cache,
             spec,
-            itemsize=dtype.itemsize,
+            itemsize=kv_dtype.itemsize,
             max_model_len=max_model_len,
             max_num_seqs=sched.max_num_seqs,
             params_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params)),
         )
         self.num_pages = num_pages
-        self.kv_cache_bytes = num_pages * page_bytes(spec, cache.page_size, dtype.itemsize)
+        self.kv_cache_bytes = num_pages * page_bytes(spec, cache.page_size, kv_dtype.itemsize)
         token_buckets = sched.token_buckets or default_token_buckets(sched.max_num_batched_tokens)
         self.buckets = make_buckets(token_buckets, sched.max_num_seqs)
 
@@ -100,7 +102,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             spec,
             model.params,
-            dtype=dtype,
+            kv_cache_dtype=kv_dtype,
             num_pages=num_pages,
             page_size=cache.page_size,
             pages_per_seq=self.pages_per_seq,
@@ -111,13 +113,14 @@ class LLMEngine:
         )
         self.compile_seconds = self.runner.compile(self.buckets, progress=compile_progress)
         logger.info(
-            "engine ready: %s (%s%s), dtype %s, %d KV pages x %d tokens (%.1f MiB), "
+            "engine ready: %s (%s%s), dtype %s, %d %s KV pages x %d tokens (%.1f MiB), "
             "buckets %s, attention %s on %s, load %.1fs, compile %.1fs",
             model.path,
             spec.architecture,
             ", RANDOM WEIGHTS" if model.is_default else "",
             config.dtype,
             num_pages,
+            self.kv_cache_dtype,
             cache.page_size,
             self.kv_cache_bytes / 2**20,
             [b.num_tokens for b in self.buckets],

@@ -35,7 +35,7 @@ class ModelRunner:
         spec: ModelSpec,
         params: Params,
         *,
-        dtype: jnp.dtype,
+        kv_cache_dtype: jnp.dtype,
         num_pages: int,
         page_size: int,
         pages_per_seq: int,
@@ -56,7 +56,7 @@ class ModelRunner:
             page_size=page_size,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
-            dtype=dtype,
+            dtype=kv_cache_dtype,
         )
         self._compiled: dict[Bucket, jax.stages.Compiled] = {}
         self.compile_seconds: dict[int, float] = {}

@@ -213,3 +213,19 @@ def test_bad_config_is_rejected():
         LLM(max_num_seqs=64, max_num_batched_tokens=32, token_buckets=[32])
     with pytest.raises(ValueError, match="fewer than max_model_len"):
         LLM(num_pages=2, page_size=8, max_model_len=256)
+
+
+def test_bfloat16_model_and_kv_cache_dtypes():
+    """bf16 weights run; on CPU the KV pages default to float32 (bf16 scatters copy the pool
+    there), and an explicit bf16 pool also works. Greedy tokens mostly agree with float32."""
+    prompt = [[10, 11, 12, 13]]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    small = {**CONFIG, "token_buckets": [16, 64]}
+    auto = LLM(dtype="bfloat16", **small)
+    assert auto.engine.kv_cache_dtype == "float32"
+    explicit = LLM(dtype="bfloat16", kv_cache_dtype="bfloat16", **small)
+    assert explicit.engine.kv_cache_dtype == "bfloat16"
+    a = auto.generate(prompt, sp, use_tqdm=False)[0].token_ids
+    b = explicit.generate(prompt, sp, use_tqdm=False)[0].token_ids
+    assert len(a) == len(b) == 12
+    assert a[:3] == b[:3]
