@@ -35,8 +35,7 @@ jax.tree_util.register_dataclass(
 
 def apply_penalties(
     logits: jax.Array,  # f32[S, V]
-    token_history: jax.Array,  # i32[max_num_seqs, M]: tokens so far (prompt, then output)
-    seq_slots: jax.Array,  # i32[S]: each row's row of token_history
+    history: jax.Array,  # i32[S, M]: each row's tokens so far (prompt, then output)
     history_lens: jax.Array,  # i32[S]: valid entries of each history row
     num_prompt_tokens: jax.Array,  # i32[S]
     presence: jax.Array,  # f32[S]
@@ -45,7 +44,6 @@ def apply_penalties(
 ) -> jax.Array:
     """vLLM/OpenAI semantics: repetition over prompt + output, presence/frequency over output."""
     num_seqs, vocab = logits.shape
-    history = token_history[seq_slots]  # [S, M]
     cols = jnp.arange(history.shape[1])[None, :]  # [1, M]
     seen = cols < history_lens[:, None]  # [S, M]
     is_output = seen & (cols >= num_prompt_tokens[:, None])

@@ -106,7 +106,6 @@ class LLMEngine:
             num_pages=num_pages,
             page_size=cache.page_size,
             pages_per_seq=self.pages_per_seq,
-            max_num_seqs=sched.max_num_seqs,
             max_model_len=max_model_len,
             attention_fn=get_attention_fn(config.kernels.attention),
             num_top_logprobs=MAX_TOP_LOGPROBS,

@@ -48,7 +48,6 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     page_ids: list[int] = field(default_factory=list)
-    slot: int = -1  # row of the device-side token history while running
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     metrics: RequestMetrics = field(init=False)

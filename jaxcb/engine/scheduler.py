@@ -77,7 +77,6 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
-        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
 
     # ---- queue management ---------------------------------------------------------------
@@ -91,7 +90,7 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def finish(self, request: Request) -> None:
-        """Release a finished (or aborted) request's pages and slot; it leaves every queue."""
+        """Release a finished (or aborted) request's pages; it leaves every queue."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self._release(request)
@@ -177,14 +176,11 @@ class Scheduler:
 
     def _admit(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
-        request.slot = self._free_slots.pop()
         self.running.append(request)
 
     def _release(self, request: Request) -> None:
         self.pool.free(request.page_ids)
         request.page_ids = []
-        self._free_slots.append(request.slot)
-        request.slot = -1
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -1,4 +1,4 @@
-"""Device state: the KV page pool (layout from pallas_kernels) and the token history.
+"""Device state: the KV page pool (layout from pallas_kernels).
 
 Also decides how many pages the pool gets: `num_pages`, or a memory budget, or (auto) enough
 for `max_num_seqs` full-length sequences within what the device can spare.
@@ -25,12 +25,9 @@ CPU_AUTO_BUDGET_BYTES = 4 * GIB  # auto sizing on CPU never takes more than this
 @dataclass
 class DeviceState:
     kv_caches: KVCache  # per layer (k_pages, v_pages), each [Hkv, P, page_size, D]
-    token_history: jax.Array  # i32[max_num_seqs, max_model_len]: tokens fed so far, per slot
 
 
-jax.tree_util.register_dataclass(
-    DeviceState, data_fields=["kv_caches", "token_history"], meta_fields=[]
-)
+jax.tree_util.register_dataclass(DeviceState, data_fields=["kv_caches"], meta_fields=[])
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: jnp.dtype) -> jnp.dtype:
@@ -96,11 +93,8 @@ def init_state(
     *,
     num_pages: int,
     page_size: int,
-    max_num_seqs: int,
-    max_model_len: int,
     dtype: jnp.dtype,
 ) -> DeviceState:
     shape = kv_pages_shape(num_pages, page_size, spec.num_kv_heads, spec.head_dim)
     caches = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(spec.num_layers)]
-    history = jnp.zeros((max_num_seqs, max_model_len), jnp.int32)
-    return DeviceState(caches, history)
+    return DeviceState(caches)

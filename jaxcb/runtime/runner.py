@@ -39,7 +39,6 @@ class ModelRunner:
         num_pages: int,
         page_size: int,
         pages_per_seq: int,
-        max_num_seqs: int,
         max_model_len: int,
         attention_fn: AttentionFn,
         num_top_logprobs: int,
@@ -54,11 +53,11 @@ class ModelRunner:
             spec,
             num_pages=num_pages,
             page_size=page_size,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
             dtype=kv_cache_dtype,
         )
+        self.max_model_len = max_model_len
         self._compiled: dict[Bucket, jax.stages.Compiled] = {}
+        self._no_penalty_tokens: dict[Bucket, jax.Array] = {}
         self.compile_seconds: dict[int, float] = {}
 
     def compile(self, buckets: tuple[Bucket, ...], progress: bool = False) -> float:
@@ -71,7 +70,7 @@ class ModelRunner:
         total = 0.0
         for bucket in items:
             t0 = time.perf_counter()
-            example = empty_step_input(bucket, self.pages_per_seq)
+            example = empty_step_input(bucket, self.pages_per_seq, self.max_model_len)
             lowered = step_module.jitted_step.lower(
                 self.params, self.state, example, **self._static
             )
@@ -86,6 +85,11 @@ class ModelRunner:
 
     def execute(self, bucket: Bucket, inp: StepInput) -> StepResult:
         compiled = self._compiled[bucket]
+        if inp.penalty_tokens is None:
+            if bucket not in self._no_penalty_tokens:
+                shape = (bucket.num_seqs, self.max_model_len)
+                self._no_penalty_tokens[bucket] = jax.device_put(np.zeros(shape, np.int32))
+            inp.penalty_tokens = self._no_penalty_tokens[bucket]
         out, self.state = compiled(self.params, self.state, inp)
         want_top = bool(inp.flags[FLAG_TOP_LOGPROBS])
         fetched = jax.device_get(

@@ -1,7 +1,7 @@
 """THE step function: model forward over a packed ragged batch, KV write, sampling.
 
 One jitted function serves every bucket (each bucket is compiled once, ahead of time). The
-device state (KV pages and the token history used for penalties) is donated, so XLA
+device state (the KV pages) is donated, so XLA
 updates it in place.
 """
 
@@ -28,9 +28,6 @@ def step(
     num_top_logprobs: int,
 ) -> tuple[SamplingOutput, DeviceState]:
     TRACE_COUNT[0] += 1
-    history = state.token_history
-    flat_history = history.reshape(-1).at[inp.history_index].set(inp.input_ids, mode="drop")
-    history = flat_history.reshape(history.shape)
 
     meta = AttentionMetadata(
         kv_lens=inp.kv_lens,
@@ -50,8 +47,7 @@ def step(
         attention_fn=attention_fn,
     )
     penalty_args = (
-        history,
-        inp.seq_slots,
+        inp.penalty_tokens,
         inp.kv_lens,
         inp.num_prompt_tokens,
         inp.presence_penalty,
@@ -70,7 +66,7 @@ def step(
         penalty_args=penalty_args,
         num_top_logprobs=num_top_logprobs,
     )
-    return out, DeviceState(kv_caches, history)
+    return out, DeviceState(kv_caches)
 
 
 jitted_step = jax.jit(

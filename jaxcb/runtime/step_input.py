@@ -27,7 +27,6 @@ class StepInput:
     input_ids: np.ndarray  # i32[T]
     positions: np.ndarray  # i32[T]
     slot_mapping: np.ndarray  # i32[T]: page * page_size + offset, PADDING_SLOT for padding
-    history_index: np.ndarray  # i32[T]: seq_slot * M + position, PADDING_SLOT for padding
     # sequence rows (attention metadata)
     cu_q_lens: np.ndarray  # i32[S + 1]
     kv_lens: np.ndarray  # i32[S]
@@ -35,7 +34,6 @@ class StepInput:
     num_seqs: np.ndarray  # i32[1]
     logits_indices: np.ndarray  # i32[S]: the row of each sequence's last token
     # sequence rows (sampling)
-    seq_slots: np.ndarray  # i32[S]: row of each sequence in the device token history
     num_prompt_tokens: np.ndarray  # i32[S]
     temperature: np.ndarray  # f32[S]
     top_k: np.ndarray  # i32[S]
@@ -47,6 +45,9 @@ class StepInput:
     frequency_penalty: np.ndarray  # f32[S]
     repetition_penalty: np.ndarray  # f32[S]
     flags: np.ndarray  # i32[4]: any random row / penalties / logprobs / top logprobs
+    # i32[S, M]: each row's tokens so far, for penalties; None (a device-resident zero array
+    # is used) unless some row has penalties, so most steps send nothing this size.
+    penalty_tokens: np.ndarray | jax.Array | None
 
     @property
     def num_tokens(self) -> int:
@@ -58,7 +59,7 @@ jax.tree_util.register_dataclass(
 )
 
 
-def empty_step_input(bucket: Bucket, pages_per_seq: int) -> StepInput:
+def empty_step_input(bucket: Bucket, pages_per_seq: int, max_model_len: int) -> StepInput:
     """An all-padding input of the bucket's shapes (used for compilation)."""
     t, s = bucket.num_tokens, bucket.num_seqs
     i32, f32 = np.int32, np.float32
@@ -66,13 +67,11 @@ def empty_step_input(bucket: Bucket, pages_per_seq: int) -> StepInput:
         input_ids=np.zeros(t, i32),
         positions=np.zeros(t, i32),
         slot_mapping=np.full(t, PADDING_SLOT, i32),
-        history_index=np.full(t, PADDING_SLOT, i32),
         cu_q_lens=np.zeros(s + 1, i32),
         kv_lens=np.zeros(s, i32),
         page_indices=np.zeros((s, pages_per_seq), i32),
         num_seqs=np.zeros(1, i32),
         logits_indices=np.zeros(s, i32),
-        seq_slots=np.zeros(s, i32),
         num_prompt_tokens=np.zeros(s, i32),
         temperature=np.zeros(s, f32),
         top_k=np.zeros(s, i32),
@@ -84,6 +83,7 @@ def empty_step_input(bucket: Bucket, pages_per_seq: int) -> StepInput:
         frequency_penalty=np.zeros(s, f32),
         repetition_penalty=np.ones(s, f32),
         flags=np.zeros(4, i32),
+        penalty_tokens=np.zeros((s, max_model_len), i32),
     )
 
 
@@ -97,7 +97,8 @@ def pack_step_input(
     num_top_logprobs: int,
 ) -> StepInput:
     """Lay the scheduled chunks out on the token axis, padded to the bucket."""
-    inp = empty_step_input(bucket, pages_per_seq)
+    inp = empty_step_input(bucket, pages_per_seq, max_model_len=1)
+    inp.penalty_tokens = None
     offset = 0
     for s, chunk in enumerate(sched.chunks):
         req, n, start, end = chunk.request, chunk.num_tokens, chunk.start, chunk.end
@@ -107,13 +108,11 @@ def pack_step_input(
         inp.input_ids[rows] = req.token_ids[start:end]
         inp.positions[rows] = positions
         inp.slot_mapping[rows] = pages[positions // page_size] * page_size + positions % page_size
-        inp.history_index[rows] = req.slot * max_model_len + positions
         offset += n
         inp.cu_q_lens[s + 1] = offset
         inp.kv_lens[s] = end
         inp.page_indices[s, : len(pages)] = pages
         inp.logits_indices[s] = offset - 1
-        inp.seq_slots[s] = req.slot
         inp.num_prompt_tokens[s] = req.num_prompt_tokens
 
         p = req.params
@@ -131,6 +130,10 @@ def pack_step_input(
             inp.flags[FLAG_PENALTY] |= p.uses_penalties
             inp.flags[FLAG_LOGPROBS] |= p.logprobs is not None
             inp.flags[FLAG_TOP_LOGPROBS] |= (p.logprobs or 0) > 0 and num_top_logprobs > 0
+    if inp.flags[FLAG_PENALTY]:
+        inp.penalty_tokens = np.zeros((bucket.num_seqs, max_model_len), np.int32)
+        for s, chunk in enumerate(sched.chunks):
+            inp.penalty_tokens[s, : chunk.end] = chunk.request.token_ids[: chunk.end]
     num_seqs = len(sched.chunks)
     inp.cu_q_lens[num_seqs + 1 :] = offset
     inp.num_seqs[0] = num_seqs

@@ -229,3 +229,27 @@ def test_bfloat16_model_and_kv_cache_dtypes():
     b = explicit.generate(prompt, sp, use_tqdm=False)[0].token_ids
     assert len(a) == len(b) == 12
     assert a[:3] == b[:3]
+
+
+def test_penalties_change_greedy_output_and_survive_preemption():
+    prompt = [[7, 8, 9, 7, 8, 9, 7, 8, 9]]
+    n = 64
+    plain = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    rep = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, repetition_penalty=50.0)
+    freq = SamplingParams(
+        max_tokens=n, temperature=0, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0
+    )
+    llm = LLM(**{**CONFIG, "token_buckets": [16, 64]})
+    base, with_rep, with_freq = (
+        llm.generate(prompt, sp, use_tqdm=False)[0].token_ids for sp in (plain, rep, freq)
+    )
+    assert len(set(base)) < n, "the plain output must repeat itself for this test to mean much"
+    # a huge repetition penalty makes every seen token (prompt or output) lose to an unseen one
+    assert len(set(with_rep)) == n and not set(with_rep) & set(prompt[0])
+    assert with_freq != base
+    # the same requests in a crowded, preempting engine give the same tokens
+    tight = LLM(**{**CONFIG, "token_buckets": [16, 64], "num_pages": 33})
+    crowd = prompts(6, seed=9, max_len=120)
+    outs = tight.generate([*crowd, prompt[0], prompt[0]], [plain] * 6 + [rep, freq], use_tqdm=False)
+    assert tight.stats()["preemptions"] > 0
+    assert outs[-2].token_ids == with_rep and outs[-1].token_ids == with_freq

@@ -166,7 +166,7 @@ class Harness:
         req.finish_reason = "abort"
         self.sched.finish(req)
         assert req.status is RequestStatus.FINISHED
-        assert req.page_ids == [] and req.slot == -1
+        assert req.page_ids == []
         self.check_between_steps()
 
     def step(self) -> None:
@@ -231,8 +231,6 @@ class Harness:
         assert len(preempted_ids) == len(out.preempted), "a request is preempted twice"
         assert not chunk_ids & preempted_ids, "a preempted request is still scheduled"
         assert {id(r) for r in sched.running} >= chunk_ids, "a scheduled request is not running"
-        assert len({r.slot for r in sched.running}) == len(sched.running)
-        assert all(0 <= r.slot < sc.max_num_seqs for r in sched.running)
 
         # Each chunk continues where the cache ends, within the request, with pages for it.
         for c in out.chunks:
@@ -267,7 +265,7 @@ class Harness:
         # the head of the queue in admission order, and nothing is admitted in that step.
         for v in out.preempted:
             assert v.status is RequestStatus.WAITING
-            assert v.page_ids == [] and v.slot == -1 and v.num_computed_tokens == 0
+            assert v.page_ids == [] and v.num_computed_tokens == 0
             assert all(self.admit_seq[id(v)] > self.admit_seq[id(r)] for r in sched.running)
         seqs = [self.admit_seq[id(v)] for v in out.preempted]
         assert seqs == sorted(seqs, reverse=True)
@@ -307,7 +305,7 @@ class Harness:
             assert len(r.page_ids) == math.ceil(r.num_computed_tokens / ps)
             assert r.num_uncomputed_tokens >= 1
         for r in sched.waiting:
-            assert r.status is RequestStatus.WAITING and r.page_ids == [] and r.slot == -1
+            assert r.status is RequestStatus.WAITING and r.page_ids == []
             assert r.num_computed_tokens == 0
         holders = sum(len(r.page_ids) for r in sched.running)
         assert self.pool.num_used == holders
@@ -316,7 +314,6 @@ class Harness:
         sched, sc = self.sched, self.sc
         assert not sched.running and not sched.waiting and sched.num_unfinished == 0
         assert self.pool.num_free == sc.num_pages
-        assert sorted(sched._free_slots) == list(range(sc.max_num_seqs))
         assert sched.num_preemptions == self.total_preemptions
         for s in sc.specs:
             req = self.requests[s.rid]

@@ -37,7 +37,6 @@ def run(
         flags=jnp.asarray(flags, jnp.int32),
         penalty_args=(
             jnp.zeros((s, 4), jnp.int32),
-            jnp.arange(s, dtype=jnp.int32),
             jnp.zeros(s, jnp.int32),
             jnp.zeros(s, jnp.int32),
             jnp.zeros(s),
@@ -94,7 +93,6 @@ def test_penalties_match_vllm_semantics():
     out = apply_penalties(
         logits,
         history,
-        jnp.asarray([0]),
         jnp.asarray([3]),  # valid history length
         jnp.asarray([1]),  # prompt tokens
         jnp.asarray([0.5]),  # presence
