@@ -117,6 +117,8 @@ def forward(
     g, d = spec.group_size, spec.head_dim
     inv_freq = spec.inv_freq()
     x = params["embed"][input_ids]  # [T, H]
+    if x.dtype == jnp.uint16:  # a bf16 table kept as raw bits (see ModelRunner): view rows
+        x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
     new_caches: KVCache = []
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
@@ -156,6 +158,6 @@ def forward(
         x = x + dense(act, layer["w_down"])
 
     last = rms_norm(x[logits_indices], params["final_norm"], spec.rms_norm_eps)  # [S, H]
-    lm_head = params["embed"].T if spec.tie_word_embeddings else params["lm_head"]
+    lm_head = params["lm_head"] if "lm_head" in params else params["embed"].T
     logits = jnp.dot(last, lm_head, preferred_element_type=jnp.float32)  # [S, V]
     return logits, new_caches

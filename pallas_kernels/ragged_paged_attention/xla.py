@@ -28,11 +28,11 @@ from jax import lax
 from pallas_kernels.ragged_paged_attention.reference import MASK_VALUE
 
 
-def _online_softmax_step(carry, scores, mask, v, out_dtype):
+def _online_softmax_step(carry, scores, mask, v, out_dtype, *, as_matmul=True):
     """One KV chunk of an online softmax.
 
-    carry: (m [..., R], denom [..., R], acc [..., R, D]); scores, mask: [..., R, C];
-    v: [..., C, D].
+    carry: (m [Hkv, N, R], denom [Hkv, N, R], acc [Hkv, N, R, D]); scores, mask:
+    [Hkv, N, R, C]; v: [Hkv, N, C, D].
     """
     m, denom, acc = carry
     scores = jnp.where(mask, scores, MASK_VALUE)
@@ -40,18 +40,28 @@ def _online_softmax_step(carry, scores, mask, v, out_dtype):
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(scores - m_new[..., None]) * mask
     denom = denom * alpha + p.sum(axis=-1)
-    pv = jnp.matmul(p.astype(out_dtype), v, preferred_element_type=jnp.float32)
+    if as_matmul:
+        pv = jnp.einsum(
+            "hnrc,hncd->hnrd", p.astype(out_dtype), v, preferred_element_type=jnp.float32
+        )
+    else:  # multiply-and-reduce: XLA fuses it with the gather of v, nothing materialized
+        pv = jnp.sum(p[..., None] * v[:, :, None, :, :].astype(jnp.float32), axis=-2)
     return m_new, denom, acc * alpha[..., None] + pv
 
 
-def _gather_chunk(pages, page_ids, valid):
-    """K or V of a chunk: pages [Hkv, P, ps, D], page_ids [N, n], valid [N, n * ps] →
-    [N, Hkv, n * ps, D] with invalid rows zeroed."""
+def _gather_chunk(pages, page_ids, valid=None):
+    """K or V of a chunk: pages [Hkv, P, ps, D], page_ids [N, n] → [Hkv, N, n * ps, D].
+
+    With `valid` [N, n * ps], rows outside it are zeroed (V must be: 0 * NaN is NaN; K need
+    not be, its scores are masked with a select).
+    """
     num_kv_heads, _, page_size, head_dim = pages.shape
     n_rows, n_pages = page_ids.shape
     x = pages[:, page_ids]  # [Hkv, N, n, ps, D]
-    x = x.reshape(num_kv_heads, n_rows, n_pages * page_size, head_dim).swapaxes(0, 1)
-    return jnp.where(valid[:, None, :, None], x, jnp.zeros((), x.dtype))
+    x = x.reshape(num_kv_heads, n_rows, n_pages * page_size, head_dim)
+    if valid is None:
+        return x
+    return jnp.where(valid[None, :, :, None], x, jnp.zeros((), x.dtype))
 
 
 @functools.partial(
@@ -99,8 +109,9 @@ def ragged_paged_attention_xla(
     q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
     kv_lens = jnp.where(live, kv_lens, 0)
 
-    def score(qs, ks):  # qs [N, Hkv, R, D], ks [N, Hkv, C, D] -> [N, Hkv, R, C]
-        s = jnp.matmul(qs, ks.swapaxes(-1, -2), preferred_element_type=jnp.float32) * sm_scale
+    def score(qs, ks):  # qs [Hkv, N, R, D], ks [Hkv, N, C, D] -> [Hkv, N, R, C]
+        s = jnp.einsum("hnrd,hncd->hnrc", qs, ks, preferred_element_type=jnp.float32)
+        s = s * sm_scale
         return soft_cap * jnp.tanh(s / soft_cap) if soft_cap is not None else s
 
     def window_ok(kv_pos, q_pos):
@@ -113,7 +124,8 @@ def ragged_paged_attention_xla(
     dec_rows = jnp.where(is_decode, cu_q_lens[:-1], num_tokens)  # [S]
     dec_pos = kv_lens - 1  # [S]
     q_dec = q[jnp.minimum(dec_rows, num_tokens - 1)]  # [S, Hq, D]
-    q_dec = q_dec.reshape(max_num_seqs, num_kv_heads, group, head_dim)  # [S, Hkv, G, D]
+    q_dec = q_dec.reshape(max_num_seqs, num_kv_heads, group, head_dim).swapaxes(0, 1)
+    # q_dec: [Hkv, S, G, D]
     dec_chunks = -(-jnp.max(jnp.where(is_decode, kv_lens, 0)) // chunk)
 
     def decode_body(c, carry):
@@ -121,19 +133,26 @@ def ragged_paged_attention_xla(
         kv_pos = c * chunk + jnp.arange(chunk)  # [C]
         valid = (kv_pos[None, :] < kv_lens[:, None]) & window_ok(kv_pos[None, :], dec_pos[:, None])
         valid &= is_decode[:, None]  # [S, C]
-        k = _gather_chunk(k_pages, ids, valid)  # [S, Hkv, C, D]
+        k = _gather_chunk(k_pages, ids)  # [Hkv, S, C, D]
         v = _gather_chunk(v_pages, ids, valid)
-        mask = valid[:, None, None, :]  # [S, 1, 1, C]
-        return _online_softmax_step(carry, score(q_dec, k), mask, v, cdtype)
+        mask = valid[None, :, None, :]  # [1, S, 1, C]
+        # One query row per sequence: too thin for a matmul, so multiply-and-reduce, which
+        # XLA fuses with the gathers instead of materializing K and V.
+        products = q_dec[:, :, :, None, :].astype(jnp.float32) * k[:, :, None].astype(jnp.float32)
+        s = jnp.sum(products, axis=-1) * sm_scale  # [Hkv, S, G, C]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        return _online_softmax_step(carry, s, mask, v, cdtype, as_matmul=False)
 
     init = (
-        jnp.full((max_num_seqs, num_kv_heads, group), MASK_VALUE, jnp.float32),
-        jnp.zeros((max_num_seqs, num_kv_heads, group), jnp.float32),
-        jnp.zeros((max_num_seqs, num_kv_heads, group, head_dim), jnp.float32),
+        jnp.full((num_kv_heads, max_num_seqs, group), MASK_VALUE, jnp.float32),
+        jnp.zeros((num_kv_heads, max_num_seqs, group), jnp.float32),
+        jnp.zeros((num_kv_heads, max_num_seqs, group, head_dim), jnp.float32),
     )
     _, l_dec, acc_dec = lax.fori_loop(0, dec_chunks, decode_body, init)
-    o_dec = acc_dec / jnp.where(l_dec == 0, 1.0, l_dec)[..., None]
-    out = out.at[dec_rows].set(o_dec.reshape(max_num_seqs, num_q_heads, head_dim).astype(cdtype))
+    o_dec = acc_dec / jnp.where(l_dec == 0, 1.0, l_dec)[..., None]  # [Hkv, S, G, D]
+    o_dec = o_dec.swapaxes(0, 1).reshape(max_num_seqs, num_q_heads, head_dim)
+    out = out.at[dec_rows].set(o_dec.astype(cdtype))
 
     # ---- prefill path: blocks of block_q rows of one sequence -----------------------------
     is_prefill = q_lens > 1
@@ -171,33 +190,34 @@ def ragged_paged_attention_xla(
         g_pages = page_table[g_seq]  # [BG, pages]
         q_blk = q[jnp.minimum(g_rows, num_tokens - 1)]  # [BG, B, Hq, D]
         q_blk = q_blk.reshape(block_group, block_q, num_kv_heads, group, head_dim)
-        q_blk = q_blk.transpose(0, 2, 1, 3, 4).reshape(
-            block_group, num_kv_heads, rows_per_block, head_dim
-        )
+        q_blk = q_blk.transpose(2, 0, 1, 3, 4).reshape(
+            num_kv_heads, block_group, rows_per_block, head_dim
+        )  # [Hkv, BG, B*G, D]
         n_chunks = -(-jnp.max(g_end) // chunk)
 
         def chunk_body(c, carry):
             ids = lax.dynamic_slice_in_dim(g_pages, c * kv_chunk_pages, kv_chunk_pages, axis=1)
             kv_pos = c * chunk + jnp.arange(chunk)  # [C]
             kv_ok = kv_pos[None, :] < g_end[:, None]  # [BG, C]
-            k = _gather_chunk(k_pages, ids, kv_ok)  # [BG, Hkv, C, D]
+            k = _gather_chunk(k_pages, ids)  # [Hkv, BG, C, D]
             v = _gather_chunk(v_pages, ids, kv_ok)
             mask = (kv_pos[None, None, :] <= g_pos[:, :, None]) & window_ok(
                 kv_pos[None, None, :], g_pos[:, :, None]
             )
             mask &= g_ok[:, :, None] & kv_ok[:, None, :]  # [BG, B, C]
-            mask = jnp.repeat(mask, group, axis=1)[:, None]  # [BG, 1, B*G, C]
+            mask = jnp.repeat(mask, group, axis=1)[None]  # [1, BG, B*G, C]
             return _online_softmax_step(carry, score(q_blk, k), mask, v, cdtype)
 
-        shape = (block_group, num_kv_heads, rows_per_block)
+        shape = (num_kv_heads, block_group, rows_per_block)
         init = (
             jnp.full(shape, MASK_VALUE, jnp.float32),
             jnp.zeros(shape, jnp.float32),
             jnp.zeros((*shape, head_dim), jnp.float32),
         )
         _, l_blk, acc = lax.fori_loop(0, n_chunks, chunk_body, init)
-        o = acc / jnp.where(l_blk == 0, 1.0, l_blk)[..., None]  # [BG, Hkv, B*G, D]
-        o = o.reshape(block_group, num_kv_heads, block_q, group, head_dim).transpose(0, 2, 1, 3, 4)
+        o = acc / jnp.where(l_blk == 0, 1.0, l_blk)[..., None]  # [Hkv, BG, B*G, D]
+        o = o.reshape(num_kv_heads, block_group, block_q, group, head_dim)
+        o = o.transpose(1, 2, 0, 3, 4)  # [BG, B, Hkv, G, D]
         o = o.reshape(block_group * block_q, num_q_heads, head_dim).astype(cdtype)
         return out.at[g_rows.reshape(-1)].set(o)
 
