@@ -1,8 +1,16 @@
-"""Attention backend choice: "xla" (the CPU path) or "pallas" (TPU / GPU kernels).
+"""Attention backend choice.
 
-"xla" is `ragged_paged_attention_xla`: plain XLA with work proportional to the live lengths,
-checked against `ragged_paged_attention_reference` like the kernels are. Every backend has
-the reference's kernel-shaped signature.
+- "native": jaxcb's C++ CPU kernels through XLA FFI (jaxcb/native): ragged paged attention
+  that reads each page once, and an in-place KV write that also works for bfloat16 pools.
+  Compiled on first use; the CPU default when a C++ compiler is present.
+- "xla": `ragged_paged_attention_xla`, plain XLA with work proportional to the live lengths;
+  the CPU fallback.
+- "pallas" / "pallas-tpu" / "pallas-gpu": the Pallas kernels (Mosaic TPU, Triton GPU);
+  interpret mode on CPU, for tests.
+- "auto": pallas on TPU and GPU, native (else xla) on CPU.
+
+Every backend is checked against `ragged_paged_attention_reference` and has its
+kernel-shaped signature.
 """
 
 from __future__ import annotations
@@ -12,55 +20,61 @@ import logging
 
 import jax
 
-from jaxcb.models.llama import AttentionFn
+from jaxcb.models.llama import AttentionBackend
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 
 logger = logging.getLogger(__name__)
 
-
 ACCELERATORS = ("tpu", "gpu", "cuda", "rocm")
+CHOICES = ("auto", "native", "xla", "pallas", "pallas-tpu", "pallas-gpu")
 
 
 def resolve_backend(name: str, platform: str | None = None) -> str:
-    """The concrete backend: "xla", "pallas-tpu" or "pallas-gpu".
-
-    "auto" is pallas on TPU and GPU and xla on CPU; "pallas" is this platform's kernel (the
-    GPU one on CPU, where it runs in interpret mode).
-    """
+    """The concrete backend: "native", "xla", "pallas-tpu" or "pallas-gpu"."""
     platform = platform or jax.default_backend()
+    if name not in CHOICES:
+        raise ValueError(f"unknown attention backend {name!r}; valid: {', '.join(CHOICES)}")
     if name == "auto":
-        name = "pallas" if platform in ACCELERATORS else "xla"
+        if platform in ACCELERATORS:
+            name = "pallas"
+        else:
+            from jaxcb import native
+
+            name = "native" if native.available() else "xla"
     if name == "pallas":
         name = "pallas-tpu" if platform == "tpu" else "pallas-gpu"
-    if name not in ("xla", "pallas-tpu", "pallas-gpu"):
-        raise ValueError(
-            f"unknown attention backend {name!r}; valid: auto, xla, pallas, pallas-tpu, pallas-gpu"
-        )
-    kernel_platform = name.removeprefix("pallas-")
-    if (
-        name != "xla"
-        and platform in ACCELERATORS
-        and (platform == "tpu") != (kernel_platform == "tpu")
-    ):
+    if name == "native" and platform in ACCELERATORS:
+        raise ValueError(f"attention='native' is a CPU kernel and cannot run on {platform}")
+    wrong_kernel = (platform == "tpu") != (name == "pallas-tpu")
+    if name.startswith("pallas-") and platform in ACCELERATORS and wrong_kernel:
         raise ValueError(f"attention={name!r} cannot run on {platform}")
     return name
 
 
-def get_attention_fn(name: str, platform: str | None = None) -> AttentionFn:
+def get_attention_backend(name: str, platform: str | None = None) -> AttentionBackend:
     platform = platform or jax.default_backend()
     backend = resolve_backend(name, platform)
     if backend == "xla":
-        return ragged_paged_attention_xla
+        return AttentionBackend("xla", ragged_paged_attention_xla)
+    if backend == "native":
+        from jaxcb import native
+
+        if not native.available():
+            raise ValueError("attention='native' needs a C++ compiler (g++ or $CXX)")
+        return AttentionBackend(
+            "native", native.ragged_paged_attention_native, native.write_kv_native
+        )
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
     interpret = platform not in ACCELERATORS
     if interpret:
         logger.warning(
             "attention=%s on %s runs the kernel in interpret mode: correct but very slow, "
-            "meant for tests; use attention=xla for speed on CPU",
+            "meant for tests; use attention=native or xla for speed on CPU",
             backend,
             platform,
         )
-    return functools.partial(
+    kernel = functools.partial(
         ragged_paged_attention, backend=backend.removeprefix("pallas-"), interpret=interpret
     )
+    return AttentionBackend(backend, kernel)

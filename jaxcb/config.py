@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 DTYPES = ("float32", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas-tpu", "pallas-gpu")
+ATTENTION_BACKENDS = ("auto", "native", "xla", "pallas", "pallas-tpu", "pallas-gpu")
 
 
 def _check(condition: bool, message: str) -> None:
@@ -130,12 +130,13 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Attention backend: "xla" (plain XLA, the CPU path), "pallas" (the Pallas kernel of
-    this platform: Mosaic on TPU, Triton on GPU; on CPU the GPU kernel in interpret mode,
-    for tests), "pallas-tpu" / "pallas-gpu" (that kernel; interpret mode on CPU), or
-    "auto" (pallas on TPU and GPU, xla on CPU)."""
+    """Attention backend: "native" (jaxcb's C++ CPU kernels via XLA FFI, built on first use),
+    "xla" (plain XLA), "pallas" (the Pallas kernel of this platform: Mosaic on TPU, Triton on
+    GPU; on CPU the GPU kernel in interpret mode, for tests), "pallas-tpu" / "pallas-gpu"
+    (that kernel; interpret mode on CPU), or "auto" (pallas on TPU and GPU; native on CPU
+    when a C++ compiler is found, else xla)."""
 
-    attention: str = "auto"  # auto | xla | pallas | pallas-tpu | pallas-gpu
+    attention: str = "auto"  # auto | native | xla | pallas | pallas-tpu | pallas-gpu
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -154,6 +155,8 @@ class EngineConfig:
     dtype: str = "float32"  # weights, activations and KV pages
     max_model_len: int | None = None  # prompt + output tokens; None = model's max positions
     seed: int = 0  # seeds requests that bring no seed of their own
+    # Persistent XLA compilation cache: "auto" (a dir under the jaxcb cache), "off", or a path.
+    compilation_cache: str = "auto"  # auto | off | a directory
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)

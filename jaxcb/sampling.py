@@ -33,6 +33,23 @@ jax.tree_util.register_dataclass(
 )
 
 
+def argmax_last_axis(x: jax.Array, lanes: int = 128) -> jax.Array:  # i32[S]
+    """First index of the maximum along the last axis, computed in two passes.
+
+    XLA's CPU backend lowers argmax to a (value, index) pair reduction that does not
+    vectorize: 6 ms for [64, 32000]. Taking block maxima first and the argmax of one block
+    after costs 0.45 ms and keeps argmax's first-index tie-break.
+    """
+    rows, vocab = x.shape
+    pad = -vocab % lanes
+    if pad:
+        x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    blocks = x.reshape(rows, -1, lanes)  # [S, V / lanes, lanes]
+    best_block = jnp.argmax(blocks.max(axis=-1), axis=-1)  # first block holding the max
+    block = jnp.take_along_axis(blocks, best_block[:, None, None], axis=1)[:, 0]  # [S, lanes]
+    return (best_block * lanes + jnp.argmax(block, axis=-1)).astype(jnp.int32)
+
+
 def apply_penalties(
     logits: jax.Array,  # f32[S, V]
     history: jax.Array,  # i32[S, M]: each row's tokens so far (prompt, then output)
@@ -110,9 +127,7 @@ def sample(
         )
         return _filtered_sample(x, temperature, top_k, top_p, min_p, keys)
 
-    token_ids = jax.lax.cond(
-        any_random, draw, lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32), logits
-    )
+    token_ids = jax.lax.cond(any_random, draw, argmax_last_axis, logits)
 
     num_seqs, k = logits.shape[0], num_top_logprobs
 

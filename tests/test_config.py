@@ -86,7 +86,8 @@ def test_empty_yaml_gives_defaults(tmp_path: Path, text: str) -> None:
         ("dtype: float16\n", r"dtype must be one of \['float32', 'bfloat16'\]"),
         (
             "kernels: {attention: triton}\n",
-            r"attention must be one of \['auto', 'xla', 'pallas', 'pallas-tpu', 'pallas-gpu'\]",
+            r"attention must be one of \['auto', 'native', 'xla', 'pallas', 'pallas-tpu', "
+            r"'pallas-gpu'\]",
         ),
         ("cache: {page_size: eight}\n", "cache.page_size must be an integer, got 'eight'"),
         ("cache: {page_size: 0}\n", "page_size must be >= 1, got 0"),

@@ -51,7 +51,7 @@ class LLMEngine:
         import jax
         import jax.numpy as jnp
 
-        from jaxcb.attention import get_attention_fn, resolve_backend
+        from jaxcb.attention import get_attention_backend
         from jaxcb.models.loader import load_model
         from jaxcb.runtime.kv_cache import page_bytes, resolve_kv_cache_dtype, resolve_num_pages
         from jaxcb.runtime.runner import ModelRunner
@@ -76,7 +76,9 @@ class LLMEngine:
         cache, sched = config.cache, config.scheduler
         self.page_size = cache.page_size
         self.pages_per_seq = pages_per_seq(max_model_len, cache.page_size)
-        kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, dtype)
+        attention = get_attention_backend(config.kernels.attention)
+        self.attention_backend = attention.name
+        kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, dtype, attention.name)
         self.kv_cache_dtype = str(kv_dtype)
         num_pages = resolve_num_pages(
             cache,
@@ -98,7 +100,6 @@ class LLMEngine:
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
         )
-        self.attention_backend = resolve_backend(config.kernels.attention)
         self.runner = ModelRunner(
             spec,
             model.params,
@@ -107,13 +108,24 @@ class LLMEngine:
             page_size=cache.page_size,
             pages_per_seq=self.pages_per_seq,
             max_model_len=max_model_len,
-            attention_fn=get_attention_fn(config.kernels.attention),
+            attention=attention,
             num_top_logprobs=MAX_TOP_LOGPROBS,
         )
+        from jaxcb.runtime import compile_cache
+
+        cache_path = compile_cache.configure(config.compilation_cache)
+        entries_before = compile_cache.count_step_entries(cache_path)
         self.compile_seconds = self.runner.compile(self.buckets, progress=compile_progress)
+        fresh = compile_cache.count_step_entries(cache_path) - entries_before
+        self.compile_cache = {
+            "dir": str(cache_path) if cache_path else None,
+            "buckets_compiled": fresh if cache_path else len(self.buckets),
+            "buckets_from_cache": len(self.buckets) - fresh if cache_path else 0,
+        }
         logger.info(
             "engine ready: %s (%s%s), dtype %s, %d %s KV pages x %d tokens (%.1f MiB), "
-            "buckets %s, attention %s on %s, load %.1fs, compile %.1fs",
+            "buckets %s, attention %s on %s, load %.1fs, compile %.1fs (%d of %d buckets from "
+            "the compilation cache)",
             model.path,
             spec.architecture,
             ", RANDOM WEIGHTS" if model.is_default else "",
@@ -127,6 +139,8 @@ class LLMEngine:
             jax.default_backend(),
             load_seconds,
             self.compile_seconds,
+            self.compile_cache["buckets_from_cache"],
+            len(self.buckets),
         )
 
         self._rng = np.random.default_rng(config.seed)
@@ -414,6 +428,7 @@ class LLMEngine:
             "bucket_histogram": dict(sorted(self._bucket_hist.items())),
             "padding_fraction": (slots - s["tokens_scheduled"]) / slots if slots else 0.0,
             "compile_seconds": self.compile_seconds,
+            "compile_cache": dict(self.compile_cache),
             "compile_seconds_per_bucket": dict(self.runner.compile_seconds),
             "preemptions": s["preemptions"],
             "kv_pages_total": self.num_pages,

@@ -101,6 +101,19 @@ class AttentionMetadata:
 AttentionFn = Callable[..., jax.Array]
 
 
+@dataclass(frozen=True)
+class AttentionBackend:
+    """How a layer stores new K/V into the page pool and attends over it.
+
+    `attend` has the kernel-shaped signature of `ragged_paged_attention_reference`;
+    `write_kv` that of `pallas_kernels.ragged_paged_attention.write_kv`.
+    """
+
+    name: str
+    attend: AttentionFn
+    write_kv: Callable[..., tuple[jax.Array, jax.Array]] = write_kv
+
+
 def forward(
     params: Params,
     kv_caches: KVCache,
@@ -110,7 +123,7 @@ def forward(
     meta: AttentionMetadata,
     *,
     spec: ModelSpec,
-    attention_fn: AttentionFn,
+    attention: AttentionBackend,
 ) -> tuple[jax.Array, KVCache]:  # (f32[S, V] logits, updated caches)
     """One forward pass over a packed ragged batch."""
     num_tokens = input_ids.shape[0]
@@ -119,6 +132,9 @@ def forward(
     x = params["embed"][input_ids]  # [T, H]
     if x.dtype == jnp.uint16:  # a bf16 table kept as raw bits (see ModelRunner): view rows
         x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
+    # The residual stream stays float32 whatever the weights' dtype; only matmul inputs and
+    # the KV pages take the narrow dtype.
+    x = x.astype(jnp.float32)
     new_caches: KVCache = []
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
@@ -126,7 +142,7 @@ def forward(
         qkv = dense(h, w.reshape(w.shape[0], -1))  # [T, Hkv * (G + 2) * D]
         qkv = qkv.reshape(num_tokens, spec.num_kv_heads, g + 2, d)  # [T, Hkv, G + 2, D]
         if "bqkv" in layer:
-            qkv = qkv + layer["bqkv"].astype(qkv.dtype)
+            qkv = qkv + layer["bqkv"].astype(jnp.float32)
         q = qkv[:, :, :g].reshape(num_tokens, spec.num_q_heads, d)  # [T, Hq, D]
         k = qkv[:, :, g]  # [T, Hkv, D]
         v = qkv[:, :, g + 1]  # [T, Hkv, D]
@@ -136,10 +152,10 @@ def forward(
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
 
-        k_pages, v_pages = write_kv(*kv_caches[i], k, v, meta.slot_mapping)
+        k_pages, v_pages = attention.write_kv(*kv_caches[i], k, v, meta.slot_mapping)
         new_caches.append((k_pages, v_pages))
-        attn = attention_fn(
-            q,
+        attn = attention.attend(
+            q.astype(k_pages.dtype),
             k_pages,
             v_pages,
             meta.kv_lens,
@@ -154,10 +170,10 @@ def forward(
         h = rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
         w = layer["w_gate_up"]  # [H, 2, I]
         gate_up = dense(h, w.reshape(w.shape[0], -1)).reshape(num_tokens, 2, -1)  # [T, 2, I]
-        act = jax.nn.silu(gate_up[:, 0].astype(jnp.float32)).astype(x.dtype) * gate_up[:, 1]
+        act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
         x = x + dense(act, layer["w_down"])
 
     last = rms_norm(x[logits_indices], params["final_norm"], spec.rms_norm_eps)  # [S, H]
     lm_head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    logits = jnp.dot(last, lm_head, preferred_element_type=jnp.float32)  # [S, V]
+    logits = dense(last, lm_head)  # f32[S, V]
     return logits, new_caches

@@ -30,16 +30,18 @@ class DeviceState:
 jax.tree_util.register_dataclass(DeviceState, data_fields=["kv_caches"], meta_fields=[])
 
 
-def resolve_kv_cache_dtype(name: str, model_dtype: jnp.dtype) -> jnp.dtype:
-    """ "auto": the model's dtype, except float32 on CPU.
+def resolve_kv_cache_dtype(name: str, model_dtype: jnp.dtype, attention: str) -> jnp.dtype:
+    """ "auto": the model's dtype, except float32 with the "xla" backend on CPU.
 
     XLA's CPU backend cannot update a bfloat16 buffer in place with a scatter: every KV write
     copies the whole layer's pool (17 ms per write for a 2112-page pool, against 0.01 ms in
-    float32), so on CPU the pages are kept in float32.
+    float32). The native CPU backend writes pages in place in any dtype.
     """
     if name != "auto":
         return jnp.dtype(name)
-    return jnp.dtype(jnp.float32) if jax.default_backend() == "cpu" else jnp.dtype(model_dtype)
+    if attention == "xla" and jax.default_backend() == "cpu":
+        return jnp.dtype(jnp.float32)
+    return jnp.dtype(model_dtype)
 
 
 def page_bytes(spec: ModelSpec, page_size: int, itemsize: int) -> int:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcb.engine.buckets import Bucket
-from jaxcb.models.llama import AttentionFn, ModelSpec, Params
+from jaxcb.models.llama import AttentionBackend, ModelSpec, Params
 from jaxcb.runtime import step as step_module
 from jaxcb.runtime.kv_cache import init_state
 from jaxcb.runtime.step_input import FLAG_TOP_LOGPROBS, StepInput, empty_step_input
@@ -40,14 +40,14 @@ class ModelRunner:
         page_size: int,
         pages_per_seq: int,
         max_model_len: int,
-        attention_fn: AttentionFn,
+        attention: AttentionBackend,
         num_top_logprobs: int,
     ) -> None:
         self.spec = spec
         self.page_size = page_size
         self.pages_per_seq = pages_per_seq
         self.num_top_logprobs = num_top_logprobs
-        self._static = dict(spec=spec, attention_fn=attention_fn, num_top_logprobs=num_top_logprobs)
+        self._static = dict(spec=spec, attention=attention, num_top_logprobs=num_top_logprobs)
         self.params = jax.device_put(_adapt_params_for_backend(params))
         self.state = init_state(
             spec,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxcb.models.llama import AttentionFn, AttentionMetadata, ModelSpec, Params, forward
+from jaxcb.models.llama import AttentionBackend, AttentionMetadata, ModelSpec, Params, forward
 from jaxcb.runtime.kv_cache import DeviceState
 from jaxcb.runtime.step_input import StepInput
 from jaxcb.sampling import SamplingOutput, sample
@@ -24,7 +24,7 @@ def step(
     inp: StepInput,
     *,
     spec: ModelSpec,
-    attention_fn: AttentionFn,
+    attention: AttentionBackend,
     num_top_logprobs: int,
 ) -> tuple[SamplingOutput, DeviceState]:
     TRACE_COUNT[0] += 1
@@ -44,7 +44,7 @@ def step(
         inp.logits_indices,
         meta,
         spec=spec,
-        attention_fn=attention_fn,
+        attention=attention,
     )
     penalty_args = (
         inp.penalty_tokens,
@@ -71,6 +71,6 @@ def step(
 
 jitted_step = jax.jit(
     step,
-    static_argnames=("spec", "attention_fn", "num_top_logprobs"),
+    static_argnames=("spec", "attention", "num_top_logprobs"),
     donate_argnames=("state",),
 )

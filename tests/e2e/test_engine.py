@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxcb import LLM, SamplingParams
+from jaxcb.native import available as native_available
 from jaxcb.runtime import step as step_module
 
 CONFIG = dict(
@@ -216,19 +217,24 @@ def test_bad_config_is_rejected():
 
 
 def test_bfloat16_model_and_kv_cache_dtypes():
-    """bf16 weights run; on CPU the KV pages default to float32 (bf16 scatters copy the pool
-    there), and an explicit bf16 pool also works. Greedy tokens mostly agree with float32."""
+    """bf16 weights run. With the XLA attention path on CPU the KV pages default to float32
+    (XLA's CPU bf16 scatter copies the whole pool); the native CPU kernels keep bf16 pages.
+    Greedy tokens agree across the three set-ups at first."""
     prompt = [[10, 11, 12, 13]]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     small = {**CONFIG, "token_buckets": [16, 64]}
-    auto = LLM(dtype="bfloat16", **small)
-    assert auto.engine.kv_cache_dtype == "float32"
-    explicit = LLM(dtype="bfloat16", kv_cache_dtype="bfloat16", **small)
-    assert explicit.engine.kv_cache_dtype == "bfloat16"
-    a = auto.generate(prompt, sp, use_tqdm=False)[0].token_ids
-    b = explicit.generate(prompt, sp, use_tqdm=False)[0].token_ids
-    assert len(a) == len(b) == 12
-    assert a[:3] == b[:3]
+    xla = LLM(dtype="bfloat16", attention="xla", **small)
+    assert xla.engine.kv_cache_dtype == "float32"
+    forced = LLM(dtype="bfloat16", attention="xla", kv_cache_dtype="bfloat16", **small)
+    assert forced.engine.kv_cache_dtype == "bfloat16"
+    outs = [xla.generate(prompt, sp, use_tqdm=False)[0].token_ids]
+    outs.append(forced.generate(prompt, sp, use_tqdm=False)[0].token_ids)
+    if native_available():
+        native = LLM(dtype="bfloat16", attention="native", **small)
+        assert native.engine.kv_cache_dtype == "bfloat16"
+        outs.append(native.generate(prompt, sp, use_tqdm=False)[0].token_ids)
+    assert all(len(o) == 12 for o in outs)
+    assert all(o[:3] == outs[0][:3] for o in outs)
 
 
 def test_penalties_change_greedy_output_and_survive_preemption():

@@ -79,3 +79,15 @@ def test_greedy_parity_with_pallas_kernels_in_interpret_mode(attention, tmp_path
     assert [o.token_ids for o in outs] == expected
     assert llm.stats()["preemptions"] > 0
     assert llm.engine.attention_backend == attention
+
+
+@pytest.mark.parametrize("attention", ["xla", "native"])
+def test_greedy_parity_each_cpu_backend(attention, tmp_path):
+    """The default CPU backend is native when a compiler exists; both CPU paths keep parity."""
+    if attention == "native":
+        from jaxcb.native import available
+
+        if not available():
+            pytest.skip("no C++ compiler")
+    llm = run_parity("llama3", tmp_path, attention=attention)
+    assert llm.engine.attention_backend == attention

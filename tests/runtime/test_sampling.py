@@ -106,3 +106,15 @@ def test_penalties_match_vllm_semantics():
         3.0 / 2 - 0.25 * 2 - 0.5,  # output twice: repetition, frequency x2, presence
     ]
     np.testing.assert_allclose(np.asarray(out)[0], expected, rtol=1e-6)
+
+
+def test_argmax_last_axis_matches_argmax_with_ties_and_odd_vocab():
+    from jaxcb.sampling import argmax_last_axis
+
+    rng = np.random.default_rng(0)
+    for vocab in (7, 128, 300, 32000):
+        x = rng.integers(-3, 3, size=(9, vocab)).astype(np.float32)  # many ties
+        x[0] = -np.inf
+        x[0, vocab // 2] = 5.0
+        got = np.asarray(jax.jit(argmax_last_axis)(jnp.asarray(x)))
+        np.testing.assert_array_equal(got, np.argmax(x, axis=-1))

@@ -1,0 +1,318 @@
+// Ragged paged attention and the KV page write for XLA's CPU backend, as XLA FFI handlers.
+//
+// Same semantics as pallas_kernels/ragged_paged_attention/reference.py: sequence s owns query
+// rows cu_q_lens[s]:cu_q_lens[s + 1], the last q_len of its kv_lens[s] tokens, whose K/V sit
+// in the pages listed by page_indices[s]; causal, GQA, optional sliding window and soft cap;
+// rows past cu_q_lens[num_seqs] are zeros.
+//
+// Why native code: expressed in XLA, each KV chunk is gathered into a fresh buffer, masked
+// into another and only then multiplied; on a CPU those passes over memory cost several times
+// the arithmetic. Here each page is read once, straight from the pool, by the thread that
+// uses it. Work items are (sequence, KV head, block of query rows), spread over XLA's own
+// intra-op thread pool. K/V pages may be float32 or bfloat16 (the write kernel updates the
+// pool in place, which XLA's CPU scatter cannot do for bfloat16).
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kRowsPerItem = 16;  // query rows of one sequence handled by one work item
+
+inline float Bf16ToF32(uint16_t bits) {
+  uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline uint16_t F32ToBf16(float f) {  // round to nearest even, NaN kept NaN
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// exp(x) for x <= 0 in a form the compiler vectorizes (std::exp is a scalar libm call):
+// Cody-Waite reduction x = n ln2 + r, a degree-6 polynomial for e^r on |r| <= ln2 / 2, and
+// 2^n built in the exponent bits. Relative error ~2e-7, like libm's expf.
+#pragma omp declare simd
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return e * scale;
+}
+
+// Copies n values of a float32 or bfloat16 array into float32.
+inline void LoadF32(const void* src, bool bf16, int64_t offset, int64_t n, float* dst) {
+  if (bf16) {
+    const uint16_t* p = static_cast<const uint16_t*>(src) + offset;
+    for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToF32(p[i]);
+  } else {
+    std::memcpy(dst, static_cast<const float*>(src) + offset, n * sizeof(float));
+  }
+}
+
+inline void StoreFromF32(void* dst, bool bf16, int64_t offset, int64_t n, const float* src) {
+  if (bf16) {
+    uint16_t* p = static_cast<uint16_t*>(dst) + offset;
+    for (int64_t i = 0; i < n; ++i) p[i] = F32ToBf16(src[i]);
+  } else {
+    std::memcpy(static_cast<float*>(dst) + offset, src, n * sizeof(float));
+  }
+}
+
+// Runs body(i) for i in [0, n) on the caller and XLA's intra-op pool. The caller works too and
+// only waits for items some worker has already taken, so a busy pool cannot deadlock it.
+template <typename Body>
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, Body body) {
+  if (n <= 0) return;
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto work = [state, n, body]() {
+    for (int64_t i; (i = state->next.fetch_add(1)) < n;) {
+      body(i);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work]() { work(); });
+  work();
+  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+struct Item {
+  int32_t seq, kv_head, row_begin, row_end;
+};
+
+ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q,
+                                    ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                                    ffi::Buffer<ffi::S32> kv_lens,
+                                    ffi::Buffer<ffi::S32> page_indices,
+                                    ffi::Buffer<ffi::S32> cu_q_lens,
+                                    ffi::Buffer<ffi::S32> num_seqs, float sm_scale,
+                                    int64_t sliding_window, float soft_cap,
+                                    ffi::Result<ffi::AnyBuffer> out) {
+  auto qd = q.dimensions();
+  auto kd = k_pages.dimensions();
+  if (qd.size() != 3 || kd.size() != 4) {
+    return ffi::Error::InvalidArgument("q must be [T, Hq, D] and pages [Hkv, P, ps, D]");
+  }
+  const int64_t num_tokens = qd[0], num_q_heads = qd[1], head_dim = qd[2];
+  const int64_t num_kv_heads = kd[0], num_pages = kd[1], page_size = kd[2];
+  const int64_t group = num_q_heads / num_kv_heads;
+  const int64_t max_num_seqs = kv_lens.dimensions()[0];
+  const int64_t pages_per_seq = page_indices.dimensions()[1];
+  const bool q_bf16 = q.element_type() == ffi::DataType::BF16;
+  const bool kv_bf16 = k_pages.element_type() == ffi::DataType::BF16;
+  const int32_t* kv_len = kv_lens.typed_data();
+  const int32_t* pages = page_indices.typed_data();
+  const int32_t* cu = cu_q_lens.typed_data();
+  const int64_t live = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, max_num_seqs);
+
+  std::memset(out->untyped_data(), 0, out->size_bytes());
+
+  std::vector<Item> items;
+  for (int32_t s = 0; s < live; ++s) {
+    for (int32_t r = cu[s]; r < cu[s + 1] && r < num_tokens; r += kRowsPerItem) {
+      int32_t end = std::min<int32_t>({r + kRowsPerItem, cu[s + 1], (int32_t)num_tokens});
+      for (int32_t h = 0; h < num_kv_heads; ++h) items.push_back({s, h, r, end});
+    }
+  }
+
+  auto run = [&](int64_t index) {
+    const Item& it = items[index];
+    const int64_t rows = it.row_end - it.row_begin, nq = rows * group;
+    const int64_t q_len = cu[it.seq + 1] - cu[it.seq];
+    const int64_t len = kv_len[it.seq];
+    const int64_t first_pos = len - q_len + (it.row_begin - cu[it.seq]);
+    std::vector<float> qv(nq * head_dim), acc(nq * head_dim, 0.0f), m(nq, -INFINITY),
+        l(nq, 0.0f), kbuf(page_size * head_dim), vbuf(page_size * head_dim), p(page_size);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t g = 0; g < group; ++g) {
+        float* dst = &qv[(r * group + g) * head_dim];
+        LoadF32(q.untyped_data(), q_bf16,
+                ((it.row_begin + r) * num_q_heads + it.kv_head * group + g) * head_dim,
+                head_dim, dst);
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] *= sm_scale;
+      }
+    }
+    const int64_t hi = std::min<int64_t>(first_pos + rows, len);  // positions [lo, hi) matter
+    int64_t lo = 0;
+    if (sliding_window > 0) lo = std::max<int64_t>(0, first_pos - sliding_window + 1);
+    for (int64_t j = lo / page_size; j * page_size < hi; ++j) {
+      const int64_t page = pages[it.seq * pages_per_seq + j];
+      if (page < 0 || page >= num_pages) continue;  // never live: guarded by validation
+      const int64_t base = (it.kv_head * num_pages + page) * page_size * head_dim;
+      const int64_t t_end = std::min<int64_t>(page_size, hi - j * page_size);
+      const float* kpage = kbuf.data();
+      const float* vpage = vbuf.data();
+      if (kv_bf16) {
+        LoadF32(k_pages.untyped_data(), true, base, t_end * head_dim, kbuf.data());
+        LoadF32(v_pages.untyped_data(), true, base, t_end * head_dim, vbuf.data());
+      } else {  // float32 pages are read where they are
+        kpage = static_cast<const float*>(k_pages.untyped_data()) + base;
+        vpage = static_cast<const float*>(v_pages.untyped_data()) + base;
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t pos = first_pos + r;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t row = r * group + g;
+          const float* qr = &qv[row * head_dim];
+          float block_max = -INFINITY;
+          for (int64_t t = 0; t < t_end; ++t) {
+            const int64_t kv_pos = j * page_size + t;
+            bool ok = kv_pos <= pos && (sliding_window <= 0 || kv_pos > pos - sliding_window);
+            if (!ok) {
+              p[t] = -INFINITY;
+              continue;
+            }
+            const float* kr = &kpage[t * head_dim];
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < head_dim; ++d) s += qr[d] * kr[d];
+            if (soft_cap > 0.0f) s = soft_cap * std::tanh(s / soft_cap);
+            p[t] = s;
+            block_max = std::max(block_max, s);
+          }
+          if (block_max == -INFINITY) continue;
+          const float m_new = std::max(m[row], block_max);
+          const float alpha = std::exp(m[row] - m_new);  // exp(-inf) = 0 on the first block
+          float* a = &acc[row * head_dim];
+          for (int64_t d = 0; d < head_dim; ++d) a[d] *= alpha;
+          float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = 0; t < t_end; ++t) {
+            const float w = p[t] == -INFINITY ? 0.0f : ExpNonPositive(p[t] - m_new);
+            p[t] = w;
+            sum += w;
+          }
+          if (head_dim % 16 == 0) {
+            // 16 accumulator lanes stay in a register across the whole page.
+            for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+              float lane[16];
+#pragma omp simd
+              for (int dd = 0; dd < 16; ++dd) lane[dd] = a[d0 + dd];
+              for (int64_t t = 0; t < t_end; ++t) {
+                const float w = p[t];
+                const float* vr = &vpage[t * head_dim + d0];
+#pragma omp simd
+                for (int dd = 0; dd < 16; ++dd) lane[dd] += w * vr[dd];
+              }
+#pragma omp simd
+              for (int dd = 0; dd < 16; ++dd) a[d0 + dd] = lane[dd];
+            }
+          } else {
+            for (int64_t t = 0; t < t_end; ++t) {
+              const float w = p[t];
+              const float* vr = &vpage[t * head_dim];
+#pragma omp simd
+              for (int64_t d = 0; d < head_dim; ++d) a[d] += w * vr[d];
+            }
+          }
+          l[row] = l[row] * alpha + sum;
+          m[row] = m_new;
+        }
+      }
+    }
+    std::vector<float> o(head_dim);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t row = r * group + g;
+        const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[row * head_dim + d] * inv;
+        StoreFromF32(out->untyped_data(), q_bf16,
+                     ((it.row_begin + r) * num_q_heads + it.kv_head * group + g) * head_dim,
+                     head_dim, o.data());
+      }
+    }
+  };
+  ParallelFor(pool, static_cast<int64_t>(items.size()), run);
+  return ffi::Error::Success();
+}
+
+// Scatters the new K/V rows of a step into their page slots; the pool buffers are aliased to
+// the outputs, so the update is in place. Rows whose slot is out of range write nothing.
+ffi::Error KvWriteImpl(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyBuffer k_new,
+                       ffi::AnyBuffer v_new, ffi::Buffer<ffi::S32> slot_mapping,
+                       ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
+  auto kd = k_pages.dimensions();
+  const int64_t num_kv_heads = kd[0], num_slots = kd[1] * kd[2], head_dim = kd[3];
+  const int64_t num_tokens = slot_mapping.dimensions()[0];
+  const bool pool_bf16 = k_pages.element_type() == ffi::DataType::BF16;
+  const bool new_bf16 = k_new.element_type() == ffi::DataType::BF16;
+  const int32_t* slots = slot_mapping.typed_data();
+  std::vector<float> row(head_dim);
+  auto write = [&](const ffi::AnyBuffer& pool_in, ffi::Result<ffi::AnyBuffer>& pool_out,
+                   const ffi::AnyBuffer& src) {
+    if (pool_out->untyped_data() != pool_in.untyped_data()) {  // not aliased: copy first
+      std::memcpy(pool_out->untyped_data(), pool_in.untyped_data(), pool_in.size_bytes());
+    }
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0 || slot >= num_slots) continue;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        LoadF32(src.untyped_data(), new_bf16, (t * num_kv_heads + h) * head_dim, head_dim,
+                row.data());
+        StoreFromF32(pool_out->untyped_data(), pool_bf16, (h * num_slots + slot) * head_dim,
+                     head_dim, row.data());
+      }
+    }
+  };
+  write(k_pages, k_out, k_new);
+  write(v_pages, v_out, v_new);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbRaggedPagedAttention, RaggedPagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()       // q
+                                  .Arg<ffi::AnyBuffer>()       // k_pages
+                                  .Arg<ffi::AnyBuffer>()       // v_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_indices
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbKvWrite, KvWriteImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()       // k_pages (aliased to k_out)
+                                  .Arg<ffi::AnyBuffer>()       // v_pages (aliased to v_out)
+                                  .Arg<ffi::AnyBuffer>()       // k_new [T, Hkv, D]
+                                  .Arg<ffi::AnyBuffer>()       // v_new
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping [T]
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());

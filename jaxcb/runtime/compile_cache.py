@@ -1,0 +1,51 @@
+"""jax's persistent compilation cache, so a second start skips compiling the buckets."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache
+
+logger = logging.getLogger(__name__)
+
+STEP_ENTRY_PREFIX = "jit_step-"  # cache files of the step function
+
+
+def configure(setting: str) -> Path | None:
+    """Point jax at the cache directory for `setting` ("auto", "off" or a path).
+
+    A cache directory the user already configured (JAX_COMPILATION_CACHE_DIR or
+    jax.config) wins over "auto". Every compilation is cached, however quick: a server with
+    many buckets starts in seconds the second time.
+    """
+    configured = jax.config.jax_compilation_cache_dir
+    if setting == "off":  # for the whole process, as jax's cache is process-wide
+        if configured:
+            jax.config.update("jax_compilation_cache_dir", None)
+            compilation_cache.reset_cache()
+        return None
+    if setting == "auto":
+        if configured:
+            path = Path(configured)
+        else:
+            from jaxcb.models.default_model import cache_dir
+
+            path = cache_dir() / "xla"
+    else:
+        path = Path(setting).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    if configured != str(path) or jax.config.jax_persistent_cache_min_compile_time_secs != 0:
+        jax.config.update("jax_compilation_cache_dir", str(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        compilation_cache.reset_cache()  # take the new settings even after earlier compiles
+    return path
+
+
+def count_step_entries(path: Path | None) -> int:
+    """Cache entries of the step function (used to tell cache hits from fresh compiles)."""
+    if path is None or not path.is_dir():
+        return 0
+    return sum(1 for p in path.iterdir() if p.name.startswith(STEP_ENTRY_PREFIX))
