@@ -1,7 +1,9 @@
-"""Time ragged paged attention: the plain-jnp reference against the Pallas kernel.
+"""Time ragged paged attention: the plain-jnp reference against the kernels of the backend.
 
-On a GPU the Triton kernel runs, on a TPU the Mosaic kernel; on CPU the kernels exist only in
-interpret mode (a correctness tool, far too slow to time), so only the reference is timed.
+On a GPU the Triton kernel runs, on a TPU the Mosaic kernel. On CPU the Pallas kernels exist
+only in interpret mode (a correctness tool, far too slow to time), so the engine's two CPU
+paths are timed instead: "xla" (pallas_kernels/ragged_paged_attention/xla.py) and "native"
+(jaxcb's C++ FFI kernel, if a compiler is available).
 
 For every (batch mix, num_seqs, kv_len) point it prints the median step time, the achieved
 bandwidth over the *ideal* traffic (q and out once, each sequence's K/V once per KV head) and
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     if kernel_backend is None:
         print(
             "No GPU/TPU: the Pallas kernels run here only in interpret mode, which checks "
-            "correctness and is not worth timing. Timing the reference alone."
+            "correctness and is not worth timing. Timing the CPU paths (xla, native) instead."
         )
     attention = dict(
         sm_scale=args.head_dim**-0.5, sliding_window=args.sliding_window, soft_cap=args.soft_cap
@@ -154,6 +156,18 @@ def main(argv: list[str] | None = None) -> int:
         impls["kernel"] = jax.jit(
             functools.partial(ragged_paged_attention, backend=kernel_backend, **attention)
         )
+    else:
+        from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
+
+        impls["xla"] = jax.jit(functools.partial(ragged_paged_attention_xla, **attention))
+        try:
+            from jaxcb import native
+        except ImportError:  # pallas_kernels installed without jaxcb
+            native = None
+        if native is not None and native.available():
+            impls["native"] = jax.jit(
+                functools.partial(native.ragged_paged_attention_native, **attention)
+            )
 
     header = f"{'mix':<8}{'seqs':>6}{'q_tok':>7}{'kv_len':>8}  {'impl':<10}{'ms':>9}"
     header += f"{'GB/s':>9}{'TFLOP/s':>9}{'speedup':>9}{'max_err':>10}"
