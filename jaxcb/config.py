@@ -5,9 +5,11 @@ A YAML preset mirrors the dataclasses one to one::
     model: null              # Hugging Face model dir; null = built-in tiny random model
     dtype: float32
     max_model_len: 512
-    cache:     {page_size: 16, num_pages: 256}
-    scheduler: {max_num_seqs: 8, max_num_batched_tokens: 64}
+    cache:     {page_size: 16, num_pages: 256, enable_prefix_caching: true}
+    scheduler: {max_num_seqs: 8, max_num_batched_tokens: 64, scheduling_policy: fcfs}
     kernels:   {attention: auto}
+    limits:    {max_waiting_requests: 1024, max_n: 128}
+    parallel:  {tensor_parallel_size: 1, data_parallel_size: 1}
 
 Every field, however nested, can also be given flat (`LLM(page_size=16)`,
 `serve.py --page-size 16`): field names are unique across sections. Unknown names and bad
@@ -30,6 +32,8 @@ import yaml
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "native", "xla", "pallas", "pallas-tpu", "pallas-gpu")
+SCHEDULING_POLICIES = ("fcfs", "priority", "srpf")
+BATCHING_MODES = ("continuous", "static", "dynamic")
 
 
 def _check(condition: bool, message: str) -> None:
@@ -66,6 +70,7 @@ class CacheConfig:
     kv_cache_memory_gb: float | None = None  # K+V bytes for all layers, in GiB
     memory_utilization: float = 0.9  # share of free accelerator memory auto sizing may use
     kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16; auto: model dtype, f32 on CPU
+    enable_prefix_caching: bool = True  # share cached full pages of common prompt prefixes
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -100,10 +105,35 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # tokens per step at most (the largest bucket)
     # Precompiled token buckets; None = powers of two from 16 up to max_num_batched_tokens.
     token_buckets: tuple[int, ...] | None = None
+    scheduling_policy: str = "fcfs"  # fcfs | priority (lower value first) | srpf
+    srpf_aging: float = 16.0  # srpf: tokens a waiting request gains on newer ones per step
+    long_prefill_token_threshold: int = 0  # prefill tokens per request per step; 0: no cap
+    watermark: float = 0.01  # pages admission leaves free: a fraction (< 1) or a count
+    batching: str = "continuous"  # continuous | static | dynamic (padded-batch baselines)
 
     def __post_init__(self) -> None:
         _check_types(self)
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check(
+            self.scheduling_policy in SCHEDULING_POLICIES,
+            f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, "
+            f"got {self.scheduling_policy!r}",
+        )
+        _check(
+            self.batching in BATCHING_MODES,
+            f"batching must be one of {list(BATCHING_MODES)}, got {self.batching!r}",
+        )
+        _check(self.srpf_aging > 0, f"srpf_aging must be > 0, got {self.srpf_aging}")
+        _check(
+            self.long_prefill_token_threshold >= 0,
+            f"long_prefill_token_threshold must be >= 0 (0: no cap), "
+            f"got {self.long_prefill_token_threshold}",
+        )
+        _check(
+            self.watermark >= 0 and (self.watermark < 1 or self.watermark == int(self.watermark)),
+            f"watermark must be a fraction of the pages in [0, 1) or a whole number of pages, "
+            f"got {self.watermark}",
+        )
         _check(
             self.max_num_batched_tokens >= 1,
             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
@@ -127,6 +157,12 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens})",
             )
 
+    def watermark_pages(self, num_pages: int) -> int:
+        """The watermark as a page count for a pool of `num_pages`."""
+        if self.watermark < 1:
+            return int(self.watermark * num_pages)
+        return int(self.watermark)
+
 
 @dataclass(frozen=True)
 class KernelConfig:
@@ -147,6 +183,79 @@ class KernelConfig:
 
 
 @dataclass(frozen=True)
+class LimitsConfig:
+    """What one request, and the server's queue, may ask for; beyond it is a clear error."""
+
+    max_waiting_requests: int = 1024  # server: 429 while this many sequences wait
+    max_prompt_len: int | None = None  # prompt tokens at most; None: max_model_len
+    max_n: int = 128  # samples per prompt (SamplingParams.n) at most
+    max_output_tokens: int | None = None  # max_tokens at most; None: up to max_model_len
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _check(
+            self.max_waiting_requests >= 1,
+            f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}",
+        )
+        _check(
+            self.max_prompt_len is None or self.max_prompt_len >= 1,
+            f"max_prompt_len must be >= 1, got {self.max_prompt_len}",
+        )
+        _check(self.max_n >= 1, f"max_n must be >= 1, got {self.max_n}")
+        _check(
+            self.max_output_tokens is None or self.max_output_tokens >= 1,
+            f"max_output_tokens must be >= 1, got {self.max_output_tokens}",
+        )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Scaling out on JAX's own mesh and distributed runtime (runtime/sharding.py).
+
+    `tensor_parallel_size` devices hold one engine's model, sharded by heads, MLP and
+    vocabulary (the KV pages by KV head); `data_parallel_size` independent engines, each on
+    its own devices, share the requests (least loaded first). `mesh_shape` is the same as
+    the two sizes, as a (data, tensor) mesh. `distributed` calls `jax.distributed.initialize`
+    first, for multi-host meshes."""
+
+    tensor_parallel_size: int = 1  # devices one engine is sharded over (heads, MLP, vocab)
+    data_parallel_size: int = 1  # independent engine replicas, each on its own devices
+    mesh_shape: tuple[int, ...] | None = None  # (data, tensor) sizes; same as the two above
+    distributed: bool = False  # multi-host: call jax.distributed.initialize() first
+    coordinator_address: str | None = None  # distributed: process 0's host:port; None: auto
+    num_processes: int | None = None  # distributed: processes in all; None: auto (TPU, SLURM)
+    process_id: int | None = None  # distributed: this process's index; None: auto
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        tp, dp = self.tensor_parallel_size, self.data_parallel_size
+        _check(tp >= 1, f"tensor_parallel_size must be >= 1, got {tp}")
+        _check(dp >= 1, f"data_parallel_size must be >= 1, got {dp}")
+        if self.mesh_shape is not None:
+            _check(
+                len(self.mesh_shape) == 2 and all(n >= 1 for n in self.mesh_shape),
+                f"mesh_shape must be two sizes >= 1, (data, tensor), got {list(self.mesh_shape)}",
+            )
+            mesh_dp, mesh_tp = self.mesh_shape
+            _check(
+                (dp in (1, mesh_dp)) and (tp in (1, mesh_tp)),
+                f"mesh_shape={list(self.mesh_shape)} (data, tensor) contradicts "
+                f"data_parallel_size={dp}, tensor_parallel_size={tp}",
+            )
+            object.__setattr__(self, "data_parallel_size", mesh_dp)
+            object.__setattr__(self, "tensor_parallel_size", mesh_tp)
+        _check(
+            self.num_processes is None or self.num_processes >= 1,
+            f"num_processes must be >= 1, got {self.num_processes}",
+        )
+        _check(
+            self.process_id is None
+            or (self.process_id >= 0 and (self.num_processes or 1 << 62) > self.process_id),
+            f"process_id must be in [0, num_processes), got {self.process_id}",
+        )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs; `EngineConfig.from_yaml(path, **flat_overrides)`."""
 
@@ -160,6 +269,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -211,6 +322,8 @@ _SECTIONS: dict[str, type] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "kernels": KernelConfig,
+    "limits": LimitsConfig,
+    "parallel": ParallelConfig,
 }
 
 

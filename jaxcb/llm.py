@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxcb.config import EngineConfig
-from jaxcb.engine.llm_engine import LLMEngine
+from jaxcb.engine.replicated import make_engine
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
 
@@ -38,7 +38,7 @@ class LLM:
             engine_config = EngineConfig.from_yaml(config, **overrides)
         else:
             engine_config = EngineConfig.from_dict(None, **overrides)
-        self.engine = LLMEngine(engine_config)
+        self.engine = make_engine(engine_config)  # data_parallel_size > 1: replicas
         self.config = engine_config
 
     @property
@@ -50,12 +50,14 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        priority: Sequence[int] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         A prompt is a string or a list of token ids. One SamplingParams applies to all
-        prompts, or pass one per prompt. Every prompt is validated before any is queued.
+        prompts, or pass one per prompt. `priority`: one int per prompt, for the "priority"
+        scheduling policy (lower first). Every prompt is validated before any is queued.
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -68,12 +70,17 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts"
                 )
+        if priority is None:
+            priorities = [0] * len(prompt_list)
+        else:
+            priorities = list(priority)
+            if len(priorities) != len(prompt_list):
+                raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
         engine = self.engine
-        for prompt, params in zip(prompt_list, params_list, strict=True):
-            self._validate(prompt, params)
-        ids = [
-            engine.add_request(None, p, sp) for p, sp in zip(prompt_list, params_list, strict=True)
-        ]
+        requests = list(zip(prompt_list, params_list, priorities, strict=True))
+        for prompt, params, prio in requests:
+            engine.validate_request(prompt, params, priority=prio)
+        ids = [engine.add_request(None, p, sp, priority=prio) for p, sp, prio in requests]
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
@@ -100,21 +107,14 @@ class LLM:
                 bar.close()
         return [results[i] for i in ids]
 
-    def _validate(self, prompt: Prompt, params: SamplingParams) -> None:
-        """Raise ValueError for a bad prompt/params without queueing anything."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
-        params.validate()
-        _, ids = self.engine._tokenize(prompt)
-        if len(ids) > self.engine.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, longer than max_model_len="
-                f"{self.engine.max_model_len}"
-            )
-
     def stats(self) -> dict[str, Any]:
-        """Steps, bucket histogram, padding fraction, compile seconds, KV page use."""
+        """Steps, bucket histogram, padding fraction, compile seconds, KV page use,
+        preemptions, prefix cache queries / hits / hit rate (in tokens)."""
         return self.engine.stats()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached pages of earlier requests (e.g. between benchmark passes)."""
+        return self.engine.reset_prefix_cache()
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -1,4 +1,4 @@
-"""Offline throughput: jaxcb against Hugging Face transformers on the same weights and requests.
+"""Offline throughput: jaxcb against HF transformers and vLLM on the same weights and requests.
 
 Serves one workload of shared/BENCHMARKS.md (token-id prompts, greedy, EOS ignored, each
 request its own max_tokens) with every chosen system, in one process, the systems taking turns
@@ -7,32 +7,49 @@ untimed warm-up; output tok/s counts each request's max_tokens, total tok/s adds
 
 Systems (--systems):
   jaxcb      jaxcb.LLM(model, config=--config, **overrides).generate(...); compiling happens
-             when the engine is built and is reported, never timed
+             when the engine is built and is reported, never timed; the prefix cache is
+             emptied before every pass (every pass sends the same prompts)
   hf-cb      transformers' ContinuousBatchingManager, add_request(..., max_new_tokens=m) per
              request; a fresh manager per pass, warmed up with a few requests first
   hf-static  transformers' model.generate on left-padded batches of --hf-static-batch-size in
              arrival order, each batch run to its longest max_tokens (the padding waste is the
              point: it is reported as raw generated tokens)
+  vllm       vLLM's CPU build in its own venv (--vllm-python, see shared/BENCHMARKS.md for the
+             recipe), run by jaxcb/bench/vllm_runner.py in a subprocess: LLM(model,
+             skip_tokenizer_init=True).generate on token-id prompts, its prefix cache reset
+             per pass; --vllm-binding tuned (default) binds its OpenMP threads to cores 0-1
+             with the venv's libiomp5.so preloaded
+Default: every system (vllm only when --vllm-python is given).
 
 Model: bench-57m (Llama, seeded random weights, built once in $JAXCB_CACHE_DIR or
-~/.cache/jaxcb), or --model DIR for any Hugging Face model directory.
+~/.cache/jaxcb), or --model DIR for any Hugging Face model directory. Workloads:
+offline-mixed, offline-long, shared-prefix (--workload).
 
 Every jaxcb config field can be overridden as a flag (--max-num-seqs 64, --token-buckets
-16,32,64, ...; listed below); --dtype applies to every system. The machine is shared and
-noisy: compare the ratios of one run, not absolute numbers across runs.
+16,32,64, --batching static, ...; listed below); --dtype applies to every system. The report
+gives each system's output and total tok/s, jaxcb's speed over each, useful GFLOP/s and model
+FLOPs utilisation against a matmul peak measured here on the model's own shapes, and jaxcb's
+padding fraction, steps and compile seconds. The machine is shared and noisy: compare the
+ratios of one run, not absolute numbers across runs.
 
-    python scripts/bench_offline.py                               # the full default comparison
+    python scripts/bench_offline.py                               # jaxcb, hf-cb, hf-static
+    python scripts/bench_offline.py --vllm-python /work/vllm-venv/bin/python --dtype bfloat16
     python scripts/bench_offline.py --systems jaxcb --dtype bfloat16 --repeats 5
     python scripts/bench_offline.py --num-requests 16 --json out/bench_offline.json
-    python scripts/bench_offline.py --workload offline-long --systems jaxcb,hf-cb
+    python scripts/bench_offline.py --workload shared-prefix --systems jaxcb,vllm --vllm-python ..
+    python scripts/bench_offline.py --systems jaxcb --trace out/trace.json   # then plot_trace.py
+    python scripts/bench_offline.py --workload shared-prefix --systems jaxcb --prefix-caching both
 
-A system is a class in jaxcb/bench/systems.py registered in its SYSTEMS table (issue 7 adds
-vLLM there, run as a subprocess in its own venv).
+--prefix-caching both runs jaxcb twice, taking turns: `jaxcb` with the prefix cache and
+`jaxcb-no-prefix-cache` without, and reports the mean TTFT and tok/s ratios of the two.
+
+A system is a class in jaxcb/bench/systems.py registered in its SYSTEMS table.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -46,65 +63,40 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxcb.bench.models import bench_model_dir
+from jaxcb.bench.cli import (
+    add_config_overrides,
+    add_workload_args,
+    args_record,
+    config_overrides,
+    load_model_and_workload,
+    make_log,
+)
 from jaxcb.bench.roofline import measure_matmul_peak, model_matmul_shapes, workload_flops
 from jaxcb.bench.systems import SYSTEMS, BenchContext, environment
-from jaxcb.bench.workloads import WORKLOADS, make_workload
-from jaxcb.config import EngineConfig, flat_fields
-from jaxcb.models.weights import read_hf_config, spec_from_hf_config
+from jaxcb.bench.trace import save_trace
+from jaxcb.config import EngineConfig
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "bench-cpu.yaml"
-#: Config fields the script sets itself (or has its own flag for).
-OWN_FIELDS = ("model", "dtype")
-_T0 = time.perf_counter()
-
-
-def log(message: str) -> None:
-    print(f"[{time.perf_counter() - _T0:7.1f}s] {message}", file=sys.stderr, flush=True)
+log = make_log()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", type=Path, help="Hugging Face model dir (default: bench-57m)")
-    parser.add_argument(
-        "--workload",
-        default="offline-mixed",
-        choices=sorted(WORKLOADS),
-        help="; ".join(f"{w.name}: {w.description}" for w in WORKLOADS.values()),
-    )
-    parser.add_argument(
-        "--num-requests", type=int, help="serve only the first N requests (quick runs)"
-    )
+    add_workload_args(parser, default_workload="offline-mixed")
     parser.add_argument(
         "--systems",
-        default=",".join(SYSTEMS),
-        help=f"comma list, in turn order, from {list(SYSTEMS)} (default: all)",
-    )
-    parser.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16"],
-        help="weights/activations of every system (%(default)s)",
+        help=f"comma list, in turn order, from {list(SYSTEMS)} (default: all; vllm only "
+        "with --vllm-python)",
     )
     parser.add_argument(
         "--repeats",
         type=int,
         default=3,
-        help="timed passes of jaxcb, median reported (%(default)s)",
+        help="timed passes of jaxcb and vllm, median reported (%(default)s)",
     )
     parser.add_argument(
         "--hf-repeats", type=int, default=1, help="timed passes of each HF system (%(default)s)"
-    )
-    parser.add_argument(
-        "--warmup-requests",
-        type=int,
-        default=4,
-        help="first N requests served untimed by each system before timing (%(default)s)",
-    )
-    parser.add_argument(
-        "--config", type=Path, default=DEFAULT_CONFIG, help="jaxcb YAML preset (%(default)s)"
     )
     parser.add_argument(
         "--hf-static-batch-size", type=int, default=8, help="hf-static batch size (%(default)s)"
@@ -124,28 +116,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--torch-threads", type=int, help="torch.set_num_threads (default: torch's choice)"
     )
     parser.add_argument(
+        "--vllm-python",
+        type=Path,
+        help="python of vLLM's own venv (e.g. /work/vllm-venv/bin/python): adds the vllm system",
+    )
+    parser.add_argument(
+        "--vllm-binding",
+        default="tuned",
+        choices=["tuned", "default"],
+        help="tuned: VLLM_CPU_OMP_THREADS_BIND=0-1 + the venv's libiomp5.so (%(default)s)",
+    )
+    parser.add_argument(
+        "--prefix-caching",
+        choices=["on", "off", "both"],
+        default="on",
+        help="jaxcb's prefix cache; both: also run jaxcb without it, as jaxcb-no-prefix-cache, "
+        "and compare mean TTFT and tok/s (%(default)s)",
+    )
+    parser.add_argument(
         "--no-roofline", action="store_true", help="skip measuring the matmul peak (no MFU)"
     )
     parser.add_argument("--json", type=Path, help="write config, per-pass times, medians here")
-    group = parser.add_argument_group(
-        "jaxcb config overrides", "any EngineConfig field; given ones replace the preset's"
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        help="write jaxcb's step trace of its last pass here (JSON; scripts/plot_trace.py)",
     )
-    for name, (section, f) in flat_fields().items():
-        if name not in OWN_FIELDS:
-            kind = (
-                str(f.type).replace("tuple[int, ...]", "comma list of int").replace(" | None", "")
-            )
-            group.add_argument(
-                f"--{name.replace('_', '-')}",
-                dest=f"cfg_{name}",
-                metavar="V",
-                help=f"{section or 'engine'}.{name} ({kind})",
-            )
+    add_config_overrides(parser)
     args = parser.parse_args(argv)
-    args.systems = [s for s in args.systems.split(",") if s]
+    if args.systems is None:
+        args.systems = [n for n in SYSTEMS if n != "vllm" or args.vllm_python]
+    else:
+        args.systems = [s for s in args.systems.split(",") if s]
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown or not args.systems:
         parser.error(f"unknown --systems {unknown}; choose from {list(SYSTEMS)}")
+    if "vllm" in args.systems and args.vllm_python is None:
+        parser.error("the vllm system needs --vllm-python (see shared/BENCHMARKS.md)")
+    if args.vllm_python is not None and not args.vllm_python.exists():
+        parser.error(f"--vllm-python {args.vllm_python} does not exist")
+    if args.trace and "jaxcb" not in args.systems:
+        parser.error("--trace records jaxcb's steps: add jaxcb to --systems")
     if min(args.repeats, args.hf_repeats, args.hf_static_batch_size) < 1:
         parser.error("--repeats, --hf-repeats and --hf-static-batch-size must be >= 1")
     return args
@@ -153,17 +164,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def jaxcb_overrides(args: argparse.Namespace, needed_len: int) -> dict[str, Any]:
     """Flat config overrides from the flags, plus a max_model_len that fits the workload."""
-    overrides = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg_") and v is not None}
-    overrides["dtype"] = args.dtype
-    config = EngineConfig.from_yaml(args.config, **overrides)  # fails early on a bad value
-    if config.max_model_len is not None and config.max_model_len < needed_len:
-        page = config.cache.page_size
-        overrides["max_model_len"] = -(-needed_len // page) * page
-        log(
-            f"max_model_len {config.max_model_len} < {needed_len} the workload needs: using "
-            f"{overrides['max_model_len']} (pass --max-model-len to choose)"
-        )
-    return overrides
+    return config_overrides(args, needed_len, log)
+
+
+NO_PREFIX_CACHE = "jaxcb-no-prefix-cache"
+
+
+def prefix_caching_systems(args: argparse.Namespace, ctx: BenchContext) -> dict[str, Any]:
+    """--prefix-caching both: jaxcb without its prefix cache, to run beside jaxcb."""
+    if args.prefix_caching != "both":
+        return {}
+    overrides = {**ctx.jaxcb_overrides, "enable_prefix_caching": False}
+    log(f"building {NO_PREFIX_CACHE} ...")
+    return {NO_PREFIX_CACHE: SYSTEMS["jaxcb"](dataclasses.replace(ctx, jaxcb_overrides=overrides))}
+
+
+def compare_prefix_caching(passes: dict[str, list[dict]], workload) -> dict[str, float] | None:
+    """Medians of jaxcb with and without the prefix cache, and their ratios, printed."""
+    if NO_PREFIX_CACHE not in passes:
+        return None
+    on, off = passes["jaxcb"], passes[NO_PREFIX_CACHE]
+    out = {}
+    for key in ("mean_ttft_s", "wall_s"):
+        out[f"{key}_on"] = statistics.median(p[key] for p in on)
+        out[f"{key}_off"] = statistics.median(p[key] for p in off)
+    out["ttft_reduction"] = out["mean_ttft_s_off"] / out["mean_ttft_s_on"]
+    out["tok_s_ratio"] = out["wall_s_off"] / out["wall_s_on"]  # same tokens: 1 / wall time
+    print(
+        f"prefix caching on vs off: mean TTFT {out['mean_ttft_s_on']:.2f}s vs "
+        f"{out['mean_ttft_s_off']:.2f}s ({out['ttft_reduction']:.1f}x lower); output tok/s "
+        f"{workload.output_tokens / out['wall_s_on']:,.0f} vs "
+        f"{workload.output_tokens / out['wall_s_off']:,.0f} ({out['tok_s_ratio']:.2f}x)"
+    )
+    return out
 
 
 def summarize(name: str, passes: list[dict], workload, flops: float, peak: float | None) -> dict:
@@ -180,6 +213,16 @@ def summarize(name: str, passes: list[dict], workload, flops: float, peak: float
     )
     out["mfu"] = out["useful_gflop_s"] / peak if peak else None
     return out
+
+
+def paired_ratios(rows: list[dict]) -> None:
+    """Add `paired_x` to each row: the median over rounds of (its pass time / jaxcb's pass time
+    in the same round). Passes of one round ran back to back, so a neighbour's load shifts
+    both alike: steadier than the ratio of medians when the load swings."""
+    base = next((r for r in rows if r["system"] == "jaxcb"), None)
+    for r in rows:
+        pairs = list(zip(r["wall_s_all"], base["wall_s_all"], strict=False)) if base else []
+        r["paired_x"] = statistics.median(a / b for a, b in pairs) if pairs else None
 
 
 def agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, float]:
@@ -201,25 +244,44 @@ def print_report(rows: list[dict], infos: dict, last: dict, workload, peak) -> N
         f"prompt + {workload.output_tokens:,} output tokens"
     )
     head = f"{'system':<11}{'passes':>7}{'wall s':>9}{'out tok/s':>11}{'total tok/s':>13}"
-    head += f"{'jaxcb x':>9}{'GFLOP/s':>9}{'MFU':>7}"
+    head += f"{'jaxcb x':>9}{'paired x':>10}{'GFLOP/s':>9}{'MFU':>7}"
     print(head + "\n" + "-" * len(head))
     for r in rows:
         ratio = f"{base['output_tok_s'] / r['output_tok_s']:.2f}" if base else "-"
+        paired = f"{r['paired_x']:.2f}" if r.get("paired_x") is not None else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         print(
             f"{r['system']:<11}{r['passes']:>7}{r['wall_s']:>9.1f}{r['output_tok_s']:>11,.0f}"
-            f"{r['total_tok_s']:>13,.0f}{ratio:>9}{r['useful_gflop_s']:>9.1f}{mfu:>7}"
+            f"{r['total_tok_s']:>13,.0f}{ratio:>9}{paired:>10}{r['useful_gflop_s']:>9.1f}{mfu:>7}"
         )
-    print("(jaxcb x = jaxcb's output tok/s over the row's; GFLOP/s counts useful work only)")
+    print(
+        "(jaxcb x = jaxcb's output tok/s over the row's, from the medians; paired x = the "
+        "median over rounds of the row's pass time over jaxcb's in the same round; GFLOP/s "
+        "counts useful work only)"
+    )
     if peak:
         print(f"matmul peak on the model's shapes (best of before/after): {peak:.0f} GFLOP/s")
     if "jaxcb" in last:
-        e = last["jaxcb"].extra
+        e, cache = last["jaxcb"].extra, infos["jaxcb"].get("compile_cache") or {}
+        cached = (
+            f" ({cache['buckets_from_cache']} of "
+            f"{cache['buckets_from_cache'] + cache['buckets_compiled']} buckets loaded from the "
+            "compilation cache)"
+            if cache.get("buckets_from_cache")
+            else ""
+        )
         print(
-            f"jaxcb: compile {infos['jaxcb']['compile_seconds']:.1f}s, padding fraction "
+            f"jaxcb: compile {infos['jaxcb']['compile_seconds']:.1f}s{cached}, padding fraction "
             f"{e['padding_fraction']:.3f}, steps {e['steps']}, preemptions {e['preemptions']}, "
             f"host {e['host_seconds']:.2f}s vs device {e['device_seconds']:.2f}s, "
-            f"buckets {e['bucket_histogram']}"
+            f"buckets {e['bucket_histogram']}, batching "
+            f"{infos['jaxcb']['config']['scheduler'].get('batching', 'continuous')}"
+        )
+    if "vllm" in infos:
+        v = infos["vllm"]
+        print(
+            f"vllm: {v['version']}, binding {v['binding']}, load {v['load_seconds']:.0f}s "
+            f"(untimed), {v['python']}"
         )
     if "hf-static" in last:
         raw = last["hf-static"].extra["raw_generated_tokens"]
@@ -264,6 +326,9 @@ def make_context(args: argparse.Namespace, model_dir: Path, workload) -> BenchCo
         warmup_requests=args.warmup_requests,
         hf_static_batch_size=args.hf_static_batch_size,
         hf_cb_options={k: v for k, v in hf_cb.items() if v is not None},
+        vllm_python=args.vllm_python,
+        vllm_binding=args.vllm_binding,
+        record_trace=args.trace is not None,
     )
 
 
@@ -308,11 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.torch_threads)
-    model_dir = Path(args.model or bench_model_dir("bench-57m"))
-    spec = spec_from_hf_config(read_hf_config(model_dir))
-    workload = make_workload(
-        args.workload, num_requests=args.num_requests, vocab_size=spec.vocab_size
-    )
+    model_dir, spec, workload = load_model_and_workload(args)
     checked = workload.is_complete and workload.spec.expected_totals  # else make_workload raised
     log(
         f"model {model_dir}; workload {workload.name}: {len(workload.requests)} requests, "
@@ -324,29 +385,38 @@ def main(argv: list[str] | None = None) -> int:
     roofline = measure_roofline(args, spec, ctx.jaxcb_overrides)
 
     systems = {}
+    if args.prefix_caching == "off":
+        ctx.jaxcb_overrides["enable_prefix_caching"] = False
     try:
         for name in args.systems:
             log(f"building {name} ...")
             start = time.perf_counter()
             systems[name] = SYSTEMS[name](ctx)
             log(f"built {name} in {time.perf_counter() - start:.1f}s")
+            if name == "jaxcb":
+                systems |= prefix_caching_systems(args, ctx)
         repeats = {n: args.hf_repeats if n.startswith("hf-") else args.repeats for n in systems}
         passes, last = take_turns(systems, repeats, workload)
         infos = {n: s.info() for n, s in systems.items()}
+        if args.trace:
+            meta = systems["jaxcb"].trace_meta() | dict(workload=workload.name)
+            save_trace(args.trace, systems["jaxcb"].last_trace, meta)
+            log(f"wrote jaxcb's step trace to {args.trace}")
     finally:
         for system in systems.values():
             system.close()
     roofline = measure_roofline(args, spec, ctx.jaxcb_overrides, before=roofline)
     peak = roofline["best_gflops"] if roofline else None
     rows = [summarize(n, passes[n], workload, flops["total"], peak) for n in systems]
+    paired_ratios(rows)
     print_report(rows, infos, last, workload, peak)
     agree = cross_check(last)
+    prefix_caching = compare_prefix_caching(passes, workload)
 
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        cli = {k: v for k, v in vars(args).items() if not (k.startswith("cfg_") and v is None)}
         record = dict(
-            args={k: str(v) if isinstance(v, Path) else v for k, v in cli.items()},
+            args=args_record(args),
             model=dict(dir=str(model_dir), params=spec.num_params()),
             workload=workload.summary(),
             useful_flops=flops,
@@ -354,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             systems={n: dict(info=infos[n], passes=passes[n]) for n in systems},
             medians=rows,
             agreement_with_jaxcb=agree,
+            prefix_caching=prefix_caching,
             environment=environment(),
         )
         args.json.write_text(json.dumps(record, indent=2, default=str) + "\n")

@@ -13,6 +13,8 @@ from jaxcb.config import (
     CacheConfig,
     EngineConfig,
     KernelConfig,
+    LimitsConfig,
+    ParallelConfig,
     SchedulerConfig,
     flat_fields,
 )
@@ -81,7 +83,10 @@ def test_empty_yaml_gives_defaults(tmp_path: Path, text: str) -> None:
         ("[1, 2]\n", "must hold a mapping"),
         ("cache: {page_size: [\n", "not valid YAML"),
         ("cache: 5\n", "'cache' in config must be a mapping"),
-        ("cache: {pagesize: 8}\n", r"unknown key 'pagesize' in cache; valid keys: \['kv_cache"),
+        (
+            "cache: {pagesize: 8}\n",
+            r"unknown key 'pagesize' in cache; valid keys: \['enable_prefix_caching', 'kv_cache",
+        ),
         ("page_size: 8\n", r"unknown key 'page_size' in config; valid keys: \['cache'"),
         ("dtype: float16\n", r"dtype must be one of \['float32', 'bfloat16'\]"),
         (
@@ -133,8 +138,35 @@ def test_flat_overrides_reach_every_section() -> None:
     assert (cfg.seed, cfg.model) == (7, "/some/dir")
 
 
+def test_scheduling_cache_and_limit_fields() -> None:
+    cfg = EngineConfig()
+    assert cfg.cache.enable_prefix_caching is True
+    assert (cfg.scheduler.scheduling_policy, cfg.scheduler.long_prefill_token_threshold) == (
+        "fcfs",
+        0,
+    )
+    assert cfg.limits == LimitsConfig(1024, None, 128, None)
+    cfg = EngineConfig.from_dict(
+        {"limits": {"max_n": 4}},
+        enable_prefix_caching="false",
+        scheduling_policy="srpf",
+        max_output_tokens="32",
+        watermark=3,
+    )
+    assert cfg.cache.enable_prefix_caching is False and cfg.limits.max_n == 4
+    assert cfg.scheduler.scheduling_policy == "srpf" and cfg.limits.max_output_tokens == 32
+    assert cfg.scheduler.watermark_pages(1000) == 3
+    assert EngineConfig().scheduler.watermark_pages(1000) == 10  # 1% of the pool
+
+
 def test_flat_names_are_unique_and_complete() -> None:
-    sections = {"cache": CacheConfig, "scheduler": SchedulerConfig, "kernels": KernelConfig}
+    sections = {
+        "cache": CacheConfig,
+        "scheduler": SchedulerConfig,
+        "kernels": KernelConfig,
+        "limits": LimitsConfig,
+        "parallel": ParallelConfig,
+    }
     names = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in sections]
     for cls in sections.values():
         names += [f.name for f in dataclasses.fields(cls)]
@@ -202,6 +234,16 @@ def test_unknown_flat_name_lists_the_valid_ones() -> None:
         ({"token_buckets": [0, 512]}, "positive"),
         ({"token_buckets": [16, 32]}, r"largest token bucket \(32\) must equal"),
         ({"cache": 5}, "'cache' must be a mapping of its fields, got 5"),
+        ({"enable_prefix_caching": "maybe"}, "enable_prefix_caching must be a boolean"),
+        ({"scheduling_policy": "lifo"}, r"scheduling_policy must be one of \['fcfs', 'prio"),
+        ({"srpf_aging": 0}, "srpf_aging must be > 0"),
+        ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold must be >= 0"),
+        ({"watermark": -0.1}, "watermark must be a fraction"),
+        ({"watermark": 2.5}, "watermark must be a fraction"),
+        ({"max_waiting_requests": 0}, "max_waiting_requests must be >= 1"),
+        ({"max_prompt_len": 0}, "max_prompt_len must be >= 1"),
+        ({"max_n": 0}, "max_n must be >= 1"),
+        ({"max_output_tokens": 0}, "max_output_tokens must be >= 1"),
     ],
 )
 def test_bad_values_are_value_errors(overrides: dict, match: str) -> None:

@@ -2,9 +2,14 @@
 
 `bench_model_dir("bench-57m")` returns a model directory written by transformers'
 `save_pretrained` (config.json, model.safetensors, generation_config.json; no tokenizer:
-benchmark prompts are token ids). The weights come from `torch.manual_seed(0)` and
-transformers' own initialisation, so every machine builds the same model, and jaxcb and the
-peers read the very same file.
+offline benchmark prompts are token ids). `bench_model_dir(name, with_tokenizer=True)` is the
+same weights (hard links) plus a word-level tokenizer in which token id i is the word "w<i>",
+for serving benchmarks: every generated token then streams as visible text (" w123"), so the
+servers (jaxcb's and `vllm serve`) send one content chunk per token and TTFT / ITL are
+measured per token. `python -m jaxcb.bench.models bench-57m --with-tokenizer` prints its path.
+
+The weights come from `torch.manual_seed(0)` and transformers' own initialisation, so every
+machine builds the same model, and jaxcb and the peers read the very same file.
 """
 
 from __future__ import annotations
@@ -36,17 +41,31 @@ SEED = 0
 VERSION = "v1"  # bump when a model's recipe changes, so stale caches are not reused
 
 
-def bench_model_dir(name: str = "bench-57m", *, root: Path | None = None) -> Path:
-    """Directory of benchmark model `name`, building it first if this machine has not yet."""
+def bench_model_dir(
+    name: str = "bench-57m", *, root: Path | None = None, with_tokenizer: bool = False
+) -> Path:
+    """Directory of benchmark model `name`, building it first if this machine has not yet;
+    `with_tokenizer`: the variant with a word-level tokenizer (see the module docstring)."""
     if name not in BENCH_MODELS:
         raise ValueError(f"unknown benchmark model {name!r}; choose from {sorted(BENCH_MODELS)}")
-    target = (root or cache_dir()) / f"{name}-{VERSION}"
+    base = (root or cache_dir()) / f"{name}-{VERSION}"
+    target = base.with_name(base.name + "-words") if with_tokenizer else base
     if (target / "config.json").is_file():
         return target
+    if with_tokenizer:
+        base = bench_model_dir(name, root=root)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        write_llama(tmp, BENCH_MODELS[name], seed=SEED)
+        if with_tokenizer:
+            for f in base.iterdir():
+                try:
+                    os.link(f, tmp / f.name)
+                except OSError:
+                    shutil.copy2(f, tmp / f.name)
+            save_word_tokenizer(tmp, BENCH_MODELS[name]["vocab_size"])
+        else:
+            write_llama(tmp, BENCH_MODELS[name], seed=SEED)
         try:
             os.replace(tmp, target)  # atomic: a concurrent builder may win, which is fine
         except OSError:
@@ -67,3 +86,29 @@ def write_llama(path: Path, config: dict[str, Any], *, seed: int = SEED) -> None
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
     model.save_pretrained(path)
+
+
+def save_word_tokenizer(path: Path, vocab_size: int) -> None:
+    """A tokenizer whose token i is the word "w<i>" (0-2: <unk>, <s>, </s>), split on spaces:
+    any id sequence decodes to distinct, non-empty words and encodes back to the same ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    vocab |= {f"w{i}": i for i in range(len(specials), vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(path)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Build (once) and print a benchmark model dir.")
+    parser.add_argument("name", nargs="?", default="bench-57m", choices=sorted(BENCH_MODELS))
+    parser.add_argument("--with-tokenizer", action="store_true", help="the word-tokenizer variant")
+    cli = parser.parse_args()
+    print(bench_model_dir(cli.name, with_tokenizer=cli.with_tokenizer))

@@ -6,9 +6,9 @@ whole workload once and returns a `PassResult`; the caller times nothing itself,
 decides exactly what its timed region is. Systems take turns pass by pass in one process, so
 a noisy neighbour slows them alike.
 
-To add a system (issue 7: vLLM, which must run in its own venv as a subprocess started in
-`__init__` and driven one pass per `run_pass`), write a class with `name`, `info()`,
-`run_pass()` and `close()` and register its constructor in `SYSTEMS`.
+To add a system, write a class with `name`, `info()`, `run_pass()` and `close()` and register
+its constructor in `SYSTEMS`. vLLM is one: it runs in its own venv (never a jaxcb dependency),
+as a subprocess (bench/vllm_runner.py) started in `__init__` and driven one pass at a time.
 
 Every system must return, per request in workload order, exactly `max_tokens` greedy tokens
 (EOS ignored); `check_lengths` enforces it, so a system that stopped early is an error rather
@@ -17,13 +17,20 @@ than a flattering number.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import queue
+import subprocess
+import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from jaxcb.bench.trace import recording, trace_meta
 from jaxcb.bench.workloads import BenchRequest, Workload
 
 Log = Callable[[str], None]
@@ -42,6 +49,9 @@ class BenchContext:
     warmup_requests: int = 4  # untimed requests served before the timed passes
     hf_static_batch_size: int = 8
     hf_cb_options: dict[str, Any] = field(default_factory=dict)  # ContinuousBatchingConfig
+    vllm_python: Path | None = None  # python of vLLM's own venv; None: no vllm system
+    vllm_binding: str = "tuned"  # "tuned": OMP threads bound to 0-1 with Intel OpenMP
+    record_trace: bool = False  # jaxcb keeps the step trace of its last pass
     _hf_model: Any = None
 
     def hf_model(self) -> Any:
@@ -94,7 +104,10 @@ def check_lengths(name: str, token_ids: list[list[int]], requests: list[BenchReq
 
 
 class JaxcbSystem:
-    """`jaxcb.LLM(...).generate(prompts, params, use_tqdm=False)`; compiling is at build."""
+    """`jaxcb.LLM(...).generate(prompts, params, use_tqdm=False)`; compiling is at build.
+
+    Every pass starts with an empty prefix cache: the passes send the same prompts, and a pass
+    must not reuse what the previous one (or the warm-up) cached."""
 
     name = "jaxcb"
 
@@ -107,6 +120,8 @@ class JaxcbSystem:
             SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
             for r in self.requests
         ]
+        self.record_trace = ctx.record_trace
+        self.last_trace: list[dict[str, Any]] | None = None
         start = time.perf_counter()
         self.llm = LLM(ctx.model_dir, config=ctx.jaxcb_config, **ctx.jaxcb_overrides)
         self.build_s = time.perf_counter() - start
@@ -124,19 +139,54 @@ class JaxcbSystem:
             compile_seconds_per_bucket=stats["compile_seconds_per_bucket"],
             warmup_seconds=self.warmup_s,
             kv_pages_total=stats["kv_pages_total"],
+            compile_cache=stats.get("compile_cache"),  # buckets compiled / loaded from disk
         )
 
+    def trace_meta(self) -> dict[str, Any]:
+        return trace_meta(self.llm)
+
     def run_pass(self) -> PassResult:
+        self.llm.reset_prefix_cache()
         before = self.llm.stats()
-        start = time.perf_counter()
-        outs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
-        wall = time.perf_counter() - start
+        trace = recording(self.llm) if self.record_trace else contextlib.nullcontext([])
+        with trace as steps:
+            start = time.perf_counter()
+            outs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
+            wall = time.perf_counter() - start
+        if self.record_trace:
+            self.last_trace = steps
         token_ids = [list(o.token_ids) for o in outs]
         check_lengths(self.name, token_ids, self.requests)
-        return PassResult(wall, token_ids, engine_stats_delta(before, self.llm.stats()))
+        extra = engine_stats_delta(before, self.llm.stats())
+        extra.update(latency_summary(outs))
+        if self.record_trace:
+            extra["batch_padding_tokens"] = sum(st.get("batch_padding", 0) for st in steps)
+        return PassResult(wall, token_ids, extra)
 
     def close(self) -> None:
         self.llm = None
+
+
+def latency_summary(outputs: list[Any]) -> dict[str, float]:
+    """TTFT and inter-token latency of finished `RequestOutput`s (engine clock, seconds):
+    mean and median TTFT, and the mean gap between consecutive tokens pooled over requests."""
+    import statistics
+
+    ttft, span, gaps = [], 0.0, 0
+    for out in outputs:
+        m = out.metrics
+        if m.first_token_time is None:
+            continue
+        ttft.append(m.first_token_time - m.arrival_time)
+        n = len(out.outputs[0].token_ids)
+        if n > 1 and m.last_token_time is not None:
+            span += m.last_token_time - m.first_token_time
+            gaps += n - 1
+    return dict(
+        mean_ttft_s=statistics.mean(ttft) if ttft else 0.0,
+        median_ttft_s=statistics.median(ttft) if ttft else 0.0,
+        mean_itl_s=span / gaps if gaps else 0.0,
+    )
 
 
 def engine_stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -327,11 +377,141 @@ class HFStaticBatching:
         self.model = None
 
 
+# ---- vLLM (CPU build, its own venv) ------------------------------------------------------
+
+VLLM_RUNNER = Path(__file__).with_name("vllm_runner.py")
+
+
+def vllm_environment(python: Path, binding: str) -> dict[str, str]:
+    """The environment shared/BENCHMARKS.md runs vLLM's CPU build with: offline, 4 GiB of KV
+    cache, and for the "tuned" binding OpenMP threads bound to cores 0-1 with Intel's
+    OpenMP runtime (the venv's libiomp5.so) preloaded."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="4")
+    env.pop("VIRTUAL_ENV", None)
+    if binding == "tuned":
+        # <venv>/bin/python is usually a symlink out of the venv: do not resolve it
+        libiomp = Path(python).absolute().parent.parent / "lib" / "libiomp5.so"
+        if not libiomp.is_file():
+            raise RuntimeError(f"vllm binding 'tuned' needs {libiomp}: is this vLLM's venv?")
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0-1"
+        env["LD_PRELOAD"] = str(libiomp)
+    elif binding != "default":
+        raise ValueError(f"vllm binding must be 'tuned' or 'default', got {binding!r}")
+    return env
+
+
+class VLLMSystem:
+    """vLLM's offline `LLM.generate` in its own venv (`--vllm-python`), run by
+    bench/vllm_runner.py in a subprocess that loads the model once, then times one pass each
+    time `run_pass` asks. Token-id prompts, `skip_tokenizer_init`, prefix cache reset per
+    pass, max_model_len 2048 as BENCHMARKS.md runs it (more if the workload needs it)."""
+
+    name = "vllm"
+    READY_TIMEOUT_S = 900.0  # loading + torch.compile on a busy 2-core machine
+    PASS_TIMEOUT_S = 3600.0
+
+    def __init__(self, ctx: BenchContext) -> None:
+        if ctx.vllm_python is None:
+            raise ValueError("the vllm system needs --vllm-python (the python of vLLM's venv)")
+        self.log, self.requests = ctx.log, ctx.workload.requests
+        self.python, self.binding = Path(ctx.vllm_python), ctx.vllm_binding
+        self.tmp = tempfile.TemporaryDirectory(prefix="jaxcb-vllm-")
+        spec = Path(self.tmp.name) / "requests.json"
+        spec.write_text(
+            json.dumps(
+                dict(
+                    prompts=[r.prompt_token_ids for r in self.requests],
+                    max_tokens=[r.max_tokens for r in self.requests],
+                    warmup=ctx.warmup_requests,
+                )
+            )
+        )
+        self.log_path = Path(self.tmp.name) / "vllm.log"
+        self._log_file = self.log_path.open("w")
+        config = json.loads((Path(ctx.model_dir) / "config.json").read_text())
+        max_position = config.get("max_position_embeddings", 2048)
+        max_model_len = max(ctx.workload.max_seq_len, min(2048, max_position))
+        self.proc = subprocess.Popen(
+            [str(self.python), str(VLLM_RUNNER), "--model", str(ctx.model_dir), "--dtype",
+             ctx.dtype, "--requests", str(spec), "--max-model-len", str(max_model_len)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log_file,
+            text=True,
+            env=vllm_environment(self.python, self.binding),
+        )  # fmt: skip
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        try:
+            self.ready = self._receive("ready", self.READY_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def _receive(self, event: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(self._failure(f"no {event!r} after {timeout:.0f}s")) from None
+            if line is None:
+                raise RuntimeError(self._failure(f"runner exited before {event!r}"))
+            message = json.loads(line)
+            if message.get("event") == event:
+                return message
+            if message.get("event") == "error":
+                raise RuntimeError(self._failure(message.get("message", "error")))
+
+    def _failure(self, what: str) -> str:
+        self._log_file.flush()
+        tail = self.log_path.read_text(errors="replace")[-3000:]
+        return f"vllm: {what}; the end of its log ({self.log_path}):\n{tail}"
+
+    def info(self) -> dict[str, Any]:
+        return dict(
+            python=str(self.python),
+            binding=self.binding,
+            version=self.ready.get("version"),
+            load_seconds=self.ready.get("load_s"),
+            warmup_seconds=self.ready.get("warmup_s"),
+        )
+
+    def run_pass(self) -> PassResult:
+        self.proc.stdin.write("pass\n")
+        self.proc.stdin.flush()
+        message = self._receive("pass", self.PASS_TIMEOUT_S)
+        token_ids = message["token_ids"]
+        check_lengths(self.name, token_ids, self.requests)
+        return PassResult(message["wall_s"], token_ids)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+        self._log_file.close()
+        self.tmp.cleanup()
+
+
 #: name -> constructor. The order here is the order systems take their turns in.
 SYSTEMS: dict[str, Callable[[BenchContext], System]] = {
     "jaxcb": JaxcbSystem,
     "hf-cb": HFContinuousBatching,
     "hf-static": HFStaticBatching,
+    "vllm": VLLMSystem,
 }
 
 

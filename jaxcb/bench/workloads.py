@@ -2,9 +2,10 @@
 
 A workload is a list of requests (prompt token ids, max_tokens), all greedy with EOS ignored.
 It is drawn with Python's `random` module, per request in this order: prompt length, its token
-ids, then max_tokens. That order fixes the numbers BENCHMARKS.md quotes (offline-mixed:
-16,755 prompt + 9,282 generated tokens), so every script and every machine sees the same
-requests. `num_requests` smaller than the default takes the first requests of the full list.
+ids, then max_tokens (shared-prefix first draws its common prefix's ids once). That order fixes
+the numbers BENCHMARKS.md quotes (offline-mixed: 16,755 prompt + 9,282 generated tokens), so
+every script and every machine sees the same requests. `num_requests` smaller than the
+default takes the first requests of the full list.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class WorkloadSpec:
     num_requests: int
     prompt_len: tuple[int, int]
     max_tokens: tuple[int, int]
+    #: Tokens every prompt starts with (drawn once); prompt_len then counts the own tokens.
+    shared_prefix_len: int = 0
     #: (prompt, generated) token totals at the default request count, checked when drawn.
     expected_totals: tuple[int, int] | None = None
 
@@ -47,6 +50,14 @@ WORKLOADS: dict[str, WorkloadSpec] = {
             num_requests=32,
             prompt_len=(512, 1536),
             max_tokens=(64, 64),
+        ),
+        WorkloadSpec(
+            "shared-prefix",
+            "64 requests: one 512-token system prefix + 16-64 own tokens each, max_tokens 64",
+            num_requests=64,
+            prompt_len=(16, 64),
+            max_tokens=(64, 64),
+            shared_prefix_len=512,
         ),
     )
 }
@@ -112,10 +123,11 @@ def make_workload(
     if vocab_size < 2:
         raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
     rng = random.Random(seed)
+    prefix = [rng.randrange(1, REFERENCE_VOCAB) for _ in range(spec.shared_prefix_len)]
     requests = []
     for _ in range(n):
         length = rng.randint(*spec.prompt_len)
-        ids = [rng.randrange(1, REFERENCE_VOCAB) for _ in range(length)]
+        ids = prefix + [rng.randrange(1, REFERENCE_VOCAB) for _ in range(length)]
         if vocab_size < REFERENCE_VOCAB:
             ids = [1 + (t - 1) % (vocab_size - 1) for t in ids]
         lo, hi = spec.max_tokens

@@ -2,6 +2,12 @@
 
 `step()` is: schedule (host) → pack into the smallest bucket → run the compiled step (device)
 → append sampled tokens, detokenize, check stops, free finished requests' pages (host).
+
+Fault isolation: an exception while handling one request's new token (detokenizer, stop
+strings, output building) fails that request alone — finish_reason "error", the message in
+`RequestOutput.error`, its pages freed — and every other request goes on. An exception from
+the step itself (scheduling, packing, the device) propagates: the engine's state is suspect
+then, and the caller (LLM.generate, the server's engine loop) decides what to do.
 """
 
 from __future__ import annotations
@@ -17,11 +23,13 @@ from typing import Any
 import numpy as np
 
 from jaxcb.config import EngineConfig
+from jaxcb.engine.baselines import make_scheduler
 from jaxcb.engine.buckets import default_token_buckets, make_buckets, pick_bucket
 from jaxcb.engine.detokenizer import IncrementalDetokenizer
 from jaxcb.engine.page_pool import PagePool
+from jaxcb.engine.policies import make_policy
 from jaxcb.engine.request import Request
-from jaxcb.engine.scheduler import Scheduler, SchedulerOutput
+from jaxcb.engine.scheduler import SchedulerOutput
 from jaxcb.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxcb.sampling_params import SamplingParams
 
@@ -40,6 +48,7 @@ class _Group:
     prompt_token_ids: list[int]
     children: list[Request]
     detokenizers: list[IncrementalDetokenizer]
+    broken: bool = False  # building its output failed: texts are no longer available
 
     @property
     def finished(self) -> bool:
@@ -47,12 +56,21 @@ class _Group:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, *, compile_progress: bool = False):
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        compile_progress: bool = False,
+        devices: Sequence[Any] | None = None,  # this replica's devices (engine/replicated.py)
+    ):
+        import functools
+
         import jax
         import jax.numpy as jnp
 
         from jaxcb.attention import get_attention_backend
         from jaxcb.models.loader import load_model
+        from jaxcb.runtime import sharding
         from jaxcb.runtime.kv_cache import page_bytes, resolve_kv_cache_dtype, resolve_num_pages
         from jaxcb.runtime.runner import ModelRunner
         from pallas_kernels.ragged_paged_attention import pages_per_seq
@@ -60,10 +78,18 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         t0 = time.perf_counter()
         dtype = jnp.dtype(config.dtype)
-        model = load_model(config.model, tokenizer_path=config.tokenizer, dtype=dtype)
+        # One device, or tensor_parallel_size devices the model and KV pages are sharded over.
+        self.mesh = mesh = sharding.engine_mesh(config.parallel, devices)
+        model = load_model(
+            config.model,
+            tokenizer_path=config.tokenizer,
+            dtype=dtype,
+            shardings=functools.partial(sharding.model_param_shardings, mesh=mesh, dtype=dtype),
+        )
         self.model_path, self.spec, self.tokenizer = model.path, model.spec, model.tokenizer
         self.eos_token_ids = frozenset(model.eos_token_ids)
         load_seconds = time.perf_counter() - t0
+        self.load_seconds, self.model_format = load_seconds, model.format
 
         spec = self.spec
         max_model_len = config.max_model_len or spec.max_position_embeddings
@@ -86,7 +112,13 @@ class LLMEngine:
             itemsize=kv_dtype.itemsize,
             max_model_len=max_model_len,
             max_num_seqs=sched.max_num_seqs,
-            params_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params)),
+            params_bytes=sum(
+                x.nbytes
+                for x in jax.tree_util.tree_leaves(model.params)
+                if not isinstance(x, jax.Array)  # orbax restores onto the devices directly
+            ),
+            tensor_parallel_size=config.parallel.tensor_parallel_size,
+            device=mesh.devices.flat[0],
         )
         self.num_pages = num_pages
         self.kv_cache_bytes = num_pages * page_bytes(spec, cache.page_size, kv_dtype.itemsize)
@@ -94,12 +126,24 @@ class LLMEngine:
         self.buckets = make_buckets(token_buckets, sched.max_num_seqs)
 
         self.pool = PagePool(num_pages)
-        self.scheduler = Scheduler(
+        watermark_pages = sched.watermark_pages(num_pages)
+        if watermark_pages >= num_pages:
+            raise ValueError(
+                f"watermark={sched.watermark} keeps {watermark_pages} pages free, but the pool "
+                f"has only {num_pages}"
+            )
+        self.scheduler = make_scheduler(  # batching: continuous, or a padded-batch baseline
+            sched.batching,
             page_pool=self.pool,
             page_size=cache.page_size,
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
+            policy=make_policy(sched.scheduling_policy, srpf_aging=sched.srpf_aging),
+            enable_prefix_caching=cache.enable_prefix_caching,
+            long_prefill_token_threshold=sched.long_prefill_token_threshold,
+            watermark_pages=watermark_pages,
         )
+        self.limits = config.limits
         self.runner = ModelRunner(
             spec,
             model.params,
@@ -110,6 +154,7 @@ class LLMEngine:
             max_model_len=max_model_len,
             attention=attention,
             num_top_logprobs=MAX_TOP_LOGPROBS,
+            mesh=mesh,
         )
         from jaxcb.runtime import compile_cache
 
@@ -160,26 +205,19 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> str:
         """Validate and queue a request; returns its id. Bad input raises ValueError and
-        leaves the engine untouched."""
+        leaves the engine untouched. `priority` matters under the "priority" policy only
+        (lower values are admitted first); elsewhere it must be 0."""
         params = params or SamplingParams()
-        params.validate()
+        prompt_text, prompt_ids = self.validate_request(prompt, params, priority=priority)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_text, prompt_ids = self._tokenize(prompt)
-        if len(prompt_ids) > self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens, longer than max_model_len="
-                f"{self.max_model_len}"
-            )
-        if params.logprobs is not None and params.logprobs > MAX_TOP_LOGPROBS:
-            raise ValueError(
-                f"SamplingParams.logprobs must be <= {MAX_TOP_LOGPROBS}, got {params.logprobs}"
-            )
         room = max(1, self.max_model_len - len(prompt_ids))
-        max_tokens = min(params.max_tokens or room, room)
+        cap = self.limits.max_output_tokens or room
+        max_tokens = min(params.max_tokens or cap, cap, room)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children, detoks = [], []
         for j in range(params.n):
@@ -196,6 +234,7 @@ class LLMEngine:
                     max_tokens=max_tokens,
                     eos_token_ids=self.eos_token_ids,
                     arrival_time=arrival,
+                    priority=priority,
                 )
             )
             detoks.append(
@@ -215,6 +254,48 @@ class LLMEngine:
         self._stats["requests"] += 1
         self._stats["prompt_tokens"] += len(prompt_ids) * params.n
         return request_id
+
+    def validate_request(
+        self, prompt: str | Sequence[int], params: SamplingParams, *, priority: int = 0
+    ) -> tuple[str | None, list[int]]:
+        """Check a prompt and its parameters against the model and the limits; returns
+        (prompt text or None, prompt token ids). Raises ValueError naming the problem."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        policy = self.config.scheduler.scheduling_policy
+        if priority != 0 and policy != "priority":
+            raise ValueError(
+                f"priority={priority} needs scheduling_policy='priority' (this engine uses "
+                f"{policy!r})"
+            )
+        limits = self.limits
+        if params.n > limits.max_n:
+            raise ValueError(f"SamplingParams.n must be <= max_n={limits.max_n}, got {params.n}")
+        cap = limits.max_output_tokens
+        if cap is not None and params.max_tokens is not None and params.max_tokens > cap:
+            raise ValueError(
+                f"SamplingParams.max_tokens must be <= max_output_tokens={cap}, "
+                f"got {params.max_tokens}"
+            )
+        if params.logprobs is not None and params.logprobs > MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"SamplingParams.logprobs must be <= {MAX_TOP_LOGPROBS}, got {params.logprobs}"
+            )
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        if len(prompt_ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens, longer than max_model_len="
+                f"{self.max_model_len}"
+            )
+        if limits.max_prompt_len is not None and len(prompt_ids) > limits.max_prompt_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens, more than max_prompt_len="
+                f"{limits.max_prompt_len}"
+            )
+        return prompt_text, prompt_ids
 
     def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -249,7 +330,7 @@ class LLMEngine:
                 child.metrics.finished_time = now
                 self.scheduler.finish(child)
         self._stats["aborted"] += 1
-        return self._finish_group(group)
+        return self._output(group, now)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -273,7 +354,8 @@ class LLMEngine:
         from jaxcb.runtime.step_input import pack_step_input
 
         num_tokens = sched.num_tokens
-        bucket = pick_bucket(self.buckets, num_tokens, len(sched.chunks))
+        # A padded-batch baseline's padding is run too (engine/baselines.py); 0 otherwise.
+        bucket = pick_bucket(self.buckets, num_tokens + sched.num_padding_tokens, len(sched.chunks))
         inp = pack_step_input(
             sched,
             bucket,
@@ -293,6 +375,8 @@ class LLMEngine:
         self._stats["tokens_scheduled"] += num_tokens
         self._stats["token_slots"] += bucket.num_tokens
         self._stats["preemptions"] += len(sched.preempted)
+        self._stats["prefix_queries"] += sched.num_prefix_query_tokens
+        self._stats["prefix_hits"] += sched.num_prefix_hit_tokens
         self._bucket_hist[bucket.num_tokens] += 1
         self._stats["host_seconds"] += (t1 - t0) + (t3 - t2)
         self._stats["device_seconds"] += t2 - t1
@@ -307,47 +391,69 @@ class LLMEngine:
             req = chunk.request
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-            if not chunk.samples:
+            if not chunk.samples or req.finished:
                 continue
-            token = int(result.token_ids[s])
-            req.append_token(token)
-            req.output_logprobs.append(float(result.logprobs[s]))
-            k = req.params.logprobs or 0
-            if k > 0 and result.top_token_ids is not None:
-                req.output_top_logprobs.append(
-                    {
-                        int(t): float(v)
-                        for t, v in zip(
-                            result.top_token_ids[s, :k], result.top_logprobs[s, :k], strict=True
-                        )
-                    }
-                )
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.last_token_time = now
-            self._stats["generated_tokens"] += 1
             group = self._request_group[id(req)]
-            detok = group.detokenizers[group.children.index(req)]
-            stop_str = detok.add_token(token)
-            if stop_str is None:
-                req.check_stop_tokens(self.max_model_len)
-                if req.finish_reason is not None:
-                    stop_str = detok.flush()  # may complete a stop string too
-            if stop_str is not None:  # a stop string beats EOS and length limits
-                req.finish_reason, req.stop_reason = "stop", stop_str
-            if req.finish_reason is not None:
-                req.metrics.finished_time = now
-                self.scheduler.finish(req)
             touched[group.request_id] = group
-        return [self._group_output(g) for g in touched.values()]
+            try:
+                self._append_sample(req, group, result, s, now)
+            except Exception as exc:  # this request's problem only: the others go on
+                self._fail_request(req, exc, now)
+        return [self._output(g, now) for g in touched.values()]
 
-    def _group_output(self, group: _Group) -> RequestOutput:
-        if group.finished:
-            return self._finish_group(group)
-        return self._make_output(group)
+    def _append_sample(self, req: Request, group: _Group, result: Any, s: int, now: float) -> None:
+        """The token sampled for row s: append it, detokenize, check every stop condition."""
+        token = int(result.token_ids[s])
+        req.append_token(token)
+        req.output_logprobs.append(float(result.logprobs[s]))
+        k = req.params.logprobs or 0
+        if k > 0 and result.top_token_ids is not None:
+            req.output_top_logprobs.append(
+                {
+                    int(t): float(v)
+                    for t, v in zip(
+                        result.top_token_ids[s, :k], result.top_logprobs[s, :k], strict=True
+                    )
+                }
+            )
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
+        self._stats["generated_tokens"] += 1
+        detok = group.detokenizers[group.children.index(req)]
+        stop_str = detok.add_token(token)
+        if stop_str is None:
+            req.check_stop_tokens(self.max_model_len)
+            if req.finish_reason is not None:
+                stop_str = detok.flush()  # may complete a stop string too
+        if stop_str is not None:  # a stop string beats EOS and length limits
+            req.finish_reason, req.stop_reason = "stop", stop_str
+        if req.finish_reason is not None:
+            req.metrics.finished_time = now
+            self.scheduler.finish(req)
 
-    def _finish_group(self, group: _Group) -> RequestOutput:
-        out = self._make_output(group)
+    def _fail_request(self, req: Request, exc: BaseException, now: float) -> None:
+        """End one request with finish_reason "error" and free its pages."""
+        logger.error("request %s failed: %r", req.request_id, exc, exc_info=exc)
+        req.finish_reason, req.stop_reason = "error", None
+        req.error = f"{type(exc).__name__}: {exc}"
+        req.metrics.finished_time = now
+        self.scheduler.finish(req)
+        self._stats["failed"] += 1
+
+    def _output(self, group: _Group, now: float) -> RequestOutput:
+        """The group's output; a finished group is forgotten. If building it fails, the
+        group's unfinished requests fail (and its texts are dropped) rather than the loop."""
+        try:
+            out = self._make_output(group)
+        except Exception as exc:
+            for child in group.children:
+                if not child.finished:
+                    self._fail_request(child, exc, now)
+                elif child.error is None:
+                    child.error = f"{type(exc).__name__}: {exc}"
+            group.broken = True
+            out = self._make_output(group)
         if group.finished:
             self._groups.pop(group.request_id, None)
             for child in group.children:
@@ -361,7 +467,7 @@ class LLMEngine:
             outs.append(
                 CompletionOutput(
                     index=j,
-                    text=detok.visible_text(req.finished),
+                    text="" if group.broken else detok.visible_text(req.finished),
                     token_ids=list(req.output_token_ids),
                     finish_reason=req.finish_reason,
                     stop_reason=req.stop_reason,
@@ -386,6 +492,7 @@ class LLMEngine:
         )
         if group.finished:
             metrics.finished_time = max(c.metrics.finished_time or 0.0 for c in group.children)
+        errors = list(dict.fromkeys(c.error for c in group.children if c.error))
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
@@ -393,6 +500,8 @@ class LLMEngine:
             outputs=outs,
             finished=group.finished,
             metrics=metrics,
+            error="; ".join(errors) or None,
+            num_cached_tokens=group.children[0].num_cached_tokens or 0,
         )
 
     # ---- introspection ------------------------------------------------------------------
@@ -404,17 +513,40 @@ class LLMEngine:
                 (
                     c.request.request_id,
                     c.num_tokens,
-                    "decode" if c.request.is_decoding else "prefill",
+                    # from the chunk alone: the request has moved on by now
+                    "decode"
+                    if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens
+                    else "prefill",
                 )
                 for c in sched.chunks
             ],
             "num_tokens": sched.num_tokens,
+            "batch_padding": sched.num_padding_tokens,
             "pages_used": self.pool.num_used,
             "preempted": [r.request_id for r in sched.preempted],
+            "prefix_queries": sched.num_prefix_query_tokens,
+            "prefix_hits": sched.num_prefix_hit_tokens,
         }
 
     def check_page_invariant(self) -> None:
         self.pool.check_invariant(self.scheduler.owners())
+
+    def check_health(self) -> None:
+        """Raise RuntimeError if the engine cannot run further steps: a failed step consumed
+        its donated KV buffers, or the page accounting is broken."""
+        import jax
+
+        leaves = jax.tree_util.tree_leaves(self.runner.state)
+        if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in leaves):
+            raise RuntimeError("the device KV cache was lost in a failed step")
+        try:
+            self.check_page_invariant()
+        except RuntimeError as exc:
+            raise RuntimeError(f"the KV page accounting is broken: {exc}") from exc
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached page no request holds; returns how many were dropped."""
+        return self.scheduler.reset_prefix_cache()
 
     def stats(self) -> dict[str, Any]:
         s = self._stats
@@ -431,9 +563,17 @@ class LLMEngine:
             "compile_cache": dict(self.compile_cache),
             "compile_seconds_per_bucket": dict(self.runner.compile_seconds),
             "preemptions": s["preemptions"],
+            "failed": s["failed"],
+            "prefix_queries": s["prefix_queries"],
+            "prefix_hits": s["prefix_hits"],
+            "prefix_hit_rate": s["prefix_hits"] / s["prefix_queries"]
+            if s["prefix_queries"]
+            else 0.0,
             "kv_pages_total": self.num_pages,
             "kv_pages_used": self.pool.num_used,
             "kv_pages_peak": self.pool.peak_used,
+            "kv_pages_cached": self.pool.num_cached,
+            "kv_pages_evicted": self.pool.num_evictions,
             "host_seconds": s["host_seconds"],
             "device_seconds": s["device_seconds"],
             "num_running": self.num_running,

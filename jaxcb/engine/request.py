@@ -1,8 +1,9 @@
 """Per-request state: tokens, progress through the KV cache, pages, and life cycle.
 
-WAITING ──admit──> RUNNING ──finish──> FINISHED (stop | length | abort)
+WAITING ──admit──> RUNNING ──finish──> FINISHED (stop | length | abort | error)
    ^                  │
-   └──── preempt ─────┘   (pages freed, recomputed from scratch when re-admitted)
+   └──── preempt ─────┘   (pages released, recomputed when re-admitted: from the first
+                           page that is no longer in the prefix cache)
 """
 
 from __future__ import annotations
@@ -42,14 +43,26 @@ class Request:
     max_tokens: int  # output tokens at most (already clamped to max_model_len)
     eos_token_ids: frozenset[int]
     arrival_time: float
+    priority: int = 0  # the "priority" policy admits lower values first (as vLLM)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     page_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None  # why the request failed, with finish_reason "error"
+    # Prefix caching: chained hashes of the full pages of token_ids (computed lazily), how
+    # many of page_ids are registered in the cache, and the prompt tokens the first
+    # admission found cached (None until admitted).
+    page_hashes: list[bytes] = field(default_factory=list)
+    num_hashed_pages: int = 0
+    num_cached_tokens: int | None = None
+    # Set by the scheduler when the request first arrives there: its arrival order and
+    # scheduler step (policies sort by them; they survive preemption).
+    arrival_seq: int = -1
+    arrival_step: int = -1
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:

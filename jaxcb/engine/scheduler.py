@@ -2,12 +2,21 @@
 
 Each call to `schedule()` decides one step:
 1. every running request that is decoding gets its one token;
-2. running requests still in prefill get chunks of what is left of the budget;
-3. waiting requests are admitted first-come-first-served while the budget, `max_num_seqs`
-   and free pages allow (the head of the queue is never skipped).
-If a running request needs a page and none is free, the most recently admitted running request
-is preempted: its pages are freed and it goes back to the head of the waiting queue, to be
-recomputed later. No request is admitted in a step that preempted.
+2. running requests still in prefill get chunks of what is left of the budget (at most
+   `long_prefill_token_threshold` tokens each, if set, so one huge prompt cannot take it all);
+3. waiting requests are admitted from the head of the queue while the budget, `max_num_seqs`
+   and free pages allow (the head is never skipped; the policy orders the queue). Admission
+   leaves `watermark_pages` free for the running requests' growth (unless none runs).
+If a running request needs a page and none is free, the policy picks a running request to
+preempt: its pages are released and it goes back to the waiting queue, to be recomputed
+later. No request is admitted in a step that preempted.
+
+Prefix caching (`enable_prefix_caching`): a request being admitted shares every cached full
+page of its tokens, up to the first miss (see page_pool.py), and starts computing after them.
+It never matches its whole sequence, so at least its last token is computed (the step needs
+its logits) and nothing is ever written into a shared page. After each step, every page that
+became full is registered in the cache; released pages stay cached until evicted, so a
+preempted request's recompute finds its own pages again.
 
 Pure Python: no jax, no device. The engine calls `schedule()`, runs the step, then
 `update_after_step()` and `finish()`.
@@ -19,7 +28,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from jaxcb.engine.page_pool import PagePool
+from jaxcb.engine.page_pool import PagePool, hash_page
+from jaxcb.engine.policies import SchedulingPolicy, make_policy
 from jaxcb.engine.request import Request, RequestStatus
 
 
@@ -43,6 +53,11 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first, then prefills
     preempted: list[Request] = field(default_factory=list)
+    # Prefix cache, over the requests admitted this step: tokens looked up, tokens found.
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+    # Padding slots a padded-batch baseline (engine/baselines.py) adds to the step; 0 here.
+    num_padding_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -65,25 +80,50 @@ class Scheduler:
         page_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        policy: str | SchedulingPolicy = "fcfs",
+        enable_prefix_caching: bool = False,
+        long_prefill_token_threshold: int = 0,
+        watermark_pages: int = 0,
     ) -> None:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({max_num_seqs}) so every running request can decode each step"
             )
+        if long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 0 (0: no cap), "
+                f"got {long_prefill_token_threshold}"
+            )
+        if not 0 <= watermark_pages < page_pool.num_pages:
+            raise ValueError(
+                f"watermark_pages must be in [0, {page_pool.num_pages}), got {watermark_pages}"
+            )
         self.pool = page_pool
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.enable_prefix_caching = enable_prefix_caching
+        self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
+        self.watermark_pages = watermark_pages
+        self.waiting: deque[Request] = deque()  # in the policy's order: the head goes next
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
+        self.num_steps = 0  # schedule() calls: the clock of arrival_step and srpf aging
+        self.prefix_queries = 0  # tokens looked up in the prefix cache at admissions
+        self.prefix_hits = 0  # of which found cached
+        self._num_arrivals = 0
 
     # ---- queue management ---------------------------------------------------------------
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        if request.arrival_seq < 0:
+            request.arrival_seq = self._num_arrivals
+            request.arrival_step = self.num_steps
+            self._num_arrivals += 1
+        self.policy.enqueue(self.waiting, request, preempted=False)
 
     @property
     def num_unfinished(self) -> int:
@@ -108,6 +148,7 @@ class Scheduler:
         out = SchedulerOutput()
         scheduled: dict[int, ScheduledChunk] = {}  # id(request) -> chunk
         budget = self.max_num_batched_tokens
+        self.num_steps += 1
 
         for decode_pass in (True, False):
             for request in list(self.running):
@@ -115,7 +156,7 @@ class Scheduler:
                     continue  # preempted earlier in this step, or already given its tokens
                 if request.is_decoding != decode_pass or budget == 0:
                     continue
-                n = min(request.num_uncomputed_tokens, budget)
+                n = min(request.num_uncomputed_tokens, budget, self.long_prefill_token_threshold)
                 num_preempted = len(out.preempted)
                 reserved = self._reserve_pages(request, n, scheduled, out)
                 if len(out.preempted) != num_preempted:  # victims give their tokens back
@@ -130,11 +171,17 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
-                n = min(request.num_uncomputed_tokens, budget)
-                if not self.pool.can_allocate(self._pages_short(request, n)):
+                hit_pages = self._match_prefix(request)
+                num_hit = len(hit_pages) * self.page_size
+                n = min(request.num_tokens - num_hit, budget, self.long_prefill_token_threshold)
+                # Cached pages nobody holds count as free until this request takes them.
+                needed = -(-(num_hit + n) // self.page_size) - len(hit_pages)
+                needed += sum(self.pool.is_evictable(p) for p in hit_pages)
+                reserve = self.watermark_pages if self.running else 0
+                if self.pool.num_free < needed + reserve:
                     break
                 self.waiting.popleft()
-                self._admit(request)
+                self._admit(request, hit_pages, out)
                 self._allocate(request, n)
                 scheduled[id(request)] = ScheduledChunk(request, request.num_computed_tokens, n)
                 budget -= n
@@ -143,9 +190,52 @@ class Scheduler:
         return out
 
     def update_after_step(self, output: SchedulerOutput) -> None:
-        """The step ran: the fed tokens' K/V are now in the cache."""
+        """The step ran: the fed tokens' K/V are now in the cache; pages that became full
+        join the prefix cache."""
         for chunk in output.chunks:
-            chunk.request.num_computed_tokens = chunk.end
+            request = chunk.request
+            request.num_computed_tokens = chunk.end
+            if self.enable_prefix_caching:
+                self._register_full_pages(request)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached page nobody holds (benchmarks use it between passes)."""
+        return self.pool.reset_prefix_cache()
+
+    # ---- prefix caching -----------------------------------------------------------------
+
+    def _page_hashes(self, request: Request, num_pages: int) -> list[bytes]:
+        """The chained hashes of the request's first `num_pages` full pages."""
+        hashes, ps = request.page_hashes, self.page_size
+        while len(hashes) < num_pages:
+            i = len(hashes)
+            hashes.append(
+                hash_page(hashes[-1] if i else None, request.token_ids[i * ps : (i + 1) * ps])
+            )
+        return hashes
+
+    def _match_prefix(self, request: Request) -> list[int]:
+        """Cached pages holding the request's leading full pages, up to the first miss.
+        At most (num_tokens - 1) // page_size of them: the last token is always computed."""
+        if not self.enable_prefix_caching:
+            return []
+        pages = []
+        for h in self._page_hashes(request, (request.num_tokens - 1) // self.page_size):
+            page = self.pool.lookup(h)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def _register_full_pages(self, request: Request) -> None:
+        num_full = request.num_computed_tokens // self.page_size
+        if num_full <= request.num_hashed_pages:
+            return
+        hashes = self._page_hashes(request, num_full)
+        for i in range(request.num_hashed_pages, num_full):
+            # False: another request cached the same prefix first; this page stays private.
+            self.pool.register(request.page_ids[i], hashes[i])
+        request.num_hashed_pages = num_full
 
     # ---- internals ----------------------------------------------------------------------
 
@@ -163,9 +253,9 @@ class Scheduler:
         scheduled: dict[int, ScheduledChunk],
         out: SchedulerOutput,
     ) -> bool:
-        """Allocate pages for n more tokens, preempting the newest requests if needed."""
+        """Allocate pages for n more tokens, preempting the policy's victims if needed."""
         while not self.pool.can_allocate(self._pages_short(request, n)):
-            victim = self.running[-1]
+            victim = self.policy.victim(self.running)
             self._preempt(victim)
             scheduled.pop(id(victim), None)
             out.preempted.append(victim)
@@ -174,13 +264,27 @@ class Scheduler:
         self._allocate(request, n)
         return True
 
-    def _admit(self, request: Request) -> None:
+    def _admit(self, request: Request, hit_pages: list[int], out: SchedulerOutput) -> None:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        if self.enable_prefix_caching:
+            self.pool.acquire(hit_pages)
+            request.page_ids = list(hit_pages)
+            request.num_hashed_pages = len(hit_pages)
+            request.num_computed_tokens = len(hit_pages) * self.page_size
+            out.num_prefix_query_tokens += request.num_tokens
+            out.num_prefix_hit_tokens += request.num_computed_tokens
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += request.num_computed_tokens
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = request.num_computed_tokens
 
     def _release(self, request: Request) -> None:
-        self.pool.free(request.page_ids)
+        # Tail first: cached pages released later are evicted later, and a sequence's head
+        # pages are the ones other requests are likeliest to share.
+        self.pool.free(reversed(request.page_ids))
         request.page_ids = []
+        request.num_hashed_pages = 0
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -189,4 +293,4 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.policy.enqueue(self.waiting, request, preempted=True)

@@ -98,6 +98,37 @@ class AttentionMetadata:
     slot_mapping: jax.Array  # i32[T]
 
 
+def abstract_params(spec: ModelSpec, dtype: Any) -> Params:
+    """The params pytree of `spec` as ShapeDtypeStructs (the layout in the module docstring):
+    what a checkpoint must hold, and the target of a restore."""
+    h, d, i, v = spec.hidden_size, spec.head_dim, spec.intermediate_size, spec.vocab_size
+    hq, hkv, g = spec.num_q_heads, spec.num_kv_heads, spec.group_size
+
+    def shape(*dims: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(dims, jnp.dtype(dtype))
+
+    layers = []
+    for _ in range(spec.num_layers):
+        layer = {
+            "attn_norm": shape(h),
+            "wqkv": shape(h, hkv, g + 2, d),
+            "wo": shape(hq * d, h),
+            "mlp_norm": shape(h),
+            "w_gate_up": shape(h, 2, i),
+            "w_down": shape(i, h),
+        }
+        if spec.qkv_bias:
+            layer["bqkv"] = shape(hkv, g + 2, d)
+        if spec.qk_norm:
+            layer["q_norm"] = shape(d)
+            layer["k_norm"] = shape(d)
+        layers.append(layer)
+    params: Params = {"embed": shape(v, h), "layers": layers, "final_norm": shape(h)}
+    if not spec.tie_word_embeddings:
+        params["lm_head"] = shape(h, v)
+    return params
+
+
 AttentionFn = Callable[..., jax.Array]
 
 
@@ -169,7 +200,11 @@ def forward(
 
         h = rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
         w = layer["w_gate_up"]  # [H, 2, I]
-        gate_up = dense(h, w.reshape(w.shape[0], -1)).reshape(num_tokens, 2, -1)  # [T, 2, I]
+        # Gate and up in one matmul, without merging (2, I) into one axis: tensor parallelism
+        # shards I, and a merged 2 * I axis would not be sharded evenly (XLA would gather w).
+        gate_up = jnp.einsum(
+            "th,hci->tci", h.astype(w.dtype), w, preferred_element_type=jnp.float32
+        )  # [T, 2, I]
         act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
         x = x + dense(act, layer["w_down"])
 

@@ -1,9 +1,14 @@
-"""Resolve a model path (or the built-in default) into spec, params, tokenizer and EOS ids."""
+"""Resolve a model path (or the built-in default) into spec, params, tokenizer and EOS ids.
+
+A model path is a Hugging Face directory (config.json + safetensors) or a jaxcb orbax
+checkpoint (scripts/convert_checkpoint.py; models/checkpoint.py); both hold config.json.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,15 +23,23 @@ logger = logging.getLogger(__name__)
 class LoadedModel:
     path: Path
     spec: ModelSpec
-    params: Params  # numpy arrays, host memory
+    params: Params  # numpy arrays in host memory (HF), or jax arrays already sharded (orbax)
     tokenizer: Any | None  # transformers tokenizer, or None if the directory has none
     eos_token_ids: tuple[int, ...]
     is_default: bool
+    format: str = "safetensors"  # "safetensors" (Hugging Face) or "orbax"
 
 
 def load_model(
-    model: str | Path | None, *, tokenizer_path: str | Path | None, dtype: Any
+    model: str | Path | None,
+    *,
+    tokenizer_path: str | Path | None,
+    dtype: Any,
+    shardings: Callable[[ModelSpec], Any] | None = None,
 ) -> LoadedModel:
+    """`shardings(spec)`: the params' target shardings. An orbax checkpoint is restored
+    straight into them; safetensors are read into host memory (the runner places them). It is
+    called before any weight is read, so a model that cannot be sharded fails fast."""
     is_default = model is None
     if is_default:
         from jaxcb.models.default_model import default_model_dir
@@ -40,7 +53,14 @@ def load_model(
     else:
         path = Path(model).expanduser()
     spec = spec_from_hf_config(read_hf_config(path))
-    params = load_params(path, spec, dtype)
+    target = shardings(spec) if shardings is not None else None
+    from jaxcb.models.checkpoint import is_orbax_checkpoint, restore_params
+
+    fmt = "orbax" if is_orbax_checkpoint(path) else "safetensors"
+    if fmt == "orbax":
+        params = restore_params(path, spec, dtype, target)
+    else:
+        params = load_params(path, spec, dtype)
     tokenizer = load_tokenizer(Path(tokenizer_path) if tokenizer_path else path)
     eos = set(spec.eos_token_ids)
     gen_path = path / "generation_config.json"
@@ -52,7 +72,7 @@ def load_model(
         eos |= set(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
-    return LoadedModel(path, spec, params, tokenizer, tuple(sorted(eos)), is_default)
+    return LoadedModel(path, spec, params, tokenizer, tuple(sorted(eos)), is_default, fmt)
 
 
 def load_tokenizer(path: Path) -> Any | None:

@@ -1,7 +1,9 @@
 """Device state: the KV page pool (layout from pallas_kernels).
 
 Also decides how many pages the pool gets: `num_pages`, or a memory budget, or (auto) enough
-for `max_num_seqs` full-length sequences within what the device can spare.
+for `max_num_seqs` full-length sequences within what the device can spare. With tensor
+parallelism each device holds 1/N of every page (the pool is sharded by KV head), so auto
+sizing weighs a device's spare memory against its share.
 """
 
 from __future__ import annotations
@@ -59,8 +61,11 @@ def resolve_num_pages(
     max_model_len: int,
     max_num_seqs: int,
     params_bytes: int = 0,
+    tensor_parallel_size: int = 1,
+    device: jax.Device | None = None,
 ) -> int:
-    """Pages in the pool; `params_bytes`: weights not yet on the device when this is called."""
+    """Pages in the pool; `params_bytes`: weights not yet on the devices when this is called
+    (all of them: each of the `tensor_parallel_size` devices holds its share)."""
     per_page = page_bytes(spec, cache.page_size, itemsize)
     min_pages = pages_per_seq(max_model_len, cache.page_size)
     if cache.num_pages is not None:
@@ -69,8 +74,9 @@ def resolve_num_pages(
         num_pages = int(cache.kv_cache_memory_gb * GIB // per_page)
     else:
         wanted = max_num_seqs * min_pages
-        spare = _spare_device_bytes(cache.memory_utilization) - params_bytes
-        num_pages = min(wanted, max(0, spare) // per_page)
+        tp = tensor_parallel_size
+        spare = _spare_device_bytes(cache.memory_utilization, device) - params_bytes // tp
+        num_pages = min(wanted, max(0, spare) // -(-per_page // tp))
     if num_pages < min_pages:
         raise ValueError(
             f"the KV pool has {num_pages} pages of {cache.page_size} tokens "
@@ -81,8 +87,8 @@ def resolve_num_pages(
     return num_pages
 
 
-def _spare_device_bytes(utilization: float) -> int:
-    device = jax.devices()[0]
+def _spare_device_bytes(utilization: float, device: jax.Device | None = None) -> int:
+    device = device or jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
         return CPU_AUTO_BUDGET_BYTES
@@ -96,7 +102,11 @@ def init_state(
     num_pages: int,
     page_size: int,
     dtype: jnp.dtype,
+    sharding: jax.sharding.Sharding | None = None,
 ) -> DeviceState:
+    """Zeroed K and V pages per layer, created in place on their devices (`sharding`: by KV
+    head for tensor parallelism; None: the default device)."""
     shape = kv_pages_shape(num_pages, page_size, spec.num_kv_heads, spec.head_dim)
-    caches = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(spec.num_layers)]
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    caches = [(zeros(), zeros()) for _ in range(spec.num_layers)]
     return DeviceState(caches)

@@ -1,7 +1,14 @@
-"""ModelRunner: owns params and device state, compiles every bucket ahead of time, runs steps."""
+"""ModelRunner: owns params and device state, compiles every bucket ahead of time, runs steps.
+
+The runner works on a mesh (runtime/sharding.py): one device, or `tensor_parallel_size`
+devices over which the params and the KV pages are sharded. The step is jitted with explicit
+in/out shardings (params as the rules say, KV pages by KV head, step inputs and sampled
+tokens replicated), so the same buckets compile into one SPMD program per bucket.
+"""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -12,6 +19,7 @@ import numpy as np
 
 from jaxcb.engine.buckets import Bucket
 from jaxcb.models.llama import AttentionBackend, ModelSpec, Params
+from jaxcb.runtime import sharding
 from jaxcb.runtime import step as step_module
 from jaxcb.runtime.kv_cache import init_state
 from jaxcb.runtime.step_input import FLAG_TOP_LOGPROBS, StepInput, empty_step_input
@@ -42,18 +50,43 @@ class ModelRunner:
         max_model_len: int,
         attention: AttentionBackend,
         num_top_logprobs: int,
+        mesh: jax.sharding.Mesh | None = None,
     ) -> None:
         self.spec = spec
         self.page_size = page_size
         self.pages_per_seq = pages_per_seq
         self.num_top_logprobs = num_top_logprobs
-        self._static = dict(spec=spec, attention=attention, num_top_logprobs=num_top_logprobs)
-        self.params = jax.device_put(_adapt_params_for_backend(params))
+        self.mesh = mesh = mesh if mesh is not None else sharding.replica_mesh(1)
+        tp = sharding.tensor_parallel_size(mesh)
+        attention = sharding.shard_attention(attention, mesh)  # per KV-head shard if tp > 1
+        params = _adapt_params_for_backend(params)
+        rules = sharding.rules_for(spec, tp)
+        self.param_shardings = sharding.param_shardings(params, mesh, rules)
+        self.params = sharding.shard_params(params, self.param_shardings)
+        self.kv_sharding = sharding.kv_pages_sharding(mesh)
         self.state = init_state(
             spec,
             num_pages=num_pages,
             page_size=page_size,
             dtype=kv_cache_dtype,
+            sharding=self.kv_sharding,
+        )
+        self._replicated = sharding.replicated(mesh)
+        state_shardings = jax.tree_util.tree_map(lambda _: self.kv_sharding, self.state)
+        # The static arguments are bound here: jit takes no keyword arguments alongside
+        # in_shardings.
+        step = functools.partial(
+            step_module.step,
+            spec=spec,
+            attention=attention,
+            num_top_logprobs=num_top_logprobs,
+            logits_shardings=sharding.logits_shardings(mesh, rules),
+        )
+        self._step = jax.jit(
+            step,
+            donate_argnames=("state",),
+            in_shardings=(self.param_shardings, state_shardings, self._replicated),
+            out_shardings=(self._replicated, state_shardings),
         )
         self.max_model_len = max_model_len
         self._compiled: dict[Bucket, jax.stages.Compiled] = {}
@@ -71,9 +104,7 @@ class ModelRunner:
         for bucket in items:
             t0 = time.perf_counter()
             example = empty_step_input(bucket, self.pages_per_seq, self.max_model_len)
-            lowered = step_module.jitted_step.lower(
-                self.params, self.state, example, **self._static
-            )
+            lowered = self._step.lower(self.params, self.state, example)
             self._compiled[bucket] = lowered.compile()
             seconds = time.perf_counter() - t0
             self.compile_seconds[bucket.num_tokens] = seconds
@@ -88,7 +119,9 @@ class ModelRunner:
         if inp.penalty_tokens is None:
             if bucket not in self._no_penalty_tokens:
                 shape = (bucket.num_seqs, self.max_model_len)
-                self._no_penalty_tokens[bucket] = jax.device_put(np.zeros(shape, np.int32))
+                self._no_penalty_tokens[bucket] = jax.device_put(
+                    np.zeros(shape, np.int32), self._replicated
+                )
             inp.penalty_tokens = self._no_penalty_tokens[bucket]
         out, self.state = compiled(self.params, self.state, inp)
         want_top = bool(inp.flags[FLAG_TOP_LOGPROBS])
@@ -114,6 +147,7 @@ def _adapt_params_for_backend(params: Params) -> Params:
     embed = params["embed"]
     if jax.default_backend() != "cpu" or embed.dtype != jnp.bfloat16:
         return params
+    # Arrays restored from an orbax checkpoint are on the (CPU) devices: read them back.
     params = dict(params)
     if "lm_head" not in params:
         params["lm_head"] = np.ascontiguousarray(np.asarray(embed).T)

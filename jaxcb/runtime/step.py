@@ -1,8 +1,8 @@
 """THE step function: model forward over a packed ragged batch, KV write, sampling.
 
-One jitted function serves every bucket (each bucket is compiled once, ahead of time). The
-device state (the KV pages) is donated, so XLA
-updates it in place.
+One function serves every bucket (each bucket is compiled once, ahead of time). The runner
+jits it with its mesh's shardings (runner.py) and `spec`, `attention`, `num_top_logprobs`
+static; the device state (the KV pages) is donated, so XLA updates it in place.
 """
 
 from __future__ import annotations
@@ -26,7 +26,12 @@ def step(
     spec: ModelSpec,
     attention: AttentionBackend,
     num_top_logprobs: int,
+    logits_shardings: tuple[jax.sharding.Sharding, ...] = (),
 ) -> tuple[SamplingOutput, DeviceState]:
+    """`logits_shardings`: shardings the logits take in turn before sampling. With tensor
+    parallelism: by vocabulary (as the vocab-sharded lm_head makes them; otherwise XLA may
+    gather the whole lm_head instead), then replicated: one all-gather of [S, V] rather than
+    collectives inside each of sampling's reductions and sorts."""
     TRACE_COUNT[0] += 1
 
     meta = AttentionMetadata(
@@ -46,6 +51,8 @@ def step(
         spec=spec,
         attention=attention,
     )
+    for sharding in logits_shardings:
+        logits = jax.lax.with_sharding_constraint(logits, sharding)
     penalty_args = (
         inp.penalty_tokens,
         inp.kv_lens,
@@ -67,10 +74,3 @@ def step(
         num_top_logprobs=num_top_logprobs,
     )
     return out, DeviceState(kv_caches)
-
-
-jitted_step = jax.jit(
-    step,
-    static_argnames=("spec", "attention", "num_top_logprobs"),
-    donate_argnames=("state",),
-)

@@ -5,6 +5,10 @@
 
 The app owns no engine state: `build_app` takes a ready `LLMEngine`, wraps it in an
 `EngineLoop` (started and stopped with the app's lifespan) and serves from it.
+
+Handlers parse their bodies themselves (strict, with field-naming errors), so /openapi.json
+gets the request body schemas from the pydantic models explicitly: clients and API fuzzers
+see exactly what the server validates.
 """
 
 from __future__ import annotations
@@ -19,13 +23,15 @@ from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from jaxcb.engine.llm_engine import LLMEngine
 from jaxcb.server.engine_loop import EngineLoop
 from jaxcb.server.metrics import CONTENT_TYPE, ServerMetrics
-from jaxcb.server.protocol import APIError, error_body
+from jaxcb.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from jaxcb.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -35,14 +41,13 @@ logger = logging.getLogger(__name__)
 class ServerSettings:
     served_model_names: tuple[str, ...]
     api_key: str | None = None
-    max_waiting_requests: int = 1024  # 429 once this many sequences wait for admission
     shutdown_timeout: float = 10.0  # seconds running requests get to finish on shutdown
 
 
 def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     model_name = settings.served_model_names[0]
     metrics = ServerMetrics(model_name, [b.num_tokens for b in engine.buckets])
-    engine_loop = EngineLoop(engine, metrics, max_waiting_requests=settings.max_waiting_requests)
+    engine_loop = EngineLoop(engine, metrics)
     serving = OpenAIServing(engine_loop, list(settings.served_model_names))
 
     @asynccontextmanager
@@ -60,11 +65,13 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(settings.api_key))])
 
-    @v1.post("/completions")
+    schemas: dict[str, dict] = {}
+
+    @v1.post("/completions", openapi_extra=_request_body(CompletionRequest, schemas))
     async def completions(request: Request) -> Response:
         return await serving.completions(request)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=_request_body(ChatCompletionRequest, schemas))
     async def chat_completions(request: Request) -> Response:
         return await serving.chat_completions(request)
 
@@ -92,7 +99,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if not engine_loop.alive:
-            raise APIError(503, "the engine loop is not running", type="service_unavailable")
+            raise APIError(503, engine_loop.failure_reason, type="service_unavailable")
         if engine_loop.draining:
             raise APIError(503, "the server is shutting down", type="service_unavailable")
         return JSONResponse({"status": "ok"})
@@ -102,7 +109,26 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     _install_error_handlers(app)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
+
+
+def _request_body(model: type[BaseModel], schemas: dict[str, dict]) -> dict:
+    """The OpenAPI requestBody of a route that parses `model` itself; the model's nested
+    schemas go into `schemas` (the document's components)."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(schema.pop("$defs", {}))
+    schemas[model.__name__] = schema
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
 def _api_key_check(api_key: str | None):

@@ -26,6 +26,7 @@ import uvicorn
 from jaxcb.cli import add_engine_args, engine_config_from_args
 from jaxcb.config import EngineConfig
 from jaxcb.engine.llm_engine import LLMEngine
+from jaxcb.engine.replicated import make_engine
 from jaxcb.models.default_model import NAME as DEFAULT_MODEL_NAME
 from jaxcb.server.app import ServerSettings, build_app
 
@@ -58,12 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", choices=LOG_LEVELS, default="info", help="(default: %(default)s)"
     )
     server.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=ServerSettings.max_waiting_requests,
-        help="answer 429 while this many sequences wait for admission (default: %(default)s)",
-    )
-    server.add_argument(
         "--shutdown-timeout",
         type=float,
         default=ServerSettings.shutdown_timeout,
@@ -88,8 +83,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if args.max_waiting_requests < 1:
-        parser.error(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
     if args.shutdown_timeout < 0:
         parser.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     try:
@@ -102,14 +95,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(1, f"serve.py: cannot listen on {args.host}:{args.port}: {exc}\n")
 
     try:
-        engine = LLMEngine(config, compile_progress=sys.stderr.isatty())
+        engine = make_engine(config, compile_progress=sys.stderr.isatty())
     except ValueError as exc:  # a config the model or the scheduler cannot take
         sock.close()
         parser.exit(2, f"serve.py: error: {exc}\n")
     settings = ServerSettings(
         served_model_names=tuple(args.served_model_name or [default_served_name(config)]),
         api_key=args.api_key,
-        max_waiting_requests=args.max_waiting_requests,
         shutdown_timeout=args.shutdown_timeout,
     )
     app = build_app(engine, settings)
@@ -151,6 +143,7 @@ def server_url(host: str, port: int) -> str:
 
 def log_startup(engine: LLMEngine, settings: ServerSettings, url: str) -> None:
     config = engine.config
+    sched = config.scheduler
     tokens = engine.num_pages * engine.page_size
     model = str(engine.model_path) + (" (built-in, RANDOM WEIGHTS)" if config.model is None else "")
     auth = ' -H "Authorization: Bearer $API_KEY"' if settings.api_key else ""
@@ -164,10 +157,16 @@ def log_startup(engine: LLMEngine, settings: ServerSettings, url: str) -> None:
         f"  model:        {model}, served as {', '.join(settings.served_model_names)}",
         f"  architecture: {engine.spec.architecture}, dtype {config.dtype}, "
         f"attention {engine.attention_backend}, max_model_len {engine.max_model_len}",
+        f"  parallel:     tensor_parallel_size {config.parallel.tensor_parallel_size}, "
+        f"data_parallel_size {config.parallel.data_parallel_size}",
         f"  KV pages:     {engine.num_pages} pages x {engine.page_size} tokens = {tokens} tokens, "
         f"{engine.kv_cache_bytes / 2**20:.1f} MiB ({engine.kv_cache_bytes} bytes)",
         f"  buckets:      tokens {[b.num_tokens for b in engine.buckets]}, "
         f"max_num_seqs {config.scheduler.max_num_seqs}",
+        f"  scheduling:   policy {sched.scheduling_policy}, prefix caching "
+        f"{'on' if config.cache.enable_prefix_caching else 'off'}, watermark "
+        f"{sched.watermark_pages(engine.num_pages)} pages, at most "
+        f"{config.limits.max_waiting_requests} waiting",
         f"  compiled in:  {engine.compile_seconds:.1f} s",
         f"  listening on: {url}  (OpenAI base_url {url}/v1)",
         f"  try:          {curl}",

@@ -6,6 +6,14 @@ an add's outcome through a future, outputs through each request's `Submission` m
 with one `call_soon_threadsafe` per step for all requests. The thread also owns the tokenizer
 (prompts are tokenized and chat templates rendered here), so the tokenizer is never used
 from two threads at once.
+
+Failures stay as small as they can: a request the engine fails (finish_reason "error") fails
+for its client alone, and so does an error while routing one output. If an engine step
+itself raises, every in-flight request fails (their state in that step is unknown) and the
+engine is checked: if its device state and page accounting are intact the loop carries on
+(a transient failure), but if they are not, or steps keep failing, the loop stops stepping
+for good: /health answers 503 with the reason, new requests get 503, and the log says why.
+The loop never dies silently.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.metrics import ServerMetrics
 from jaxcb.server.prompts import Prompt, check_length, encode_prompt, prompt_param
-from jaxcb.server.protocol import APIError, bad_request
+from jaxcb.server.protocol import APIError, bad_request, param_of
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +42,10 @@ STALL_WAIT_SECONDS = 0.01  # pause when waiting requests cannot be scheduled yet
 
 class EngineFailure(Exception):
     """The engine failed while a request was in flight; the request is gone."""
+
+
+SUBMIT_POLL_SECONDS = 1.0  # how often a waiting submit checks that the loop still runs
+MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine is declared broken
 
 
 class Submission:
@@ -94,16 +106,10 @@ class _Route:
 
 
 class EngineLoop:
-    def __init__(
-        self,
-        engine: LLMEngine,
-        metrics: ServerMetrics,
-        *,
-        max_waiting_requests: int,
-    ) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
-        self.max_waiting_requests = max_waiting_requests
+        self.max_waiting_requests = engine.config.limits.max_waiting_requests
         self._saved_step_trace = engine.step_trace
         engine.step_trace = []  # read and cleared after every step, for per-step metrics
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -114,7 +120,8 @@ class EngineLoop:
         self._draining = False
         self._drain_deadline: float | None = None
         self._stopped = False
-        self.error: BaseException | None = None  # why the thread died, if it did
+        self.error: BaseException | None = None  # why the loop died or stopped stepping
+        self._step_failures = 0  # consecutive failed steps
 
     # ---- called from the event loop (or any thread) --------------------------------------
 
@@ -127,6 +134,13 @@ class EngineLoop:
         return self._thread.is_alive() and self.error is None
 
     @property
+    def failure_reason(self) -> str:
+        """Why the loop is not alive (for /health and 503 answers)."""
+        if self.error is not None:
+            return f"the engine failed: {type(self.error).__name__}: {self.error}"
+        return "the engine loop is not running"
+
+    @property
     def draining(self) -> bool:
         return self._draining
 
@@ -137,16 +151,24 @@ class EngineLoop:
         params: SamplingParams,
         *,
         arrival_time: float,
+        priority: int = 0,
     ) -> None:
         """Queue the prompts; raises APIError (400/429/503) if they were not accepted."""
         if not self.alive:
-            raise APIError(503, "the engine is not running", type="service_unavailable")
+            raise APIError(503, self.failure_reason, type="service_unavailable")
         future = asyncio.get_running_loop().create_future()
         self._commands.put(
-            lambda: self._add(submission, list(prompts), params, arrival_time, future)
+            lambda: self._add(submission, list(prompts), params, arrival_time, priority, future)
         )
         try:
-            await future
+            # If the thread dies after the command was queued, nobody settles the future:
+            # look up now and then rather than wait forever.
+            while not future.done():
+                await asyncio.wait({future}, timeout=SUBMIT_POLL_SECONDS)
+                if not future.done() and not self._thread.is_alive():
+                    future.cancel()
+                    raise APIError(503, self.failure_reason, type="service_unavailable")
+            future.result()
         except asyncio.CancelledError:
             self.abort(submission.request_ids)  # queued after the add, so it always lands
             raise
@@ -187,7 +209,7 @@ class EngineLoop:
                     )
                     self._abort_ids(list(self._routes))
                 stalled = False
-                if self.engine.has_unfinished_requests():
+                if self.error is None and self.engine.has_unfinished_requests():
                     stalled = not self._step()
                 if stalled:  # nothing could be scheduled: wait a little for a command
                     self._run_commands(wait=True, timeout=STALL_WAIT_SECONDS)
@@ -204,6 +226,8 @@ class EngineLoop:
             self.engine.step_trace = self._saved_step_trace
 
     def _run_commands(self, wait: bool, timeout: float | None = None) -> None:
+        if self.error is not None:  # failed: nothing will step, so just wait for commands
+            wait = True
         commands = []
         if wait:
             if self._drain_deadline is not None and self._routes:
@@ -226,14 +250,20 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            logger.exception("engine step failed; failing %d requests", len(self._routes))
-            self._fail_all(EngineFailure(f"engine step failed: {exc}"))
+            self._step_failed(exc)
             return True
+        self._step_failures = 0
         trace = self.engine.step_trace  # one entry per step that ran
         if not trace and not outputs:
             return False
         for entry in trace:
-            self.metrics.step(entry["bucket"], entry["num_tokens"], len(entry["preempted"]))
+            self.metrics.step(
+                entry["bucket"],
+                entry["num_tokens"],
+                len(entry["preempted"]),
+                prefix_queries=entry.get("prefix_queries", 0),
+                prefix_hits=entry.get("prefix_hits", 0),
+            )
         trace.clear()
         now = time.monotonic()
         batch = []
@@ -241,15 +271,44 @@ class EngineLoop:
             route = self._routes.get(out.request_id)
             if route is None:
                 continue
-            self._observe(route, out, now)
-            if out.finished:
-                del self._routes[out.request_id]
-            if out.finished or not route.submission.final_only:
-                self._attach_token_texts(route, out)
-                batch.append((route.submission, route.index, out))
+            try:
+                self._observe(route, out, now)
+                if out.finished:
+                    del self._routes[out.request_id]
+                if out.finished or not route.submission.final_only:
+                    self._attach_token_texts(route, out)
+                    batch.append((route.submission, route.index, out))
+            except Exception as exc:  # this request's problem only
+                logger.exception("routing the output of %s failed", out.request_id)
+                self._routes.pop(out.request_id, None)
+                self._abort_quietly(out.request_id)
+                batch.append((route.submission, route.index, EngineFailure(str(exc))))
         self._update_gauges()  # before delivering, so a client that sees its end sees them
         self._deliver(batch)
         return True
+
+    def _step_failed(self, exc: Exception) -> None:
+        """Fail every in-flight request, then keep going only if the engine is intact."""
+        self._step_failures += 1
+        logger.error(
+            "engine step failed; failing %d in-flight requests",
+            len(self._routes),
+            exc_info=exc,
+        )
+        self._fail_all(EngineFailure(f"engine step failed: {type(exc).__name__}: {exc}"))
+        try:
+            self.engine.check_health()
+            if self._step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                raise RuntimeError(f"{self._step_failures} engine steps failed in a row")
+        except Exception as broken:
+            self.error = broken
+            logger.critical(
+                "the engine is broken (%s) after a failed step (%r): the server stops serving; "
+                "/health answers 503. Restart it.",
+                broken,
+                exc,
+            )
+        self._update_gauges()
 
     # ---- commands --------------------------------------------------------------------------
 
@@ -259,10 +318,11 @@ class EngineLoop:
         prompts: list[Prompt],
         params: SamplingParams,
         arrival_time: float,
+        priority: int,
         future: asyncio.Future,
     ) -> None:
         try:
-            encoded = self._admit(submission, prompts, params, arrival_time)
+            encoded = self._admit(submission, prompts, params, arrival_time, priority)
         except APIError as exc:
             self._call_soon(_settle, future, exc)
             return
@@ -285,8 +345,11 @@ class EngineLoop:
         prompts: list[Prompt],
         params: SamplingParams,
         arrival_time: float,
+        priority: int,
     ) -> list[list[int]]:
         """Validate everything first, then add all prompts (or none) to the engine."""
+        if self.error is not None:
+            raise APIError(503, self.failure_reason, type="service_unavailable")
         if self._draining or self._stopped:
             raise APIError(
                 503, "the server is shutting down", type="service_unavailable", code="shutting_down"
@@ -306,12 +369,15 @@ class EngineLoop:
         added: list[str] = []
         try:
             for request_id, ids in zip(submission.request_ids, encoded, strict=True):
-                self.engine.add_request(request_id, ids, params, arrival_time=arrival_time)
+                self.engine.add_request(
+                    request_id, ids, params, arrival_time=arrival_time, priority=priority
+                )
                 added.append(request_id)
         except ValueError as exc:
             for request_id in added:
                 self.engine.abort_request(request_id)
-            raise bad_request(str(exc), prompt_param(prompts[0])) from None
+            message = str(exc)
+            raise bad_request(message, param_of(message) or prompt_param(prompts[0])) from None
         return encoded
 
     def _abort_ids(self, request_ids: list[str]) -> None:
@@ -332,13 +398,16 @@ class EngineLoop:
     def _fail_all(self, failure: EngineFailure) -> None:
         batch = []
         for request_id, route in list(self._routes.items()):
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:
-                logger.exception("aborting %s failed", request_id)
+            self._abort_quietly(request_id)
             batch.append((route.submission, route.index, failure))
         self._routes.clear()
         self._deliver(batch)
+
+    def _abort_quietly(self, request_id: str) -> None:
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:
+            logger.exception("aborting %s failed", request_id)
 
     def _set_drain_deadline(self, deadline: float) -> None:
         self._draining = True

@@ -75,6 +75,13 @@ class ServerMetrics:
         self.num_preemptions = counter(
             "jaxcb:num_preemptions", "Sequences preempted (pages freed, recomputed later)."
         )
+        self.prefix_cache_queries = counter(
+            "jaxcb:prefix_cache_queries",
+            "Tokens looked up in the prefix cache (every token of each admitted sequence).",
+        )
+        self.prefix_cache_hits = counter(
+            "jaxcb:prefix_cache_hits", "Of the looked-up tokens, those found cached."
+        )
         self._request_success = Counter(
             "jaxcb:request_success",
             "Finished sequences by finish reason (stop, length, abort).",
@@ -88,14 +95,25 @@ class ServerMetrics:
     def request_finished(self, finish_reason: str) -> None:
         self._request_success.labels(self._model_name, finish_reason).inc()
 
-    def step(self, bucket_tokens: int, num_tokens: int, num_preempted: int) -> None:
-        """Record one engine step: its bucket, real tokens and preemptions."""
+    def step(
+        self,
+        bucket_tokens: int,
+        num_tokens: int,
+        num_preempted: int,
+        *,
+        prefix_queries: int = 0,
+        prefix_hits: int = 0,
+    ) -> None:
+        """Record one engine step: its bucket, real tokens, preemptions, prefix cache use."""
         self.step_bucket_tokens.observe(bucket_tokens)
         self._token_slots += bucket_tokens
         self._tokens_scheduled += num_tokens
         self.padding_fraction.set(1.0 - self._tokens_scheduled / self._token_slots)
         if num_preempted:
             self.num_preemptions.inc(num_preempted)
+        if prefix_queries:
+            self.prefix_cache_queries.inc(prefix_queries)
+            self.prefix_cache_hits.inc(prefix_hits)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,8 +7,10 @@ honour (echo, suffix, logit_bias, tools, ...) are rejected with a 400 rather tha
 unknown fields are ignored, as OpenAI's own clients send a few optional ones.
 
 jaxcb extensions beyond OpenAI's schema, as in vLLM: top_k, min_p, repetition_penalty,
-ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens, and
-`return_token_ids` (adds `token_ids` to each choice, for clients that need exact tokens).
+ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens, priority (with
+the "priority" scheduling policy), and `return_token_ids` (adds `token_ids` to each choice,
+for clients that need exact tokens). Limits on n, max_tokens and the prompt length come from
+the engine's config (`limits`) and are checked where the engine validates a request.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jaxcb.sampling_params import SamplingParams
 
-MAX_N = 128  # samples per prompt
 MAX_LOGPROBS = 20  # top-k logprobs per token (the engine computes at most 20)
 INT32_MAX = 2**31 - 1
 
@@ -94,10 +95,10 @@ class _SamplingBody(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_token_ids: bool | None = False
+    # vLLM's extension: lower values are scheduled first (needs --scheduling-policy priority)
+    priority: int | None = Field(default=0, ge=-INT32_MAX - 1, le=INT32_MAX)
 
     def _check_common(self) -> None:
-        if self.n is not None and self.n > MAX_N:
-            raise bad_request(f"n must be <= {MAX_N}, got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise bad_request(
                 "stream_options is only allowed when stream is true", "stream_options"
@@ -124,7 +125,7 @@ class _SamplingBody(_Body):
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
         except ValueError as exc:
-            raise bad_request(str(exc), _param_of(str(exc))) from None
+            raise bad_request(str(exc), param_of(str(exc))) from None
 
     @property
     def include_usage(self) -> bool:
@@ -151,8 +152,13 @@ class CompletionRequest(_SamplingBody):
             return [list(p)]  # one prompt of token ids
         return list(p)
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, max_tokens_cap: int | None = None) -> SamplingParams:
+        """`max_tokens_cap` (limits.max_output_tokens) lowers the default max_tokens of 16
+        when the request gives none; a max_tokens given over the cap is the engine's error."""
         self._check_common()
+        max_tokens = self.max_tokens
+        if "max_tokens" not in self.model_fields_set and max_tokens_cap is not None:
+            max_tokens = min(max_tokens, max_tokens_cap)
         if self.echo:
             raise bad_request("echo is not supported", "echo")
         if self.suffix:
@@ -165,7 +171,7 @@ class CompletionRequest(_SamplingBody):
             raise bad_request(
                 f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs"
             )
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(max_tokens, self.logprobs)
 
 
 class TextPart(_Body):
@@ -202,7 +208,8 @@ class ChatCompletionRequest(_SamplingBody):
             raise bad_request("messages must not be empty", "messages")
         return [m.template_dict() for m in self.messages]
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, max_tokens_cap: int | None = None) -> SamplingParams:
+        """No max_tokens means up to max_model_len, or `max_tokens_cap` (the engine's)."""
         self._check_common()
         if self.tools or self.functions:
             raise bad_request("tools and functions are not supported", "tools")
@@ -282,7 +289,7 @@ def _is_type_tag(part: str) -> bool:
     return "[" in part or part in {"str", "int", "float", "bool"} or part.startswith("function-")
 
 
-def _param_of(message: str) -> str | None:
+def param_of(message: str) -> str | None:
     """The field a SamplingParams ValueError names ("SamplingParams.top_p must ...")."""
     match = re.search(r"SamplingParams\.(\w+)", message)
     return match.group(1) if match else None

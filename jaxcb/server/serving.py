@@ -41,6 +41,7 @@ class OpenAIServing:
     def __init__(self, engine_loop: EngineLoop, served_model_names: list[str]) -> None:
         self.engine_loop = engine_loop
         self.served_model_names = served_model_names
+        self.max_tokens_cap = engine_loop.engine.config.limits.max_output_tokens
 
     def resolve_model(self, name: str | None) -> str:
         if name is None:
@@ -59,7 +60,7 @@ class OpenAIServing:
         arrival = time.monotonic()
         body = parse_body(await request.body(), CompletionRequest)
         model = self.resolve_model(body.model)
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(self.max_tokens_cap)
         fmt = _CompletionFormat("cmpl", model, params, return_token_ids=bool(body.return_token_ids))
         return await self._generate(request, fmt, body.prompts(), params, body, arrival)
 
@@ -67,7 +68,7 @@ class OpenAIServing:
         arrival = time.monotonic()
         body = parse_body(await request.body(), ChatCompletionRequest)
         model = self.resolve_model(body.model)
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(self.max_tokens_cap)
         prompt = ChatPrompt(body.chat_messages())
         fmt = _ChatFormat("chatcmpl", model, params, return_token_ids=bool(body.return_token_ids))
         return await self._generate(request, fmt, [prompt], params, body, arrival)
@@ -86,7 +87,9 @@ class OpenAIServing:
             final_only=not body.stream,
             want_token_texts=params.logprobs is not None,
         )
-        await self.engine_loop.submit(submission, prompts, params, arrival_time=arrival)
+        await self.engine_loop.submit(
+            submission, prompts, params, arrival_time=arrival, priority=body.priority or 0
+        )
         if body.stream:
             return _SSEResponse(
                 _stream(submission, fmt, include_usage=body.include_usage),
@@ -127,6 +130,11 @@ def _sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def _failure_event(message: str) -> str:
+    """An error event in OpenAI's shape, then the end of the stream."""
+    return _sse(error_body(message, type="server_error")) + "data: [DONE]\n\n"
+
+
 async def _stream(submission: Submission, fmt: _Format, include_usage: bool) -> AsyncIterator[str]:
     states: dict[int, _ChoiceState] = {}
     latest: dict[int, RequestOutput] = {}
@@ -139,10 +147,13 @@ async def _stream(submission: Submission, fmt: _Format, include_usage: bool) -> 
         try:
             fresh = await submission.updates()
         except EngineFailure as exc:
-            yield _sse(error_body(str(exc), type="server_error")) + "data: [DONE]\n\n"
+            yield _failure_event(str(exc))
             return
         events = []
         for index, out in sorted(fresh.items()):
+            if out.error is not None:  # the engine failed this request: end the stream
+                yield "".join(events) + _failure_event(out.error)
+                return
             latest[index] = out
             for sample in out.outputs:
                 key = index * fmt.n + sample.index
@@ -177,6 +188,9 @@ async def _collect(
                 fresh = update.result()
             except EngineFailure as exc:
                 raise APIError(500, str(exc), type="server_error") from None
+            for out in fresh.values():
+                if out.error is not None:
+                    raise APIError(500, f"the request failed: {out.error}", type="server_error")
             results.update((i, out) for i, out in fresh.items() if out.finished)
         return [results[i] for i in range(len(submission.request_ids))]
     finally:

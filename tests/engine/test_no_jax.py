@@ -7,7 +7,9 @@ import sys
 
 HOST_MODULES = [
     "jaxcb.engine.scheduler",
+    "jaxcb.engine.baselines",
     "jaxcb.engine.page_pool",
+    "jaxcb.engine.policies",
     "jaxcb.engine.request",
     "jaxcb.engine.buckets",
     "jaxcb.engine.detokenizer",

@@ -3,19 +3,24 @@
 The fake model's next token depends only on (request id, position), so a request that is
 preempted and recomputed must produce exactly the tokens it would have produced without
 preemption, and every token fed at a position must always be the same token.
+
+A fake KV cache checks the prefix cache: each slot holds the token prefix whose K/V it
+stores (written when a token is fed), and every slot a step reads must hold exactly the
+reading request's own prefix. Prompts share prefixes across requests, so pages are shared,
+evicted and re-used; a page is never written while another request holds it.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxcb.engine.page_pool import PagePool
+from jaxcb.engine.page_pool import PagePool, hash_page
 from jaxcb.engine.request import Request, RequestStatus
 from jaxcb.engine.scheduler import Scheduler, SchedulerOutput
 from jaxcb.sampling_params import SamplingParams
@@ -31,8 +36,11 @@ def fake_token(rid: int, position: int, eos_every: int) -> int:
     return 3 + h % 250
 
 
-def prompt_for(rid: int, length: int) -> list[int]:
-    return [3 + (rid * 31 + i * 17) % 250 for i in range(length)]
+def prompt_for(rid: int, length: int, family: int = -1, shared: int = 0) -> list[int]:
+    """A prompt of `length` tokens; its first `shared` come from the family's common prefix."""
+    common = [3 + (family * 53 + i * 29) % 250 for i in range(shared)]
+    own = [3 + (rid * 31 + i * 17) % 250 for i in range(length - len(common))]
+    return (common + own)[:length]
 
 
 def expected_output(
@@ -54,6 +62,8 @@ class Spec:
     prompt_len: int
     max_tokens: int  # already clamped as LLMEngine.add_request does
     abort_step: int | None
+    family: int = -1  # requests of a family share the first `shared` prompt tokens
+    shared: int = 0
 
 
 @dataclass
@@ -65,6 +75,9 @@ class Scenario:
     max_num_batched_tokens: int
     eos_every: int
     specs: list[Spec] = field(default_factory=list)
+    prefix_caching: bool = False
+    threshold: int = 0  # long_prefill_token_threshold; 0: none
+    watermark_pages: int = 0
 
 
 @st.composite
@@ -85,7 +98,12 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         eos_every=draw(st.sampled_from([0, 0, 7, 23])),
+        prefix_caching=draw(st.sampled_from([True, True, False])),
+        threshold=draw(st.one_of(st.just(0), st.just(0), st.integers(1, 12))),
+        watermark_pages=draw(st.one_of(st.just(0), st.just(0), st.integers(0, 3))),
     )
+    sc.watermark_pages = min(sc.watermark_pages, num_pages - 1)
+    num_families = draw(st.sampled_from([0, 1, 1, 2, 3]))
     num_requests = draw(st.integers(1, 10))
     spread = draw(st.sampled_from([0, 5, 30]))  # all at once, bursty, trickling in
     arrivals = sorted(
@@ -97,14 +115,17 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         max_tokens = min(draw(st.integers(1, 40)), room)
         abort = draw(st.one_of(st.none(), st.none(), st.none(), st.integers(0, 40)))
         abort_step = None if abort is None else arrival + abort
-        sc.specs.append(Spec(rid, arrival, prompt_len, max_tokens, abort_step))
+        family = draw(st.integers(-1, num_families - 1)) if num_families else -1
+        shared = draw(st.sampled_from([prompt_len, prompt_len, prompt_len // 2, prompt_len - 1]))
+        shared = max(shared, 0) if family >= 0 else 0
+        sc.specs.append(Spec(rid, arrival, prompt_len, max_tokens, abort_step, family, shared))
     return sc
 
 
 def make_request(spec: Spec) -> Request:
     return Request(
         request_id=str(spec.rid),
-        prompt_token_ids=prompt_for(spec.rid, spec.prompt_len),
+        prompt_token_ids=prompt_for(spec.rid, spec.prompt_len, spec.family, spec.shared),
         params=SamplingParams(max_tokens=spec.max_tokens),
         seed=spec.rid,
         max_tokens=spec.max_tokens,
@@ -124,8 +145,13 @@ class Harness:
             page_size=sc.page_size,
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,
+            enable_prefix_caching=sc.prefix_caching,
+            long_prefill_token_threshold=sc.threshold,
+            watermark_pages=sc.watermark_pages,
         )
         self.requests = {s.rid: make_request(s) for s in sc.specs}
+        self.kv: dict[int, tuple[int, ...]] = {}  # slot -> the token prefix its K/V encode
+        self.hit_tokens = 0  # prefix cache hits, counted independently of the scheduler
         self.rid_of = {id(r): int(r.request_id) for r in self.requests.values()}
         self.expected_waiting: deque[Request] = deque()  # FCFS model of the waiting queue
         self.admit_seq: dict[int, int] = {}  # id(request) -> when it was last admitted
@@ -181,6 +207,7 @@ class Harness:
         out = sched.schedule()
         self.check_schedule(out, running_before, decoding_before, waiting_before, computed_before)
 
+        self.run_fake_kv_cache(out)
         sched.update_after_step(out)
         for chunk in out.chunks:
             req = chunk.request
@@ -206,6 +233,40 @@ class Harness:
             if req.finish_reason is not None:
                 sched.finish(req)
         self.check_between_steps()
+
+    def run_fake_kv_cache(self, out: SchedulerOutput) -> None:
+        """What the device step does to the cache: read every earlier slot of each chunk,
+        write the chunk's own slots."""
+        ps = self.sc.page_size
+        holders = Counter(p for pages in self.sched.owners() for p in pages)
+        for chunk in out.chunks:
+            req = chunk.request
+            tokens = tuple(req.token_ids)
+            for pos in range(chunk.end):
+                page = req.page_ids[pos // ps]
+                slot = page * ps + pos % ps
+                if pos < chunk.start:
+                    assert self.kv.get(slot) == tokens[: pos + 1], (
+                        f"request {req.request_id} reads position {pos} from page {page}, "
+                        f"which holds another prefix"
+                    )
+                else:
+                    assert holders[page] == 1, f"page {page} written while shared"
+                    self.kv[slot] = tokens[: pos + 1]
+
+    def cached_prefix_pages(self, req: Request) -> list[int]:
+        """The pool's pages holding the request's leading full pages (at most all but the
+        page of its last token), found with the pool's public lookup."""
+        ps, parent, pages = self.sc.page_size, None, []
+        if not self.sc.prefix_caching:
+            return []
+        for i in range((req.num_tokens - 1) // ps):
+            parent = hash_page(parent, req.token_ids[i * ps : (i + 1) * ps])
+            page = self.pool.lookup(parent)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
 
     # ---- properties ---------------------------------------------------------------------
 
@@ -233,17 +294,25 @@ class Harness:
         assert {id(r) for r in sched.running} >= chunk_ids, "a scheduled request is not running"
 
         # Each chunk continues where the cache ends, within the request, with pages for it.
+        running_ids = {id(r) for r in running_before}
         for c in out.chunks:
             r = c.request
             assert c.num_tokens >= 1
-            assert c.start == r.num_computed_tokens == computed_before[id(r)]
+            assert c.start == r.num_computed_tokens
+            if id(r) in running_ids:
+                assert c.start == computed_before[id(r)]
+            else:  # admitted: starts after its cached pages, never past its last token
+                assert computed_before[id(r)] == 0 and c.start % ps == 0 and c.start < c.end
+                assert c.start == 0 or sc.prefix_caching
             assert c.end <= r.num_tokens <= sc.max_model_len + 1
             assert c.end <= sc.max_model_len
             assert len(r.page_ids) == math.ceil(c.end / ps), (
                 f"request {r.request_id}: {len(r.page_ids)} pages for {c.end} tokens"
             )
-            if not c.samples:  # a prompt is cut into chunks only when the budget runs out
-                assert out.num_tokens == budget
+            if sc.threshold and not r.is_decoding:
+                assert c.num_tokens <= sc.threshold
+            if not c.samples:  # a prompt is cut only when the budget or the threshold says so
+                assert out.num_tokens == budget or c.num_tokens == sc.threshold
         for r in sched.running:
             if id(r) not in chunk_ids:
                 assert len(r.page_ids) == math.ceil(r.num_computed_tokens / ps)
@@ -280,20 +349,28 @@ class Harness:
         assert admitted == list(self.expected_waiting)[: len(admitted)], "admission is not FCFS"
         for r in admitted:
             self.expected_waiting.popleft()
+            self.hit_tokens += r.num_computed_tokens
             self.num_admissions += 1
             self.admit_seq[id(r)] = self.num_admissions
             assert id(r) in chunk_ids, "an admitted request got no tokens"
         assert list(sched.waiting) == list(self.expected_waiting)
 
-        # Admission stops only for a reason: budget, max_num_seqs or pages for the head.
+        # Admission stops only for a reason: budget, max_num_seqs or pages for the head
+        # (beyond the watermark, unless nothing runs).
         if sched.waiting and not out.preempted:
             head = sched.waiting[0]
             left = budget - out.num_tokens
-            need = math.ceil(min(head.num_uncomputed_tokens, max(left, 1)) / ps)
+            hit_pages = self.cached_prefix_pages(head)
+            hit = len(hit_pages)
+            n = min(head.num_tokens - hit * ps, max(left, 1), sc.threshold or budget)
+            # cached pages nobody holds are counted free until the head would take them
+            need = math.ceil((hit * ps + n) / ps) - hit
+            need += sum(self.pool.is_evictable(p) for p in hit_pages)
+            reserve = sc.watermark_pages if sched.running else 0
             assert (
                 left == 0
                 or len(sched.running) == sc.max_num_seqs
-                or not self.pool.can_allocate(need)
+                or not self.pool.can_allocate(need + reserve)
             ), "admission stopped for no reason"
 
     def check_between_steps(self) -> None:
@@ -307,14 +384,17 @@ class Harness:
         for r in sched.waiting:
             assert r.status is RequestStatus.WAITING and r.page_ids == []
             assert r.num_computed_tokens == 0
-        holders = sum(len(r.page_ids) for r in sched.running)
-        assert self.pool.num_used == holders
+        holders = {p for r in sched.running for p in r.page_ids}
+        assert self.pool.num_used == len(holders)
+        if not self.sc.prefix_caching:
+            assert self.pool.num_cached == 0
 
     def check_final(self) -> None:
         sched, sc = self.sched, self.sc
         assert not sched.running and not sched.waiting and sched.num_unfinished == 0
-        assert self.pool.num_free == sc.num_pages
+        assert self.pool.num_free == sc.num_pages and self.pool.num_used == 0
         assert sched.num_preemptions == self.total_preemptions
+        assert sched.prefix_hits == self.hit_tokens
         for s in sc.specs:
             req = self.requests[s.rid]
             want = expected_output(
@@ -332,7 +412,7 @@ class Harness:
 # ---- the property -----------------------------------------------------------------------
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_scheduler_properties(sc: Scenario) -> None:
     Harness(sc).run()

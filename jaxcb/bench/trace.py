@@ -1,0 +1,97 @@
+"""Step traces: what every engine step held, recorded from a real run, saved as JSON.
+
+`LLMEngine.step_trace` (set to a list) receives one entry per step: the bucket (token slots
+the step ran), the chunks in it as (request id, tokens, "prefill" | "decode"), the real
+tokens, the padded-batch baselines' batch padding, KV pages in use after the step, and the
+requests preempted. This module records such a list around any piece of work, saves it with
+what a reader needs to interpret it (buckets, pool size, batching mode, model), and loads it
+back; `jaxcb.bench.plots.plot_trace` draws it (`scripts/plot_trace.py`).
+
+    with recording(llm) as steps:
+        llm.generate(prompts, params)
+    save_trace("trace.json", steps, trace_meta(llm))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+FORMAT = "jaxcb-step-trace-v1"
+
+
+def _engine(llm_or_engine: Any) -> Any:
+    return getattr(llm_or_engine, "engine", llm_or_engine)
+
+
+@contextlib.contextmanager
+def recording(llm_or_engine: Any) -> Iterator[list[dict[str, Any]]]:
+    """Record the steps run inside the block into the yielded list (an `LLM` or an
+    `LLMEngine`); whatever trace the engine had before is restored afterwards."""
+    engine = _engine(llm_or_engine)
+    saved = engine.step_trace
+    steps: list[dict[str, Any]] = []
+    engine.step_trace = steps
+    try:
+        yield steps
+    finally:
+        engine.step_trace = saved
+
+
+def trace_meta(llm_or_engine: Any, **extra: Any) -> dict[str, Any]:
+    """What a reader of the trace needs: buckets, KV pool size, batching mode, model."""
+    engine = _engine(llm_or_engine)
+    sched = engine.config.scheduler
+    return dict(
+        model=str(engine.model_path),
+        dtype=engine.config.dtype,
+        batching=sched.batching,
+        buckets=[b.num_tokens for b in engine.buckets],
+        max_num_seqs=sched.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        kv_pages_total=engine.num_pages,
+        page_size=engine.page_size,
+        **extra,
+    )
+
+
+def save_trace(path: str | Path, steps: list[dict[str, Any]], meta: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(format=FORMAT, meta=meta, steps=steps)) + "\n")
+    return path
+
+
+def load_trace(path: str | Path) -> dict[str, Any]:
+    """{"format", "meta", "steps"}; ValueError if the file is not a step trace."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read a step trace from {path}: {exc}") from exc
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a {FORMAT} file")
+    return data
+
+
+def summarize_trace(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Totals over the steps: slots, real tokens (prefill / decode), padding, preemptions."""
+    slots = sum(s["bucket"] for s in steps)
+    real = sum(s["num_tokens"] for s in steps)
+    prefill = sum(n for s in steps for _, n, kind in s["chunks"] if kind == "prefill")
+    batch_padding = sum(s.get("batch_padding", 0) for s in steps)
+    return dict(
+        steps=len(steps),
+        token_slots=slots,
+        tokens=real,
+        prefill_tokens=prefill,
+        decode_tokens=real - prefill,
+        padding_tokens=slots - real,
+        batch_padding_tokens=batch_padding,
+        bucket_padding_tokens=slots - real - batch_padding,
+        padding_fraction=(slots - real) / slots if slots else 0.0,
+        preemptions=sum(len(s["preempted"]) for s in steps),
+        kv_pages_peak=max((s["pages_used"] for s in steps), default=0),
+    )

@@ -1,0 +1,169 @@
+"""jaxcb's own checkpoint format: the params pytree as an orbax checkpoint, model files beside.
+
+    <dir>/
+      jaxcb_checkpoint.json   marker: format, version, dtype, where it was converted from
+      config.json             the Hugging Face config (the loader reads it as for HF dirs)
+      generation_config.json  tokenizer files ...   copied from the source, when present
+      params/                 orbax (OCDBT + tensorstore) checkpoint of the params pytree
+
+The params are stored already fused and transposed into the layout of models/llama.py, so
+loading does no host-side work: each device reads its own shard of each array straight into
+the target sharding (`restore_params` with a tensor-parallel mesh reads 1/N of the bytes per
+device, and on a multi-host mesh each host reads only what its devices hold).
+`scripts/convert_checkpoint.py` writes one; `LLM(path)` loads either format.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from jaxcb.models.llama import ModelSpec, Params, abstract_params
+from jaxcb.models.weights import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+MARKER = "jaxcb_checkpoint.json"
+FORMAT = "jaxcb-orbax-params"
+VERSION = 1  # bump when the params layout of models/llama.py changes
+PARAMS_DIR = "params"
+#: Model files copied beside the params: config, generation config, tokenizer, chat template.
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def is_orbax_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def convert_hf_checkpoint(
+    source: str | Path, target: str | Path, *, dtype: str = "auto", force: bool = False
+) -> Path:
+    """Convert a Hugging Face model directory into a jaxcb orbax checkpoint.
+
+    `dtype`: "float32", "bfloat16", or "auto" (the checkpoint's own: bfloat16 stays
+    bfloat16; float16, which jaxcb does not compute in, becomes float32, losslessly). An
+    engine of another dtype can still load it: restoring casts.
+    """
+    import ml_dtypes
+    import numpy as np
+
+    from jaxcb.models.weights import load_params, read_hf_config, spec_from_hf_config
+
+    source = Path(source).expanduser()
+    config = read_hf_config(source)
+    spec = spec_from_hf_config(config)
+    if dtype == "auto":
+        stored = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+        dtype = "bfloat16" if stored == "bfloat16" else "float32"
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}")
+    np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    params = load_params(source, spec, np_dtype)
+    return save_checkpoint(params, target, source=source, dtype=dtype, force=force)
+
+
+def save_checkpoint(
+    params: Params, target: str | Path, *, source: str | Path, dtype: str, force: bool = False
+) -> Path:
+    """Write `params` (numpy or jax arrays) and the model files of `source` to `target`."""
+    import orbax.checkpoint as ocp
+
+    target = Path(target).expanduser().absolute()
+    source = Path(source)
+    if target.exists():
+        if not force:
+            raise ValueError(f"{target} exists; pass force=True (--force) to overwrite it")
+        shutil.rmtree(target)
+    target.mkdir(parents=True)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(target / PARAMS_DIR, params)
+    checkpointer.wait_until_finished()
+    copied = []
+    for name in SIDE_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, target / name)
+            copied.append(name)
+    marker = {"format": FORMAT, "version": VERSION, "dtype": dtype, "source": str(source)}
+    (target / MARKER).write_text(json.dumps(marker, indent=2) + "\n")  # last: marks it complete
+    logger.info("wrote %s (params + %s)", target, ", ".join(copied))
+    return target
+
+
+def restore_params(
+    path: str | Path, spec: ModelSpec, dtype: Any, shardings: Any | None = None
+) -> Params:
+    """Read the params of a jaxcb checkpoint directly into `shardings` (a pytree of
+    shardings matching the params; None: the default device), cast to `dtype`."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    path = Path(path)
+    marker = _read_marker(path)
+    if marker.get("format") != FORMAT or marker.get("version") != VERSION:
+        raise ModelLoadError(
+            f"{path / MARKER} describes format {marker.get('format')!r} version "
+            f"{marker.get('version')!r}; this jaxcb reads {FORMAT!r} version {VERSION}: "
+            "convert the Hugging Face checkpoint again"
+        )
+    params_dir = path / PARAMS_DIR
+    if not params_dir.is_dir():
+        raise ModelLoadError(f"{path} has no {PARAMS_DIR}/ directory")
+    checkpointer = ocp.StandardCheckpointer()
+    stored = checkpointer.metadata(params_dir.absolute())
+    stored = getattr(stored, "item_metadata", stored)  # StepMetadata in newer orbax versions
+    stored = getattr(stored, "tree", stored)
+    target = abstract_params(spec, dtype)
+    _check_shapes(stored, target, path)
+    if shardings is None:
+        device = jax.devices()[0]
+        shardings = jax.tree_util.tree_map(
+            lambda _: jax.sharding.SingleDeviceSharding(device), target
+        )
+    target = jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), target, shardings
+    )
+    return checkpointer.restore(params_dir.absolute(), target)
+
+
+def _read_marker(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / MARKER).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path / MARKER} is unreadable: {exc}") from exc
+
+
+def _check_shapes(stored: Any, target: Params, path: Path) -> None:
+    """Orbax restores into whatever shape it is asked for; a mismatch must be an error."""
+    import jax
+
+    flat_stored = dict(jax.tree_util.tree_flatten_with_path(stored)[0])
+    flat_target = dict(jax.tree_util.tree_flatten_with_path(target)[0])
+    missing = sorted(jax.tree_util.keystr(k) for k in flat_target.keys() - flat_stored.keys())
+    extra = sorted(jax.tree_util.keystr(k) for k in flat_stored.keys() - flat_target.keys())
+    if missing or extra:
+        raise ModelLoadError(
+            f"the params in {path} do not match config.json: missing {missing[:5]}, "
+            f"unexpected {extra[:5]}"
+        )
+    for key, want in flat_target.items():
+        have = tuple(flat_stored[key].shape)
+        if have != tuple(want.shape):
+            raise ModelLoadError(
+                f"parameter {jax.tree_util.keystr(key)} in {path} has shape {have}, expected "
+                f"{tuple(want.shape)} from config.json"
+            )

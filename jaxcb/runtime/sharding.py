@@ -1,0 +1,343 @@
+"""Device meshes and the logical-axis sharding rules: the one place tensor parallelism is decided.
+
+Every array the step function touches names its axes logically ("vocab", "embed",
+"q_heads", "kv_heads", "mlp", ...). `RULES` maps each logical name to a mesh axis (or to
+None: replicated), and everything else here turns those names into PartitionSpecs and
+NamedShardings. With `tensor_parallel_size = N` the layout is Megatron's:
+
+- q/k/v by KV head (`wqkv [H, Hkv, G + 2, D]` keeps each KV head with its G query heads, so
+  a device holds whole GQA groups), the o-projection by query head: one all-reduce;
+- the MLP by its intermediate axis (gate/up by column, down by row): one all-reduce;
+- the embedding table and lm_head by vocabulary entry;
+- the KV page pool by KV head: each device holds a dense `[Hkv / N, P, page_size, D]`
+  slice of every page, and the attention kernels and the KV write run per shard under
+  `jax.shard_map` (they are custom kernels XLA cannot partition on its own).
+
+The rest of the step (norms, rope, sampling) is left to XLA's partitioner, which follows
+the parameters' shardings. Data parallelism is not in the step at all: each replica is an
+independent engine on its own row of the (data, tensor) mesh (engine/replicated.py).
+
+Multi-host: `initialize_distributed` wires `jax.distributed.initialize`, after which
+`jax.devices()` lists every process's devices and the same mesh spans hosts.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxcb.config import ParallelConfig
+from jaxcb.models.llama import AttentionBackend, ModelSpec, abstract_params
+
+logger = logging.getLogger(__name__)
+
+DATA_AXIS = "data"  # mesh axis of data-parallel replicas
+TENSOR_AXIS = "tensor"  # mesh axis tensor parallelism shards over
+
+#: logical axis name -> mesh axis (None: replicated on every device of the replica).
+RULES: dict[str, str | None] = {
+    "vocab": TENSOR_AXIS,  # embedding rows, lm_head columns
+    "embed": None,  # the hidden size: the residual stream is whole on every device
+    "q_heads": TENSOR_AXIS,  # query heads (o-projection rows are heads x head_dim)
+    "kv_heads": TENSOR_AXIS,  # KV heads: the q/k/v groups and the KV page pool
+    "mlp": TENSOR_AXIS,  # the MLP's intermediate axis
+    "qkv": None,  # a group's G query heads, then K, then V
+    "gate_up": None,
+    "head_dim": None,
+    "pages": None,
+    "page_slots": None,
+    "tokens": None,
+    "seqs": None,
+}
+
+#: Parameter name -> logical axes of its dimensions (layouts documented in models/llama.py).
+PARAM_AXES: dict[str, tuple[str, ...]] = {
+    "embed": ("vocab", "embed"),  # [V, H]
+    "lm_head": ("embed", "vocab"),  # [H, V]
+    "final_norm": ("embed",),
+    # per layer
+    "attn_norm": ("embed",),
+    "wqkv": ("embed", "kv_heads", "qkv", "head_dim"),  # [H, Hkv, G + 2, D]
+    "bqkv": ("kv_heads", "qkv", "head_dim"),  # [Hkv, G + 2, D]
+    "q_norm": ("head_dim",),
+    "k_norm": ("head_dim",),
+    "wo": ("q_heads", "embed"),  # [Hq * D, H]: rows head-major, a block of rows = of heads
+    "mlp_norm": ("embed",),
+    "w_gate_up": ("embed", "gate_up", "mlp"),  # [H, 2, I]
+    "w_down": ("mlp", "embed"),  # [I, H]
+}
+KV_PAGES_AXES = ("kv_heads", "pages", "page_slots", "head_dim")  # [Hkv, P, page_size, D]
+Q_AXES = ("tokens", "q_heads", "head_dim")  # attention's q and output: [T, Hq, D]
+KV_NEW_AXES = ("tokens", "kv_heads", "head_dim")  # a step's new K or V: [T, Hkv, D]
+LOGITS_AXES = ("seqs", "vocab")  # [S, V]
+
+
+# ---- rules ------------------------------------------------------------------------------
+
+
+def check_tensor_parallel(spec: ModelSpec, tensor_parallel_size: int) -> None:
+    """ValueError unless the model's heads and MLP split evenly over `tensor_parallel_size`.
+
+    KV heads are never replicated to make a split fit: a pool holding copies of the same
+    head would cost memory silently; pick a size that divides num_key_value_heads.
+    """
+    tp = tensor_parallel_size
+    if tp == 1:
+        return
+    if spec.num_kv_heads % tp:
+        divisors = [n for n in range(1, spec.num_kv_heads + 1) if spec.num_kv_heads % n == 0]
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide the model's num_key_value_heads="
+            f"{spec.num_kv_heads} (q/k/v and the KV pages are sharded by KV head); "
+            f"valid sizes: {divisors}"
+        )
+    if spec.intermediate_size % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide the model's intermediate_size="
+            f"{spec.intermediate_size} (the MLP is sharded along it)"
+        )
+
+
+def rules_for(spec: ModelSpec, tensor_parallel_size: int) -> dict[str, str | None]:
+    """RULES for this model, after checking it divides; a vocabulary that does not divide
+    is kept whole (replicated), which costs memory but is still correct."""
+    check_tensor_parallel(spec, tensor_parallel_size)
+    rules = dict(RULES)
+    if spec.vocab_size % tensor_parallel_size:
+        logger.warning(
+            "vocab_size=%d is not divisible by tensor_parallel_size=%d: the embedding and "
+            "lm_head are replicated on every device instead of sharded",
+            spec.vocab_size,
+            tensor_parallel_size,
+        )
+        rules["vocab"] = None
+    return rules
+
+
+def logical_spec(axes: Sequence[str], rules: dict[str, str | None] | None = None) -> PartitionSpec:
+    """PartitionSpec of an array whose dimensions carry these logical names."""
+    rules = RULES if rules is None else rules
+    unknown = [a for a in axes if a not in rules]
+    if unknown:
+        raise ValueError(f"no sharding rule for logical axes {unknown}; known: {sorted(rules)}")
+    return PartitionSpec(*(rules[a] for a in axes))
+
+
+def param_shardings(params: Any, mesh: Mesh, rules: dict[str, str | None] | None = None) -> Any:
+    """A NamedSharding per leaf of a params pytree (arrays or ShapeDtypeStructs), by name."""
+
+    def leaf_sharding(path: tuple[Any, ...], leaf: Any) -> NamedSharding:
+        name = _leaf_name(path)
+        if name not in PARAM_AXES:
+            raise ValueError(f"no logical axes for parameter {name!r}")
+        axes = PARAM_AXES[name]
+        if len(axes) != len(leaf.shape):
+            raise ValueError(f"parameter {name!r} has shape {leaf.shape}, expected axes {axes}")
+        return NamedSharding(mesh, logical_spec(axes, rules))
+
+    return jax.tree_util.tree_map_with_path(leaf_sharding, params)
+
+
+def _leaf_name(path: tuple[Any, ...]) -> str:
+    """The dict key nearest the leaf: 'wqkv' for params['layers'][3]['wqkv']."""
+    for entry in reversed(path):
+        if isinstance(entry, jax.tree_util.DictKey):
+            return str(entry.key)
+    raise ValueError(f"parameter at {jax.tree_util.keystr(path)} has no name")
+
+
+def model_param_shardings(spec: ModelSpec, *, mesh: Mesh, dtype: Any) -> Any:
+    """The target shardings of `spec`'s params on `mesh` (ValueError if it does not divide)."""
+    rules = rules_for(spec, tensor_parallel_size(mesh))
+    return param_shardings(abstract_params(spec, dtype), mesh, rules)
+
+
+def kv_pages_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, logical_spec(KV_PAGES_AXES))
+
+
+def logits_shardings(mesh: Mesh, rules: dict[str, str | None]) -> tuple[NamedSharding, ...]:
+    """For step(): the logits as the lm_head makes them, then whole on every device."""
+    if tensor_parallel_size(mesh) == 1:
+        return ()
+    return (NamedSharding(mesh, logical_spec(LOGITS_AXES, rules)), replicated(mesh))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def shard_params(params: Any, shardings: Any) -> Any:
+    """Place a params pytree with its shardings. Host (numpy) leaves are cut on the host, so
+    each device receives only its shard; leaves already on devices are moved if needed."""
+
+    def put(leaf: Any, sharding: NamedSharding) -> jax.Array:
+        if isinstance(leaf, jax.Array):
+            return jax.device_put(leaf, sharding)
+        host = np.asarray(leaf)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree_util.tree_map(put, params, shardings)
+
+
+# ---- meshes -----------------------------------------------------------------------------
+
+
+def device_mesh(
+    data_parallel_size: int = 1,
+    tensor_parallel_size: int = 1,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """The (data, tensor) mesh over the first dp x tp devices (all processes' devices once
+    jax.distributed is initialized). `jax.make_mesh` orders them along the hardware's
+    topology on TPU, so each tensor-parallel group sits on neighbouring chips."""
+    dp, tp = data_parallel_size, tensor_parallel_size
+    devices = list(jax.devices() if devices is None else devices)
+    need = dp * tp
+    if need > len(devices):
+        platform = devices[0].platform if devices else jax.default_backend()
+        raise ValueError(
+            f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {need} devices, but "
+            f"{len(devices)} {platform} device(s) are available"
+        )
+    devices = devices[:need]
+    axis_types = (AxisType.Auto, AxisType.Auto)
+    try:
+        return jax.make_mesh(
+            (dp, tp), (DATA_AXIS, TENSOR_AXIS), axis_types=axis_types, devices=devices
+        )
+    except (ValueError, NotImplementedError, AssertionError):
+        # A subset of a TPU slice may not map onto its physical topology: keep the order.
+        grid = np.asarray(devices, dtype=object).reshape(dp, tp)
+        return Mesh(grid, (DATA_AXIS, TENSOR_AXIS), axis_types=axis_types)
+
+
+def replica_meshes(mesh: Mesh) -> list[Mesh]:
+    """One 1-D (tensor) mesh per data-parallel replica: the rows of a (data, tensor) mesh."""
+    return [
+        Mesh(row, (TENSOR_AXIS,), axis_types=(AxisType.Auto,))
+        for row in np.asarray(mesh.devices).reshape(mesh.shape[DATA_AXIS], -1)
+    ]
+
+
+def replica_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The tensor mesh of one engine: `devices` (exactly tensor_parallel_size of them), or
+    the first tensor_parallel_size devices."""
+    if devices is not None and len(devices) != tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} needs that many devices per "
+            f"replica, got {len(devices)}"
+        )
+    return replica_meshes(device_mesh(1, tensor_parallel_size, devices))[0]
+
+
+def engine_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The mesh of one engine (one data-parallel replica): `devices`, or the first
+    tensor_parallel_size devices. Initializes jax.distributed first if the config says so."""
+    setup_distributed(parallel)
+    if parallel.data_parallel_size > 1 and devices is None:
+        raise ValueError(
+            f"data_parallel_size={parallel.data_parallel_size}: build the engine with "
+            "jaxcb.engine.replicated.make_engine (LLM and the server do), which gives each "
+            "replica its devices"
+        )
+    mesh = replica_mesh(parallel.tensor_parallel_size, devices)
+    processes = {d.process_index for d in mesh.devices.flat}
+    if jax.process_count() > 1 and len(processes) < jax.process_count():
+        raise ValueError(
+            f"tensor_parallel_size={parallel.tensor_parallel_size} uses the devices of "
+            f"{len(processes)} of {jax.process_count()} processes; in a multi-host job every "
+            f"process drives its devices, so use all {jax.device_count()} of them"
+        )
+    return mesh
+
+
+def tensor_parallel_size(mesh: Mesh) -> int:
+    return int(mesh.shape[TENSOR_AXIS])
+
+
+# ---- attention per shard ----------------------------------------------------------------
+
+
+def shard_attention(backend: AttentionBackend, mesh: Mesh) -> AttentionBackend:
+    """Run `backend`'s attention and KV write per KV-head shard under `jax.shard_map`.
+
+    Each device attends with its own query heads over its own slice of the page pool; page
+    tables and lengths are replicated. No communication happens inside: the o-projection's
+    all-reduce after it is XLA's. The kernels see ordinary (local) shapes, so every backend
+    (native FFI, XLA, Pallas) runs unchanged.
+    """
+    if tensor_parallel_size(mesh) == 1:
+        return backend
+    q_spec, new_spec = logical_spec(Q_AXES), logical_spec(KV_NEW_AXES)
+    pages_spec, rep = logical_spec(KV_PAGES_AXES), PartitionSpec()
+
+    def attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs):
+        kernel = functools.partial(backend.attend, **kwargs)
+        sharded = jax.shard_map(
+            kernel,
+            mesh=mesh,
+            in_specs=(q_spec, pages_spec, pages_spec, rep, rep, rep, rep),
+            out_specs=q_spec,
+            check_vma=False,  # custom kernels (FFI, Pallas) carry no replication rules
+        )
+        return sharded(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+
+    def write_kv(k_pages, v_pages, k, v, slot_mapping):
+        sharded = jax.shard_map(
+            backend.write_kv,
+            mesh=mesh,
+            in_specs=(pages_spec, pages_spec, new_spec, new_spec, rep),
+            out_specs=(pages_spec, pages_spec),
+            check_vma=False,
+        )
+        return sharded(k_pages, v_pages, k, v, slot_mapping)
+
+    return AttentionBackend(f"{backend.name}", attend, write_kv)
+
+
+# ---- multi-host -------------------------------------------------------------------------
+
+
+def setup_distributed(parallel: ParallelConfig) -> None:
+    """Initialize jax.distributed if the config asks for it (before any device is touched)."""
+    if parallel.distributed:
+        initialize_distributed(
+            coordinator_address=parallel.coordinator_address,
+            num_processes=parallel.num_processes,
+            process_id=parallel.process_id,
+        )
+
+
+def initialize_distributed(
+    *,
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> None:
+    """`jax.distributed.initialize` once per process, before any other jax call.
+
+    On a TPU pod slice (and under SLURM, Open MPI or Kubernetes) every argument may be None:
+    jax finds them in the environment. Elsewhere (multi-GPU hosts) give all three, or set
+    JAX_COORDINATOR_ADDRESS and give the other two.
+    """
+    if jax.distributed.is_initialized():
+        return
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+    )
+    logger.info(
+        "jax.distributed: process %d of %d, %d local / %d global devices",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )

@@ -1,0 +1,76 @@
+"""Draw an engine step trace as a PNG: the continuous-batching picture of a real run.
+
+Steps run left to right; each column is one step's bucket, its token slots stacked bottom up:
+every real token coloured by its request (prefill pale, decode saturated), then padding (dark
+grey: a padded batch's padding, under --batching static or dynamic; light grey: the bucket's
+rounding up). KV pages in use are drawn below, with preemptions marked.
+
+A trace comes from any run that records one:
+
+    python scripts/bench_offline.py --systems jaxcb --num-requests 32 --trace out/trace.json
+    python scripts/compare_batching.py --trace-dir out/traces        # one per batching mode
+    python scripts/plot_trace.py out/trace.json -o out/trace.png
+    python scripts/plot_trace.py out/trace.json --steps 0:200        # zoom on the first 200
+
+or from Python: `with jaxcb.bench.trace.recording(llm) as steps: llm.generate(...)`, then
+`save_trace(path, steps, trace_meta(llm))`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+try:
+    import jaxcb  # noqa: F401
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jaxcb.bench.plots import plot_trace
+from jaxcb.bench.trace import load_trace, summarize_trace
+
+
+def parse_steps(text: str) -> tuple[int, int | None]:
+    """'A:B' -> (A, B); 'A:' -> (A, None); ':B' -> (0, B)."""
+    first, sep, last = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--steps wants A:B, got {text!r}")
+    try:
+        return int(first or 0), int(last) if last else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--steps wants integers A:B, got {text!r}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("trace", type=Path, help="a step trace JSON file")
+    parser.add_argument("-o", "--output", type=Path, help="PNG to write (default: TRACE.png)")
+    parser.add_argument("--steps", type=parse_steps, default=(0, None), help="A:B, a range")
+    parser.add_argument("--title", help="figure title (default: mode, requests, padding)")
+    args = parser.parse_args(argv)
+    try:
+        trace = load_trace(args.trace)
+    except ValueError as exc:
+        parser.error(str(exc))
+    output = args.output or args.trace.with_suffix(".png")
+    first, last = args.steps
+    try:
+        plot_trace(trace, output, first_step=first, last_step=last, title=args.title)
+    except ValueError as exc:
+        parser.error(str(exc))
+    s = summarize_trace(trace["steps"][first:last])
+    print(
+        f"{output}: {s['steps']} steps, {s['tokens']:,} tokens ({s['prefill_tokens']:,} "
+        f"prefill, {s['decode_tokens']:,} decode) in {s['token_slots']:,} slots, padding "
+        f"{s['padding_fraction']:.1%} ({s['batch_padding_tokens']:,} batch + "
+        f"{s['bucket_padding_tokens']:,} bucket), {s['preemptions']} preemptions, peak "
+        f"{s['kv_pages_peak']} KV pages"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

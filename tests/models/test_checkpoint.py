@@ -1,0 +1,109 @@
+"""orbax checkpoints: convert a Hugging Face directory, load it, get the very same tokens.
+
+(Restoring into a tensor-parallel mesh is checked on 8 devices in
+runtime/test_tensor_parallel.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxcb import LLM, SamplingParams
+from jaxcb.models.checkpoint import MARKER, convert_hf_checkpoint, is_orbax_checkpoint
+from jaxcb.models.default_model import default_model_dir
+from jaxcb.models.loader import load_model
+from jaxcb.models.weights import ModelLoadError
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE = dict(max_model_len=128, num_pages=32, max_num_seqs=4, max_num_batched_tokens=32)
+ENGINE["token_buckets"] = [16, 32]
+PROMPTS = ["Hello, my name is", "The capital of France", "x"]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built-in model converted with the script, as a user would."""
+    target = tmp_path_factory.mktemp("orbax") / "tiny"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts/convert_checkpoint.py"),
+            str(default_model_dir()),
+            str(target),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return target
+
+
+def tokens(model: Path, **overrides) -> list[list[int]]:
+    llm = LLM(str(model), **ENGINE, **overrides)
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def test_layout(converted: Path) -> None:
+    assert is_orbax_checkpoint(converted) and not is_orbax_checkpoint(default_model_dir())
+    for name in ("config.json", "generation_config.json", "tokenizer.json", MARKER):
+        assert (converted / name).is_file(), name
+    assert (converted / "params").is_dir()
+    assert not list(converted.glob("*.safetensors"))
+    assert json.loads((converted / MARKER).read_text())["dtype"] == "float32"
+
+
+def test_same_params_as_safetensors(converted: Path) -> None:
+    hf = load_model(default_model_dir(), tokenizer_path=None, dtype=np.float32)
+    orbax = load_model(converted, tokenizer_path=None, dtype=np.float32)
+    assert (hf.format, orbax.format) == ("safetensors", "orbax")
+    assert hf.eos_token_ids == orbax.eos_token_ids and orbax.tokenizer is not None
+    flat_hf = np.concatenate([np.ravel(x) for x in _leaves(hf.params)])
+    flat_orbax = np.concatenate([np.ravel(np.asarray(x)) for x in _leaves(orbax.params)])
+    np.testing.assert_array_equal(flat_hf, flat_orbax)
+
+
+def _leaves(tree) -> list:
+    import jax
+
+    return jax.tree_util.tree_leaves(tree)
+
+
+def test_identical_tokens(converted: Path) -> None:
+    reference = tokens(default_model_dir())
+    assert all(len(set(t)) > 3 for t in reference)  # a diverse reference proves something
+    assert tokens(converted) == reference
+
+
+def test_bfloat16_round_trip(converted: Path, tmp_path: Path) -> None:
+    """Stored in bfloat16: loads in bfloat16 exactly as the HF directory does, and an engine
+    of another dtype casts while restoring."""
+    target = convert_hf_checkpoint(default_model_dir(), tmp_path / "bf16", dtype="bfloat16")
+    assert json.loads((target / MARKER).read_text())["dtype"] == "bfloat16"
+    assert tokens(target, dtype="bfloat16") == tokens(default_model_dir(), dtype="bfloat16")
+    restored = load_model(target, tokenizer_path=None, dtype=np.float32)
+    assert restored.params["embed"].dtype == np.float32
+
+
+def test_mismatched_config_is_a_load_error(converted: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for item in converted.iterdir():
+        (broken / item.name).symlink_to(item)
+    (broken / "config.json").unlink()
+    config = json.loads((converted / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "intermediate_size": 256}))
+    with pytest.raises(ModelLoadError, match=r"\['layers'\]\[0\]\['w_\w+'\] .* has shape"):
+        load_model(broken, tokenizer_path=None, dtype=np.float32)
+
+
+def test_existing_target_needs_force(converted: Path) -> None:
+    with pytest.raises(ValueError, match="exists; pass force=True"):
+        convert_hf_checkpoint(default_model_dir(), converted)
