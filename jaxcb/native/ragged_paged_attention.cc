@@ -31,10 +31,7 @@ namespace {
 constexpr int kRowsPerItem = 16;  // query rows of one sequence handled by one work item
 
 inline float Bf16ToF32(uint16_t bits) {
-  uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
+  return __builtin_bit_cast(float, static_cast<uint32_t>(bits) << 16);
 }
 
 inline uint16_t F32ToBf16(float f) {  // round to nearest even, NaN kept NaN
@@ -61,9 +58,7 @@ inline float ExpNonPositive(float x) {
   p = p * r + 5.0000001201e-1f;
   const float e = p * r * r + r + 1.0f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return e * scale;
+  return e * __builtin_bit_cast(float, bits);
 }
 
 // Copies n values of a float32 or bfloat16 array into float32.
@@ -111,6 +106,133 @@ struct Item {
   int32_t seq, kv_head, row_begin, row_end;
 };
 
+// Everything a work item reads, shared by all items of one call.
+struct Problem {
+  const void* q;
+  const void* k_pages;
+  const void* v_pages;
+  void* out;
+  bool q_bf16, kv_bf16;
+  const int32_t* kv_len;
+  const int32_t* pages;
+  const int32_t* cu;
+  int64_t num_q_heads, num_kv_heads, num_pages, page_size, head_dim, group, pages_per_seq;
+  float sm_scale, soft_cap;
+  int64_t sliding_window;
+};
+
+// One work item: `group` query heads x up to kRowsPerItem rows of one sequence against its
+// pages, online softmax page by page. kHeadDim > 0 fixes head_dim at compile time, so the
+// loops over it unroll into a few full-width vector instructions.
+template <int kHeadDim>
+void RunItem(const Problem& P, const Item& it) {
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : P.head_dim;
+  const int64_t page_size = P.page_size, group = P.group;
+  const int64_t rows = it.row_end - it.row_begin, nq = rows * group;
+  const int64_t q_len = P.cu[it.seq + 1] - P.cu[it.seq];
+  const int64_t len = P.kv_len[it.seq];
+  const int64_t first_pos = len - q_len + (it.row_begin - P.cu[it.seq]);
+  std::vector<float> qv(nq * head_dim), acc(nq * head_dim, 0.0f), m(nq, -INFINITY),
+      l(nq, 0.0f), kbuf(page_size * head_dim), vbuf(page_size * head_dim), p(page_size),
+      keep(page_size);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < group; ++g) {
+      float* dst = &qv[(r * group + g) * head_dim];
+      LoadF32(P.q, P.q_bf16,
+              ((it.row_begin + r) * P.num_q_heads + it.kv_head * group + g) * head_dim,
+              head_dim, dst);
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] *= P.sm_scale;
+    }
+  }
+  const int64_t hi = std::min<int64_t>(first_pos + rows, len);  // positions [lo, hi) matter
+  int64_t lo = 0;
+  if (P.sliding_window > 0) lo = std::max<int64_t>(0, first_pos - P.sliding_window + 1);
+  for (int64_t j = lo / page_size; j * page_size < hi; ++j) {
+    const int64_t page = P.pages[it.seq * P.pages_per_seq + j];
+    if (page < 0 || page >= P.num_pages) continue;  // never live: guarded by validation
+    const int64_t base = (it.kv_head * P.num_pages + page) * page_size * head_dim;
+    const int64_t t_end = std::min<int64_t>(page_size, hi - j * page_size);
+    const float* kpage = kbuf.data();
+    const float* vpage = vbuf.data();
+    if (P.kv_bf16) {
+      LoadF32(P.k_pages, true, base, t_end * head_dim, kbuf.data());
+      LoadF32(P.v_pages, true, base, t_end * head_dim, vbuf.data());
+    } else {  // float32 pages are read where they are
+      kpage = static_cast<const float*>(P.k_pages) + base;
+      vpage = static_cast<const float*>(P.v_pages) + base;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = first_pos + r;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t row = r * group + g;
+        const float* qr = &qv[row * head_dim];
+        float block_max = -INFINITY;
+        for (int64_t t = 0; t < t_end; ++t) {
+          const int64_t kv_pos = j * page_size + t;
+          const bool ok =
+              kv_pos <= pos && (P.sliding_window <= 0 || kv_pos > pos - P.sliding_window);
+          const float* kr = &kpage[t * head_dim];
+          float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < head_dim; ++d) s += qr[d] * kr[d];
+          if (P.soft_cap > 0.0f) s = P.soft_cap * std::tanh(s / P.soft_cap);
+          p[t] = s;
+          keep[t] = ok ? 1.0f : 0.0f;
+          if (ok) block_max = std::max(block_max, s);
+        }
+        if (block_max == -INFINITY) continue;
+        const float m_new = std::max(m[row], block_max);
+        const float alpha = std::exp(m[row] - m_new);  // exp(-inf) = 0 on the first block
+        float* a = &acc[row * head_dim];
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < t_end; ++t) {
+          const float w = ExpNonPositive(std::min(p[t] - m_new, 0.0f)) * keep[t];
+          p[t] = w;
+          sum += w;
+        }
+        if (head_dim % 16 == 0) {
+          // 16 accumulator lanes stay in a register across the whole page.
+          for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+            float lane[16];
+#pragma omp simd
+            for (int dd = 0; dd < 16; ++dd) lane[dd] = a[d0 + dd] * alpha;
+            for (int64_t t = 0; t < t_end; ++t) {
+              const float w = p[t];
+              const float* vr = &vpage[t * head_dim + d0];
+#pragma omp simd
+              for (int dd = 0; dd < 16; ++dd) lane[dd] += w * vr[dd];
+            }
+#pragma omp simd
+            for (int dd = 0; dd < 16; ++dd) a[d0 + dd] = lane[dd];
+          }
+        } else {
+          for (int64_t d = 0; d < head_dim; ++d) a[d] *= alpha;
+          for (int64_t t = 0; t < t_end; ++t) {
+            const float w = p[t];
+            const float* vr = &vpage[t * head_dim];
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += w * vr[d];
+          }
+        }
+        l[row] = l[row] * alpha + sum;
+        m[row] = m_new;
+      }
+    }
+  }
+  std::vector<float> o(head_dim);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t row = r * group + g;
+      const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+      for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[row * head_dim + d] * inv;
+      StoreFromF32(P.out, P.q_bf16,
+                   ((it.row_begin + r) * P.num_q_heads + it.kv_head * group + g) * head_dim,
+                   head_dim, o.data());
+    }
+  }
+}
+
 ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q,
                                     ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                                     ffi::Buffer<ffi::S32> kv_lens,
@@ -146,111 +268,18 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q,
     }
   }
 
+  const Problem problem{q.untyped_data(), k_pages.untyped_data(), v_pages.untyped_data(),
+                        out->untyped_data(), q_bf16, kv_bf16, kv_len, pages, cu, num_q_heads,
+                        num_kv_heads, num_pages, page_size, head_dim, group, pages_per_seq,
+                        sm_scale, soft_cap, sliding_window};
   auto run = [&](int64_t index) {
-    const Item& it = items[index];
-    const int64_t rows = it.row_end - it.row_begin, nq = rows * group;
-    const int64_t q_len = cu[it.seq + 1] - cu[it.seq];
-    const int64_t len = kv_len[it.seq];
-    const int64_t first_pos = len - q_len + (it.row_begin - cu[it.seq]);
-    std::vector<float> qv(nq * head_dim), acc(nq * head_dim, 0.0f), m(nq, -INFINITY),
-        l(nq, 0.0f), kbuf(page_size * head_dim), vbuf(page_size * head_dim), p(page_size);
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t g = 0; g < group; ++g) {
-        float* dst = &qv[(r * group + g) * head_dim];
-        LoadF32(q.untyped_data(), q_bf16,
-                ((it.row_begin + r) * num_q_heads + it.kv_head * group + g) * head_dim,
-                head_dim, dst);
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] *= sm_scale;
-      }
-    }
-    const int64_t hi = std::min<int64_t>(first_pos + rows, len);  // positions [lo, hi) matter
-    int64_t lo = 0;
-    if (sliding_window > 0) lo = std::max<int64_t>(0, first_pos - sliding_window + 1);
-    for (int64_t j = lo / page_size; j * page_size < hi; ++j) {
-      const int64_t page = pages[it.seq * pages_per_seq + j];
-      if (page < 0 || page >= num_pages) continue;  // never live: guarded by validation
-      const int64_t base = (it.kv_head * num_pages + page) * page_size * head_dim;
-      const int64_t t_end = std::min<int64_t>(page_size, hi - j * page_size);
-      const float* kpage = kbuf.data();
-      const float* vpage = vbuf.data();
-      if (kv_bf16) {
-        LoadF32(k_pages.untyped_data(), true, base, t_end * head_dim, kbuf.data());
-        LoadF32(v_pages.untyped_data(), true, base, t_end * head_dim, vbuf.data());
-      } else {  // float32 pages are read where they are
-        kpage = static_cast<const float*>(k_pages.untyped_data()) + base;
-        vpage = static_cast<const float*>(v_pages.untyped_data()) + base;
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t pos = first_pos + r;
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t row = r * group + g;
-          const float* qr = &qv[row * head_dim];
-          float block_max = -INFINITY;
-          for (int64_t t = 0; t < t_end; ++t) {
-            const int64_t kv_pos = j * page_size + t;
-            bool ok = kv_pos <= pos && (sliding_window <= 0 || kv_pos > pos - sliding_window);
-            if (!ok) {
-              p[t] = -INFINITY;
-              continue;
-            }
-            const float* kr = &kpage[t * head_dim];
-            float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < head_dim; ++d) s += qr[d] * kr[d];
-            if (soft_cap > 0.0f) s = soft_cap * std::tanh(s / soft_cap);
-            p[t] = s;
-            block_max = std::max(block_max, s);
-          }
-          if (block_max == -INFINITY) continue;
-          const float m_new = std::max(m[row], block_max);
-          const float alpha = std::exp(m[row] - m_new);  // exp(-inf) = 0 on the first block
-          float* a = &acc[row * head_dim];
-          for (int64_t d = 0; d < head_dim; ++d) a[d] *= alpha;
-          float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < t_end; ++t) {
-            const float w = p[t] == -INFINITY ? 0.0f : ExpNonPositive(p[t] - m_new);
-            p[t] = w;
-            sum += w;
-          }
-          if (head_dim % 16 == 0) {
-            // 16 accumulator lanes stay in a register across the whole page.
-            for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
-              float lane[16];
-#pragma omp simd
-              for (int dd = 0; dd < 16; ++dd) lane[dd] = a[d0 + dd];
-              for (int64_t t = 0; t < t_end; ++t) {
-                const float w = p[t];
-                const float* vr = &vpage[t * head_dim + d0];
-#pragma omp simd
-                for (int dd = 0; dd < 16; ++dd) lane[dd] += w * vr[dd];
-              }
-#pragma omp simd
-              for (int dd = 0; dd < 16; ++dd) a[d0 + dd] = lane[dd];
-            }
-          } else {
-            for (int64_t t = 0; t < t_end; ++t) {
-              const float w = p[t];
-              const float* vr = &vpage[t * head_dim];
-#pragma omp simd
-              for (int64_t d = 0; d < head_dim; ++d) a[d] += w * vr[d];
-            }
-          }
-          l[row] = l[row] * alpha + sum;
-          m[row] = m_new;
-        }
-      }
-    }
-    std::vector<float> o(head_dim);
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t row = r * group + g;
-        const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[row * head_dim + d] * inv;
-        StoreFromF32(out->untyped_data(), q_bf16,
-                     ((it.row_begin + r) * num_q_heads + it.kv_head * group + g) * head_dim,
-                     head_dim, o.data());
-      }
+    switch (head_dim) {
+      case 64:
+        return RunItem<64>(problem, items[index]);
+      case 128:
+        return RunItem<128>(problem, items[index]);
+      default:
+        return RunItem<0>(problem, items[index]);
     }
   };
   ParallelFor(pool, static_cast<int64_t>(items.size()), run);
