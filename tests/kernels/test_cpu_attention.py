@@ -1,0 +1,136 @@
+"""The engine's two CPU attention paths against the plain-jnp reference, on the kernel test
+batches: "xla" (pallas_kernels/ragged_paged_attention/xla.py) and "native" (jaxcb's C++ FFI
+kernels, skipped where no C++ compiler is found). Also the native in-place KV write."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rpa_cases import Shape, assert_matches_reference, make_batch
+from test_ragged_paged_attention import BATCHES
+
+from jaxcb import native
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference, write_kv
+from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
+
+STATIC = ("sm_scale", "sliding_window", "soft_cap")
+reference = jax.jit(ragged_paged_attention_reference, static_argnames=STATIC)
+needs_native = pytest.mark.skipif(not native.available(), reason="no C++ compiler")
+
+BACKENDS = {
+    # Small blocks and chunks so blocks, block groups and KV chunks all wrap several times.
+    "xla": jax.jit(
+        functools.partial(ragged_paged_attention_xla, block_q=4, kv_chunk_pages=2, block_group=2),
+        static_argnames=STATIC,
+    ),
+    "native": jax.jit(native.ragged_paged_attention_native, static_argnames=STATIC),
+}
+backends = pytest.mark.parametrize("backend", ["xla", pytest.param("native", marks=needs_native)])
+
+
+def check(backend: str, shape: Shape, seqs, seed: int = 0, **kwargs) -> None:
+    batch = make_batch(shape, seqs, seed=seed)
+    kwargs.setdefault("sm_scale", shape.head_dim**-0.5)
+    out = BACKENDS[backend](*batch, **kwargs)
+    assert out.shape == batch[0].shape and out.dtype == batch[0].dtype
+    assert_matches_reference(out, reference(*batch, **kwargs), batch, shape.dtype)
+
+
+@backends
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", sorted(BATCHES))
+def test_batches(backend, kind, dtype):
+    check(backend, Shape(dtype=dtype), BATCHES[kind])
+
+
+@backends
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (4, 2), (8, 2), (8, 1)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gqa_and_head_dims(backend, num_q_heads, num_kv_heads, head_dim):
+    shape = Shape(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    check(backend, shape, BATCHES["mixed"], seed=1)
+
+
+@backends
+@pytest.mark.parametrize("sliding_window, soft_cap", [(5, None), (None, 3.0), (17, 2.0)])
+def test_window_and_soft_cap(backend, sliding_window, soft_cap):
+    for kind in ("mixed", "chunked_prefill", "decode_long"):
+        check(backend, Shape(), BATCHES[kind], sliding_window=sliding_window, soft_cap=soft_cap)
+
+
+@backends
+def test_one_block_many_sequences(backend):
+    shape = Shape(num_tokens=64, max_num_seqs=16, num_pages=64, pages_per_seq=4)
+    seqs = [(1, 5 + 3 * i) for i in range(10)] + [(20, 40), (7, 7), (2, 64), (1, 64)]
+    check(backend, shape, seqs, seed=3)
+
+
+def test_xla_default_blocks():
+    shape = Shape(num_tokens=64, max_num_seqs=16, num_pages=64, pages_per_seq=4)
+    batch = make_batch(shape, [(1, 9), (20, 40), (7, 7), (1, 64)], seed=3)
+    out = ragged_paged_attention_xla(*batch, sm_scale=0.125)  # the engine's block sizes
+    assert_matches_reference(out, reference(*batch, sm_scale=0.125), batch, "float32")
+
+
+@needs_native
+def test_native_bf16_queries_with_f32_pages():
+    batch = list(make_batch(Shape(), BATCHES["mixed"], seed=2))
+    batch[0] = batch[0].astype(jnp.bfloat16)
+    out = BACKENDS["native"](*batch, sm_scale=0.125)
+    assert out.dtype == jnp.bfloat16
+    assert_matches_reference(out, reference(*batch, sm_scale=0.125), batch, "bfloat16")
+
+
+@backends
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_random_ragged_batches(backend, data):
+    shape = Shape(num_tokens=32, max_num_seqs=6, num_pages=40, pages_per_seq=4)
+    n = data.draw(st.integers(0, shape.max_num_seqs))
+    seqs, tokens, pages = [], 0, 0
+    for _ in range(n):
+        kv_len = data.draw(st.integers(0, shape.pages_per_seq * shape.page_size))
+        q_len = data.draw(st.integers(0, min(kv_len, shape.num_tokens - tokens)))
+        if pages + -(-kv_len // shape.page_size) > shape.num_pages:
+            break
+        seqs.append((q_len, kv_len))
+        tokens += q_len
+        pages += -(-kv_len // shape.page_size)
+    check(backend, shape, seqs, seed=data.draw(st.integers(0, 99)))
+
+
+@needs_native
+@pytest.mark.parametrize("pool_dtype", ["float32", "bfloat16"])
+def test_native_kv_write_in_place_matches_scatter(pool_dtype):
+    rng = np.random.default_rng(0)
+    shape = (2, 6, 4, 8)  # [Hkv, P, ps, D]
+    k = jnp.asarray(rng.standard_normal(shape), pool_dtype)
+    v = jnp.asarray(rng.standard_normal(shape), pool_dtype)
+    new_k = jnp.asarray(rng.standard_normal((5, 2, 8)), jnp.float32)
+    new_v = jnp.asarray(rng.standard_normal((5, 2, 8)), jnp.float32)
+    slots = jnp.asarray([3, 17, 2**31 - 1, 0, 23], jnp.int32)  # one padding row
+    expected = write_kv(k, v, new_k, new_v, slots)
+    got = jax.jit(native.write_kv_native, donate_argnums=(0, 1))(
+        jnp.array(k), jnp.array(v), new_k, new_v, slots
+    )
+    for e, g in zip(expected, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(e, np.float32), np.asarray(g, np.float32))
+
+
+def test_engine_falls_back_to_xla_without_a_compiler(monkeypatch):
+    """No C++ compiler: `auto` resolves to the XLA path, never an error."""
+    from jaxcb import attention
+
+    def no_compiler():
+        raise native.NativeBuildError("no C++ compiler found")
+
+    monkeypatch.setattr(native, "_load", no_compiler)
+    assert attention.resolve_backend("auto", platform="cpu") == "xla"
+    with pytest.raises(ValueError, match="C\\+\\+ compiler"):
+        attention.get_attention_backend("native", platform="cpu")
