@@ -51,9 +51,11 @@ def test_batches(backend, kind, dtype):
 
 @backends
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (4, 2), (8, 2), (8, 1)])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_gqa_and_head_dims(backend, num_q_heads, num_kv_heads, head_dim):
-    shape = Shape(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+@pytest.mark.parametrize("head_dim, dtype", [(64, "float32"), (128, "bfloat16")])
+def test_gqa_and_head_dims(backend, num_q_heads, num_kv_heads, head_dim, dtype):
+    shape = Shape(
+        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
+    )
     check(backend, shape, BATCHES["mixed"], seed=1)
 
 
@@ -79,11 +81,14 @@ def test_xla_default_blocks():
 
 
 @needs_native
-def test_native_bf16_queries_with_f32_pages():
-    batch = list(make_batch(Shape(), BATCHES["mixed"], seed=2))
-    batch[0] = batch[0].astype(jnp.bfloat16)
+@pytest.mark.parametrize("q_dtype, pages_dtype", [("bfloat16", "float32"), ("float32", "bfloat16")])
+def test_native_mixed_query_and_page_dtypes(q_dtype, pages_dtype):
+    """The native kernel's other routines: bf16 x bf16 uses the BF16 dot product, these
+    pairings convert to float32."""
+    batch = list(make_batch(Shape(dtype=pages_dtype), BATCHES["mixed"], seed=2))
+    batch[0] = batch[0].astype(q_dtype)
     out = BACKENDS["native"](*batch, sm_scale=0.125)
-    assert out.dtype == jnp.bfloat16
+    assert out.dtype == jnp.dtype(q_dtype)
     assert_matches_reference(out, reference(*batch, sm_scale=0.125), batch, "bfloat16")
 
 
