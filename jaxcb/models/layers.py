@@ -64,16 +64,30 @@ def rope_inv_freq(
     )
 
 
-def apply_rope(
-    x: jax.Array,  # [T, H, D]
+def rope_tables(
     positions: jax.Array,  # i32[T]
     inv_freq: jax.Array,  # f32[D // 2]
-) -> jax.Array:  # [T, H, D]
-    """Rotary embedding in the "rotate half" layout used by Hugging Face checkpoints."""
+) -> tuple[jax.Array, jax.Array]:  # f32[T, 1, D] each
+    """cos and signed sin of every position, for `apply_rope`; computed once per step and
+    shared by all layers."""
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos = jnp.cos(freqs)[:, None, :]  # [T, 1, D/2]
-    sin = jnp.sin(freqs)[:, None, :]
+    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+    return (
+        jnp.concatenate([cos, cos], axis=-1)[:, None, :],
+        jnp.concatenate([-sin, sin], axis=-1)[:, None, :],
+    )
+
+
+def apply_rope(
+    x: jax.Array,  # [T, H, D]
+    tables: tuple[jax.Array, jax.Array],  # from rope_tables
+) -> jax.Array:  # [T, H, D]
+    """Rotary embedding in the "rotate half" layout used by Hugging Face checkpoints:
+    [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]. The halves are swapped with a reverse
+    over an axis of two, not split and concatenated: XLA's CPU backend fuses the former
+    into one vectorized loop and the latter into a slow one."""
+    cos, sin = tables
+    t, h, d = x.shape
     x32 = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)  # [T, H, D/2] each
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    swapped = jnp.flip(x32.reshape(t, h, 2, d // 2), axis=2).reshape(t, h, d)  # [x2, x1]
+    return (x32 * cos + swapped * sin).astype(x.dtype)

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxcb.models.layers import apply_rope, dense, rms_norm, rope_inv_freq
+from jaxcb.models.layers import apply_rope, dense, rms_norm, rope_inv_freq, rope_tables
 from pallas_kernels.ragged_paged_attention import write_kv
 
 Params = dict[str, Any]
@@ -159,7 +159,7 @@ def forward(
     """One forward pass over a packed ragged batch."""
     num_tokens = input_ids.shape[0]
     g, d = spec.group_size, spec.head_dim
-    inv_freq = spec.inv_freq()
+    rope = rope_tables(positions, spec.inv_freq())
     x = params["embed"][input_ids]  # [T, H]
     if x.dtype == jnp.uint16:  # a bf16 table kept as raw bits (see ModelRunner): view rows
         x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
@@ -180,8 +180,8 @@ def forward(
         if spec.qk_norm:
             q = rms_norm(q, layer["q_norm"], spec.rms_norm_eps)
             k = rms_norm(k, layer["k_norm"], spec.rms_norm_eps)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        q = apply_rope(q, rope)
+        k = apply_rope(k, rope)
 
         k_pages, v_pages = attention.write_kv(*kv_caches[i], k, v, meta.slot_mapping)
         new_caches.append((k_pages, v_pages))
