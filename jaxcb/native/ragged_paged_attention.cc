@@ -360,23 +360,19 @@ void RunItemAvx512(const Problem& P, const Item& it) {
       }
     }
     // Scores, 16 keys at a time, masked to -inf where a key is not visible.
-    constexpr int64_t kRowBytes = D * (kKvBf16 ? 2 : 4);
-    auto prefetch = [&](const void* pool, int64_t t0, int64_t t1, auto hint) {
-      for (int64_t t = t0; t < std::min(t1, n); ++t) {
-        if (key_offset[t] < 0) continue;
-        const char* row = static_cast<const char*>(pool) + key_offset[t] * (kKvBf16 ? 2 : 4);
-        for (int64_t b = 0; b < kRowBytes; b += 64) _mm_prefetch(row + b, decltype(hint)::value);
+    // The pool is far larger than the caches: ask for all of the chunk's K and V rows now.
+    for (int64_t t = 0; t < n; ++t) {
+      if (key_offset[t] < 0) continue;
+      constexpr int64_t kRowBytes = D * (kKvBf16 ? 2 : 4);
+      const char* krow = static_cast<const char*>(P.k_pages) + key_offset[t] * (kRowBytes / D);
+      const char* vrow = static_cast<const char*>(P.v_pages) + key_offset[t] * (kRowBytes / D);
+      for (int64_t b = 0; b < kRowBytes; b += 64) {
+        _mm_prefetch(krow + b, _MM_HINT_T1);
+        _mm_prefetch(vrow + b, _MM_HINT_T1);
       }
-    };
-    using L1 = std::integral_constant<_mm_hint, _MM_HINT_T0>;
-    using L2 = std::integral_constant<_mm_hint, _MM_HINT_T1>;
-    prefetch(P.k_pages, 0, 16, L1{});
+    }
     for (int64_t b0 = 0; b0 < n; b0 += 16) {
       const int64_t nb = std::min<int64_t>(16, n - b0);
-      // The pool is far larger than the caches: fetch the next keys, and these keys' values
-      // (used after the chunk's scores), while computing on these.
-      prefetch(P.k_pages, b0 + 16, b0 + 32, L1{});
-      prefetch(P.v_pages, b0, b0 + 16, L2{});
       for (int64_t r0 = 0; r0 < nq4; r0 += kGroup) {
         __m512 dots[kGroup][16];
         for (int64_t t = 0; t < 16; ++t) {
