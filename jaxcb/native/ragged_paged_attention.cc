@@ -343,6 +343,11 @@ void RunItemAvx512(const Problem& P, const Item& it) {
       }
     }
   }
+  // The transposed-key scores pay a gather per 16 keys: worth it from 16 query rows on, and
+  // while a head's pool (in 32-bit words) is addressable by 32-bit gather indices.
+  const int64_t head_elems = P.num_pages * page_size * D;
+  const int64_t head_base = it.kv_head * head_elems;
+  const bool transposed = kDot && nq4 >= 16 && head_elems / 2 < (int64_t{1} << 31);
   // Query row i sits at position first_pos + i / group; padding rows copy the last one.
   auto row_pos = [&](int64_t i) { return first_pos + std::min(i, nq - 1) / group; };
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -373,7 +378,41 @@ void RunItemAvx512(const Problem& P, const Item& it) {
     }
     for (int64_t b0 = 0; b0 < n; b0 += 16) {
       const int64_t nb = std::min<int64_t>(16, n - b0);
+      // Many query rows (a prefill block): gather the 16 keys transposed once, two bf16
+      // dimensions per 32-bit lane, so each row's 16 scores come from D/2 dot products
+      // with no cross-lane sums.
+      __m512i kt[kDot ? D / 2 : 1];
+      if (transposed) {
+        alignas(64) int32_t idx[16];
+        __mmask16 live = 0;
+        for (int64_t t = 0; t < 16; ++t) {
+          const int64_t off = t < nb ? key_offset[b0 + t] : -1;
+          idx[t] = off < 0 ? 0 : static_cast<int32_t>((off - head_base) / 2);
+          if (off >= 0) live |= static_cast<__mmask16>(1u << t);
+        }
+        const __m512i vidx = _mm512_load_si512(idx);
+        const int32_t* base = static_cast<const int32_t*>(P.k_pages) + head_base / 2;
+        for (int j = 0; j < (kDot ? D / 2 : 0); ++j) {
+          kt[j] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, vidx, base + j, 4);
+        }
+      }
       for (int64_t r0 = 0; r0 < nq4; r0 += kGroup) {
+        __m512 sums[kGroup];
+        bool summed = false;
+        if constexpr (kDot) {
+          if (transposed) {
+            const int32_t* qdw = reinterpret_cast<const int32_t*>(qb.data()) + r0 * D / 2;
+            for (int g = 0; g < kGroup; ++g) sums[g] = _mm512_setzero_ps();
+            for (int j = 0; j < D / 2; ++j) {
+              for (int g = 0; g < kGroup; ++g) {
+                sums[g] = _mm512_dpbf16_ps(
+                    sums[g], (__m512bh)_mm512_set1_epi32(qdw[g * D / 2 + j]), (__m512bh)kt[j]);
+              }
+            }
+            summed = true;
+          }
+        }
+        if (!summed) {
         __m512 dots[kGroup][16];
         for (int64_t t = 0; t < 16; ++t) {
           const int64_t off = t < nb ? key_offset[b0 + t] : -1;
@@ -407,10 +446,12 @@ void RunItemAvx512(const Problem& P, const Item& it) {
             }
           }
         }
+        for (int g = 0; g < kGroup; ++g) sums[g] = Sum16(dots[g]);
+        }
         const __m512i kv_pos = _mm512_add_epi32(iota, _mm512_set1_epi32(c0 + b0));
         const __mmask16 in_block = static_cast<__mmask16>((1u << nb) - 1);
         for (int g = 0; g < kGroup; ++g) {
-          __m512 s = _mm512_mul_ps(Sum16(dots[g]), _mm512_set1_ps(P.sm_scale));
+          __m512 s = _mm512_mul_ps(sums[g], _mm512_set1_ps(P.sm_scale));
           float* out = &scores[(r0 + g) * kChunk + b0];
           const int64_t pos = row_pos(r0 + g);
           __mmask16 ok = in_block & _mm512_cmple_epi32_mask(kv_pos, _mm512_set1_epi32(pos));
