@@ -117,9 +117,6 @@ def sample(
     any_random, any_penalty = flags[0] > 0, flags[1] > 0
     any_logprobs, any_top = flags[2] > 0, flags[3] > 0
     raw_logits = logits
-    logits = jax.lax.cond(
-        any_penalty, lambda x: apply_penalties(x, *penalty_args), lambda x: x, logits
-    )
 
     def draw(x: jax.Array) -> jax.Array:
         keys = jax.vmap(lambda data, n: jax.random.fold_in(jax.random.wrap_key_data(data), n))(
@@ -127,7 +124,14 @@ def sample(
         )
         return _filtered_sample(x, temperature, top_k, top_p, min_p, keys)
 
-    token_ids = jax.lax.cond(any_random, draw, argmax_last_axis, logits)
+    def general(x: jax.Array) -> jax.Array:
+        x = jax.lax.cond(any_penalty, lambda y: apply_penalties(y, *penalty_args), lambda y: y, x)
+        return jax.lax.cond(any_random, draw, argmax_last_axis, x)
+
+    # All-greedy batches without penalties take the argmax of the logits as they are: a cond
+    # whose untaken branch returns its [S, V] operand unchanged still copies it (16 MB at
+    # S=128), so the penalty cond sits inside the general branch only.
+    token_ids = jax.lax.cond(any_random | any_penalty, general, argmax_last_axis, logits)
 
     num_seqs, k = logits.shape[0], num_top_logprobs
 
