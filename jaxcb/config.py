@@ -7,7 +7,7 @@ A YAML preset mirrors the dataclasses one to one::
     max_model_len: 512
     cache:     {page_size: 16, num_pages: 256, enable_prefix_caching: true}
     scheduler: {max_num_seqs: 8, max_num_batched_tokens: 64, scheduling_policy: fcfs}
-    kernels:   {attention: auto}
+    kernels:   {attention: auto, matmul: auto}
     limits:    {max_waiting_requests: 1024, max_n: 128}
     parallel:  {tensor_parallel_size: 1, data_parallel_size: 1}
 
@@ -32,6 +32,7 @@ import yaml
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "native", "xla", "pallas", "pallas-tpu", "pallas-gpu")
+MATMUL_BACKENDS = ("auto", "amx", "xla")
 SCHEDULING_POLICIES = ("fcfs", "priority", "srpf")
 BATCHING_MODES = ("continuous", "static", "dynamic")
 
@@ -170,15 +171,23 @@ class KernelConfig:
     "xla" (plain XLA), "pallas" (the Pallas kernel of this platform: Mosaic on TPU, Triton on
     GPU; on CPU the GPU kernel in interpret mode, for tests), "pallas-tpu" / "pallas-gpu"
     (that kernel; interpret mode on CPU), or "auto" (pallas on TPU and GPU; native on CPU
-    when a C++ compiler is found, else xla)."""
+    when a C++ compiler is found, else xla).
+
+    Matmul path: "amx" (jaxcb's native bf16 kernel on AMX tiles, weights packed at load: CPU,
+    bfloat16 weights, no tensor parallelism), "xla", or "auto" (amx where it can run)."""
 
     attention: str = "auto"  # auto | native | xla | pallas | pallas-tpu | pallas-gpu
+    matmul: str = "auto"  # auto | amx | xla
 
     def __post_init__(self) -> None:
         _check_types(self)
         _check(
             self.attention in ATTENTION_BACKENDS,
             f"attention must be one of {list(ATTENTION_BACKENDS)}, got {self.attention!r}",
+        )
+        _check(
+            self.matmul in MATMUL_BACKENDS,
+            f"matmul must be one of {list(MATMUL_BACKENDS)}, got {self.matmul!r}",
         )
 
 

@@ -104,6 +104,13 @@ class LLMEngine:
         self.pages_per_seq = pages_per_seq(max_model_len, cache.page_size)
         attention = get_attention_backend(config.kernels.attention)
         self.attention_backend = attention.name
+        from jaxcb.runtime.runner import matmul_backend
+
+        self.matmul_backend = matmul_backend(
+            config.kernels.matmul,
+            dtype=dtype,
+            tensor_parallel_size=sharding.tensor_parallel_size(mesh),
+        )
         kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, dtype, attention.name)
         self.kv_cache_dtype = str(kv_dtype)
         num_pages = resolve_num_pages(
@@ -155,6 +162,7 @@ class LLMEngine:
             attention=attention,
             num_top_logprobs=MAX_TOP_LOGPROBS,
             mesh=mesh,
+            pack_matmuls=self.matmul_backend == "amx",
         )
         from jaxcb.runtime import compile_cache
 
@@ -169,8 +177,8 @@ class LLMEngine:
         }
         logger.info(
             "engine ready: %s (%s%s), dtype %s, %d %s KV pages x %d tokens (%.1f MiB), "
-            "buckets %s, attention %s on %s, load %.1fs, compile %.1fs (%d of %d buckets from "
-            "the compilation cache)",
+            "buckets %s, attention %s, matmul %s, on %s, load %.1fs, compile %.1fs (%d of %d "
+            "buckets from the compilation cache)",
             model.path,
             spec.architecture,
             ", RANDOM WEIGHTS" if model.is_default else "",
@@ -181,6 +189,7 @@ class LLMEngine:
             self.kv_cache_bytes / 2**20,
             [b.num_tokens for b in self.buckets],
             self.attention_backend,
+            self.matmul_backend,
             jax.default_backend(),
             load_seconds,
             self.compile_seconds,

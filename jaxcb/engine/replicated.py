@@ -103,6 +103,7 @@ class ReplicatedEngine:
             "pages_per_seq",
             "buckets",
             "attention_backend",
+            "matmul_backend",
             "kv_cache_dtype",
             "limits",
             "model_format",

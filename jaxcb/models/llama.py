@@ -15,6 +15,10 @@ Parameter pytree (plain dicts and lists; projections stored as [in, out]):
 
 Grouping q/k/v per KV head makes one matmul for all three and lets tensor parallelism shard
 the KV-head axis without splitting a group.
+
+On CPUs with AMX the runner may replace the bfloat16 matmul weights (wqkv, wo, w_gate_up,
+w_down, lm_head, each viewed as [in, out]) by {"amx_bf16": packed} (jaxcb.native.pack_amx);
+`matmul` sends those to the native AMX kernel.
 """
 
 from __future__ import annotations
@@ -132,6 +136,15 @@ def abstract_params(spec: ModelSpec, dtype: Any) -> Params:
 AttentionFn = Callable[..., jax.Array]
 
 
+def matmul(x: jax.Array, w: jax.Array | dict[str, jax.Array]) -> jax.Array:
+    """x @ w for a [in, out] weight (float32 result), or a weight packed for AMX."""
+    if isinstance(w, dict):
+        from jaxcb import native
+
+        return native.matmul_amx(x, w["amx_bf16"])
+    return dense(x, w.reshape(w.shape[0], -1))
+
+
 @dataclass(frozen=True)
 class AttentionBackend:
     """How a layer stores new K/V into the page pool and attends over it.
@@ -169,8 +182,7 @@ def forward(
     new_caches: KVCache = []
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
-        w = layer["wqkv"]  # [H, Hkv, G + 2, D]
-        qkv = dense(h, w.reshape(w.shape[0], -1))  # [T, Hkv * (G + 2) * D]
+        qkv = matmul(h, layer["wqkv"])  # [H, Hkv, G + 2, D] -> [T, Hkv * (G + 2) * D]
         qkv = qkv.reshape(num_tokens, spec.num_kv_heads, g + 2, d)  # [T, Hkv, G + 2, D]
         if "bqkv" in layer:
             qkv = qkv + layer["bqkv"].astype(jnp.float32)
@@ -196,19 +208,23 @@ def forward(
             sm_scale=spec.sm_scale,
             sliding_window=spec.sliding_windows[i],
         )  # [T, Hq, D]
-        x = x + dense(attn.reshape(num_tokens, -1), layer["wo"])
+        x = x + matmul(attn.reshape(num_tokens, -1), layer["wo"])
 
         h = rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
         w = layer["w_gate_up"]  # [H, 2, I]
-        # Gate and up in one matmul, without merging (2, I) into one axis: tensor parallelism
-        # shards I, and a merged 2 * I axis would not be sharded evenly (XLA would gather w).
-        gate_up = jnp.einsum(
-            "th,hci->tci", h.astype(w.dtype), w, preferred_element_type=jnp.float32
-        )  # [T, 2, I]
+        if isinstance(w, dict):  # packed as [H, 2 * I]
+            gate_up = matmul(h, w).reshape(num_tokens, 2, -1)
+        else:
+            # Gate and up in one matmul, without merging (2, I) into one axis: tensor
+            # parallelism shards I, and a merged 2 * I axis would not be sharded evenly (XLA
+            # would gather w).
+            gate_up = jnp.einsum(
+                "th,hci->tci", h.astype(w.dtype), w, preferred_element_type=jnp.float32
+            )  # [T, 2, I]
         act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
-        x = x + dense(act, layer["w_down"])
+        x = x + matmul(act, layer["w_down"])
 
     last = rms_norm(x[logits_indices], params["final_norm"], spec.rms_norm_eps)  # [S, H]
     lm_head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    logits = dense(last, lm_head)  # f32[S, V]
+    logits = matmul(last, lm_head)  # f32[S, V]
     return logits, new_caches

@@ -1,4 +1,5 @@
-"""Native CPU kernels (C++, XLA FFI): ragged paged attention and the in-place KV write.
+"""Native CPU kernels (C++, XLA FFI): ragged paged attention, the in-place KV write, and a
+bfloat16 matmul on AMX tiles (CPUs with AMX, weights packed once at load time).
 
 The source ships with the package and is compiled on first use with the system's C++
 compiler into the jaxcb cache directory (keyed by the source, jaxlib version and compiler
@@ -36,6 +37,7 @@ FLAGS = [
 ]
 ATTENTION_TARGET = "jaxcb_ragged_paged_attention"
 KV_WRITE_TARGET = "jaxcb_kv_write"
+MATMUL_AMX_TARGET = "jaxcb_matmul_amx"
 
 
 class NativeBuildError(RuntimeError):
@@ -90,12 +92,19 @@ def _load() -> bool:
     if not path.is_file():
         _build(path)
     lib = ctypes.cdll.LoadLibrary(str(path))
-    for name, symbol in (
+    targets = [
         (ATTENTION_TARGET, lib.JaxcbRaggedPagedAttention),
         (KV_WRITE_TARGET, lib.JaxcbKvWrite),
-    ):
+    ]
+    _AMX[0] = bool(lib.JaxcbAmxAvailable())  # built with AMX and granted by the kernel
+    if _AMX[0]:
+        targets.append((MATMUL_AMX_TARGET, lib.JaxcbMatmulAmx))
+    for name, symbol in targets:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
     return True
+
+
+_AMX = [False]
 
 
 def available() -> bool:
@@ -152,3 +161,34 @@ def write_kv_native(
     )
     call = jax.ffi.ffi_call(KV_WRITE_TARGET, shapes, input_output_aliases={0: 0, 1: 1})
     return call(k_pages, v_pages, k, v, slot_mapping.astype(jnp.int32))
+
+
+def amx_available() -> bool:
+    """Whether `matmul_amx` can run: the kernels built, this CPU has AMX (bf16 tiles), and
+    the operating system granted the process its tile state."""
+    return available() and _AMX[0]
+
+
+def can_pack_amx(shape: tuple[int, ...]) -> bool:
+    """Whether a [K, N] weight fits the AMX tile layout: K a multiple of 32, N of 16."""
+    return len(shape) == 2 and shape[0] % 32 == 0 and shape[1] % 16 == 0
+
+
+def pack_amx(w: np.ndarray) -> np.ndarray:
+    """A [K, N] bfloat16 weight in the AMX B-operand layout, [N/16, K/32, 16, 32]: block
+    (n, k) holds rows 32k .. 32k+31 and columns 16n .. 16n+15 as 16 rows of 16 (even row,
+    odd row) pairs, one 1 KiB tile, blocks of a column run contiguous along K."""
+    k, n = w.shape
+    if not can_pack_amx(w.shape):
+        raise ValueError(f"cannot pack a [{k}, {n}] weight: K must divide by 32 and N by 16")
+    blocks = np.asarray(w).reshape(k // 32, 16, 2, n // 16, 16)  # [kb, r, parity, nb, c]
+    return np.ascontiguousarray(blocks.transpose(3, 0, 1, 4, 2)).reshape(n // 16, k // 32, 16, 32)
+
+
+def matmul_amx(x: jax.Array, w_packed: jax.Array) -> jax.Array:  # f32[M, N]
+    """x [M, K] @ w [K, N] with w from `pack_amx`: bfloat16 inputs, float32 accumulation
+    and result (like `jnp.dot(x.astype(bf16), w, preferred_element_type=f32)`)."""
+    _load()
+    n = w_packed.shape[0] * 16
+    call = jax.ffi.ffi_call(MATMUL_AMX_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    return call(x.astype(jnp.bfloat16), w_packed)

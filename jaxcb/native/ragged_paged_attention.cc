@@ -23,7 +23,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AMX_TILE__)
 #include <immintrin.h>
 #endif
 
@@ -633,6 +633,130 @@ ffi::Error KvWriteImpl(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyB
   return ffi::Error::Success();
 }
 
+// ---- bf16 matmul on AMX tiles ----------------------------------------------------------
+//
+// out[M, N] (f32) = a[M, K] (bf16) x w[K, N] (bf16), with w packed once at load time into
+// the tile layout the AMX B operand wants (pack_amx in __init__.py): [N/16, K/32, 16, 32],
+// block (n, k) holding rows k*32 .. k*32+31 and columns n*16 .. n*16+15 as 16 rows of
+// (even row, odd row) pairs per column. XLA's own bf16 dots reach about half the AMX peak
+// on the narrow batches of decode steps; here each thread streams its own columns of w once
+// and keeps four 16x16 accumulator tiles (32 rows x 32 columns) busy.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+bool AmxEnabled() {  // Linux hands out AMX state only on request, once per process
+  static const bool enabled = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return enabled;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: accumulators C[i][j] (rows i, columns j of the 32 x 32 block); 4-5: a rows;
+// 6-7: w columns. All 16 rows x 64 bytes.
+void LoadTileConfig() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Columns [16 * nb0, 16 * (nb0 + nbs)) of out, nbs in {1, 2}, for rows [m_begin, m_end)
+// (32-row blocks; `a` is zero-padded to whole blocks and rows past m are dropped).
+void MatmulColumns(const uint16_t* a, int64_t m, int64_t m_begin, int64_t m_end, int64_t k,
+                   const uint16_t* w, int64_t n, int64_t nb0, int64_t nbs, float* out) {
+  const int64_t kb_count = k / 32;
+  const uint16_t* w0 = w + nb0 * kb_count * 512;
+  const uint16_t* w1 = w0 + kb_count * 512;
+  alignas(64) float tail[32 * 32];
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += 32) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint16_t* a0 = a + m0 * k;
+    const uint16_t* a1 = a0 + 16 * k;
+    for (int64_t kb = 0; kb < kb_count; ++kb) {
+      _tile_loadd(4, a0 + kb * 32, k * 2);
+      _tile_loadd(5, a1 + kb * 32, k * 2);
+      _tile_loadd(6, w0 + kb * 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(2, 5, 6);
+      if (nbs == 2) {
+        _tile_loadd(7, w1 + kb * 512, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    const bool whole = m0 + 32 <= m;
+    float* dst = whole ? out + m0 * n + nb0 * 16 : tail;
+    const int64_t ld = whole ? n : 32;
+    _tile_stored(0, dst, ld * 4);
+    _tile_stored(2, dst + 16 * ld, ld * 4);
+    if (nbs == 2) {
+      _tile_stored(1, dst + 16, ld * 4);
+      _tile_stored(3, dst + 16 * ld + 16, ld * 4);
+    }
+    if (!whole) {
+      for (int64_t r = 0; m0 + r < m; ++r) {
+        std::memcpy(out + (m0 + r) * n + nb0 * 16, tail + r * 32, nbs * 16 * sizeof(float));
+      }
+    }
+  }
+}
+
+ffi::Error MatmulAmxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a,
+                         ffi::Buffer<ffi::BF16> w, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  auto ad = a.dimensions();
+  auto wd = w.dimensions();
+  if (ad.size() != 2 || wd.size() != 4 || wd[2] != 16 || wd[3] != 32 || wd[1] * 32 != ad[1]) {
+    return ffi::Error::InvalidArgument("a must be [M, K] and w [N/16, K/32, 16, 32]");
+  }
+  if (!AmxEnabled()) return ffi::Error::Internal("the kernel refused AMX state (arch_prctl)");
+  const int64_t m = ad[0], k = ad[1], n = wd[0] * 16, n_blocks = wd[0];
+  if (m == 0) return ffi::Error::Success();
+  const int64_t m_pad = (m + 31) / 32 * 32;
+  const uint16_t* a_data = reinterpret_cast<const uint16_t*>(a.typed_data());
+  std::vector<uint16_t> padded;
+  if (m_pad != m) {  // rows of zeros up to a whole 32-row block
+    padded.assign(m_pad * k, 0);
+    std::memcpy(padded.data(), a_data, m * k * sizeof(uint16_t));
+    a_data = padded.data();
+  }
+  const uint16_t* w_data = reinterpret_cast<const uint16_t*>(w.typed_data());
+  float* out_data = out->typed_data();
+  // Work items: pairs of 16-column blocks, in a few contiguous runs per thread.
+  const int64_t pairs = (n_blocks + 1) / 2;
+  const int64_t items = std::min<int64_t>(pairs, 8 * (pool.num_threads() + 1));
+  ParallelFor(pool, items, [&](int64_t item) {
+    const int64_t p0 = pairs * item / items, p1 = pairs * (item + 1) / items;
+    LoadTileConfig();
+    // Rows in chunks whose slice of `a` stays in L2 while the columns stream past it.
+    const int64_t chunk = std::max<int64_t>(32, (256 * 1024 / (k * 2)) / 32 * 32);
+    for (int64_t mc = 0; mc < m_pad; mc += chunk) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t nb0 = 2 * p;
+        MatmulColumns(a_data, m, mc, std::min(mc + chunk, m_pad), k, w_data, n, nb0,
+                      std::min<int64_t>(2, n_blocks - nb0), out_data);
+      }
+    }
+    _tile_release();
+  });
+  return ffi::Error::Success();
+}
+#endif  // AMX
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbRaggedPagedAttention, RaggedPagedAttentionImpl,
@@ -659,3 +783,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbKvWrite, KvWriteImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping [T]
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbMatmulAmx, MatmulAmxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // a [M, K]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w packed
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]
+
+extern "C" int JaxcbAmxAvailable() { return AmxEnabled() ? 1 : 0; }
+#else
+extern "C" int JaxcbAmxAvailable() { return 0; }
+#endif

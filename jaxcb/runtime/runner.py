@@ -51,7 +51,10 @@ class ModelRunner:
         attention: AttentionBackend,
         num_top_logprobs: int,
         mesh: jax.sharding.Mesh | None = None,
+        pack_matmuls: bool = False,
     ) -> None:
+        """`pack_matmuls`: run the bfloat16 matmuls on the native AMX kernel, their weights
+        packed for it (CPU with AMX, one device; see `matmul_backend`)."""
         self.spec = spec
         self.page_size = page_size
         self.pages_per_seq = pages_per_seq
@@ -60,6 +63,8 @@ class ModelRunner:
         tp = sharding.tensor_parallel_size(mesh)
         attention = sharding.shard_attention(attention, mesh)  # per KV-head shard if tp > 1
         params = _adapt_params_for_backend(params)
+        if pack_matmuls:
+            params = _pack_matmul_weights(params)
         rules = sharding.rules_for(spec, tp)
         self.param_shardings = sharding.param_shardings(params, mesh, rules)
         self.params = sharding.shard_params(params, self.param_shardings)
@@ -152,4 +157,52 @@ def _adapt_params_for_backend(params: Params) -> Params:
     if "lm_head" not in params:
         params["lm_head"] = np.ascontiguousarray(np.asarray(embed).T)
     params["embed"] = np.asarray(embed).view(np.uint16)
+    return params
+
+
+#: The matmul weights of a layer, and how each is viewed as [in, out] before packing.
+_MATMUL_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+def matmul_backend(name: str, *, dtype: jnp.dtype, tensor_parallel_size: int) -> str:
+    """The matmul path for `kernels.matmul` = name: "amx" (jaxcb's AMX kernel, bfloat16
+    weights on a CPU with AMX, one device per replica) or "xla". "auto" picks amx when it
+    can; "amx" where it cannot is a ValueError saying why."""
+    from jaxcb import native
+
+    reasons = []
+    if jax.default_backend() != "cpu":
+        reasons.append(f"the platform is {jax.default_backend()}, not cpu")
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        reasons.append(f"the weights are {jnp.dtype(dtype).name}, not bfloat16")
+    if tensor_parallel_size > 1:
+        reasons.append("tensor parallelism shards the weights (the kernel is per device)")
+    if not reasons and not native.amx_available():
+        reasons.append("this CPU, compiler or OS gives no AMX (bf16 tiles)")
+    if name == "xla" or (name == "auto" and reasons):
+        return "xla"
+    if reasons:
+        raise ValueError("kernels.matmul='amx' cannot run: " + "; ".join(reasons))
+    return "amx"
+
+
+def _pack_matmul_weights(params: Params) -> Params:
+    """Each bfloat16 matmul weight whose [in, out] view fits the tile layout becomes
+    {"amx_bf16": pack_amx(weight)} (models/llama.py sends those to the AMX kernel)."""
+    from jaxcb import native
+
+    def pack(w: object) -> object:
+        w2 = np.asarray(w)
+        w2 = w2.reshape(w2.shape[0], -1)
+        if w2.dtype != jnp.bfloat16 or not native.can_pack_amx(w2.shape):
+            return w
+        return {"amx_bf16": native.pack_amx(w2)}
+
+    params = dict(params)
+    params["layers"] = [
+        {k: pack(v) if k in _MATMUL_WEIGHTS else v for k, v in layer.items()}
+        for layer in params["layers"]
+    ]
+    if "lm_head" in params:
+        params["lm_head"] = pack(params["lm_head"])
     return params

@@ -156,7 +156,8 @@ def log_startup(engine: LLMEngine, settings: ServerSettings, url: str) -> None:
         "jaxcb server ready",
         f"  model:        {model}, served as {', '.join(settings.served_model_names)}",
         f"  architecture: {engine.spec.architecture}, dtype {config.dtype}, "
-        f"attention {engine.attention_backend}, max_model_len {engine.max_model_len}",
+        f"attention {engine.attention_backend}, matmul {engine.matmul_backend}, "
+        f"max_model_len {engine.max_model_len}",
         f"  parallel:     tensor_parallel_size {config.parallel.tensor_parallel_size}, "
         f"data_parallel_size {config.parallel.data_parallel_size}",
         f"  KV pages:     {engine.num_pages} pages x {engine.page_size} tokens = {tokens} tokens, "

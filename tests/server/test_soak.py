@@ -216,7 +216,7 @@ def soak(tmp_path, num_requests: int, seed: int) -> None:
 
         server.wait_ready()
         # the offline engine must compute exactly as the server does: same attention backend
-        backend = re.search(r"attention (\S+), max_model_len", server.log()).group(1)
+        backend = re.search(r"attention (\S+), matmul", server.log()).group(1)
         reference = LLM(**{**CONFIG, "token_buckets": [16, 32, 64]}, attention=backend)
         jobs = make_jobs(num_requests, seed)
         asyncio.run(run_load(server.url, jobs))
