@@ -680,7 +680,10 @@ void MatmulColumns(const uint16_t* a, int64_t m, int64_t m_begin, int64_t m_end,
   const uint16_t* w0 = w + nb0 * kb_count * 512;
   const uint16_t* w1 = w0 + kb_count * 512;
   alignas(64) float tail[32 * 32];
+  constexpr int64_t kAhead = 4;  // k-blocks of w requested ahead of use (they stream from DRAM)
   for (int64_t m0 = m_begin; m0 < m_end; m0 += 32) {
+    const bool lower = m0 + 16 < m;  // rows 16..31 of the block hold any real row
+    const bool first = m0 == m_begin;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -688,25 +691,37 @@ void MatmulColumns(const uint16_t* a, int64_t m, int64_t m_begin, int64_t m_end,
     const uint16_t* a0 = a + m0 * k;
     const uint16_t* a1 = a0 + 16 * k;
     for (int64_t kb = 0; kb < kb_count; ++kb) {
+      if (first && kb + kAhead < kb_count) {
+        for (int line = 0; line < 1024; line += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(w0 + (kb + kAhead) * 512) + line,
+                       _MM_HINT_T0);
+          if (nbs == 2) {
+            _mm_prefetch(reinterpret_cast<const char*>(w1 + (kb + kAhead) * 512) + line,
+                         _MM_HINT_T0);
+          }
+        }
+      }
       _tile_loadd(4, a0 + kb * 32, k * 2);
-      _tile_loadd(5, a1 + kb * 32, k * 2);
       _tile_loadd(6, w0 + kb * 512, 64);
       _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(2, 5, 6);
+      if (lower) {
+        _tile_loadd(5, a1 + kb * 32, k * 2);
+        _tile_dpbf16ps(2, 5, 6);
+      }
       if (nbs == 2) {
         _tile_loadd(7, w1 + kb * 512, 64);
         _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(3, 5, 7);
+        if (lower) _tile_dpbf16ps(3, 5, 7);
       }
     }
     const bool whole = m0 + 32 <= m;
     float* dst = whole ? out + m0 * n + nb0 * 16 : tail;
     const int64_t ld = whole ? n : 32;
     _tile_stored(0, dst, ld * 4);
-    _tile_stored(2, dst + 16 * ld, ld * 4);
-    if (nbs == 2) {
-      _tile_stored(1, dst + 16, ld * 4);
-      _tile_stored(3, dst + 16 * ld + 16, ld * 4);
+    if (nbs == 2) _tile_stored(1, dst + 16, ld * 4);
+    if (lower) {
+      _tile_stored(2, dst + 16 * ld, ld * 4);
+      if (nbs == 2) _tile_stored(3, dst + 16 * ld + 16, ld * 4);
     }
     if (!whole) {
       for (int64_t r = 0; m0 + r < m; ++r) {
