@@ -111,16 +111,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # prefill tokens per request per step; 0: no cap
     watermark: float = 0.01  # pages admission leaves free: a fraction (< 1) or a count
     batching: str = "continuous"  # continuous | static | dynamic (padded-batch baselines)
-    # server: for this long after its last step, an idle engine runs an empty step every 20 ms
-    # so that a new request finds the weights in cache and the cores awake (costs CPU); 0: off
-    keep_warm_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         _check_types(self)
-        _check(
-            self.keep_warm_seconds >= 0,
-            f"keep_warm_seconds must be >= 0 (0: off), got {self.keep_warm_seconds}",
-        )
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _check(
             self.scheduling_policy in SCHEDULING_POLICIES,

@@ -513,16 +513,6 @@ class LLMEngine:
             num_cached_tokens=group.children[0].num_cached_tokens or 0,
         )
 
-    def keep_warm(self) -> None:
-        """Run the smallest bucket on an empty input: every slot is padding, so nothing is
-        written or sampled and no stats move; the weights are read (back into cache) and the
-        worker threads woken. For an idle server (scheduler.keep_warm_seconds)."""
-        from jaxcb.runtime.step_input import empty_step_input
-
-        bucket = min(self.buckets, key=lambda b: b.num_tokens)
-        inp = empty_step_input(bucket, self.pages_per_seq, self.max_model_len)
-        self.runner.execute(bucket, inp)
-
     # ---- introspection ------------------------------------------------------------------
 
     def _trace_entry(self, sched: SchedulerOutput, bucket_tokens: int) -> dict[str, Any]:

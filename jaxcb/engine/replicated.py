@@ -176,10 +176,6 @@ class ReplicatedEngine:
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)
 
-    def keep_warm(self) -> None:
-        for replica in self.replicas:
-            replica.keep_warm()
-
     @property
     def num_running(self) -> int:
         return sum(r.num_running for r in self.replicas)

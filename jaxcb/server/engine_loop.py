@@ -44,7 +44,6 @@ class EngineFailure(Exception):
     """The engine failed while a request was in flight; the request is gone."""
 
 
-KEEP_WARM_INTERVAL_SECONDS = 0.02  # empty steps of an idle engine (scheduler.keep_warm_seconds)
 SUBMIT_POLL_SECONDS = 1.0  # how often a waiting submit checks that the loop still runs
 MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine is declared broken
 
@@ -111,8 +110,6 @@ class EngineLoop:
         self.engine = engine
         self.metrics = metrics
         self.max_waiting_requests = engine.config.limits.max_waiting_requests
-        self.keep_warm_seconds = engine.config.scheduler.keep_warm_seconds
-        self._last_step = -float("inf")
         self._saved_step_trace = engine.step_trace
         engine.step_trace = []  # read and cleared after every step, for per-step metrics
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -202,18 +199,9 @@ class EngineLoop:
         failure: EngineFailure | None = None
         try:
             while not self._stopped:
-                idle = not self.engine.has_unfinished_requests()
-                warm = (
-                    idle
-                    and self.error is None
-                    and (time.monotonic() - self._last_step < self.keep_warm_seconds)
-                )
-                self._run_commands(wait=idle, timeout=KEEP_WARM_INTERVAL_SECONDS if warm else None)
+                self._run_commands(wait=not self.engine.has_unfinished_requests())
                 if self._stopped:
                     break
-                if warm and not self.engine.has_unfinished_requests():
-                    self.engine.keep_warm()
-                    continue
                 deadline = self._drain_deadline
                 if deadline is not None and self._routes and time.monotonic() >= deadline:
                     logger.warning(
@@ -265,7 +253,6 @@ class EngineLoop:
             self._step_failed(exc)
             return True
         self._step_failures = 0
-        self._last_step = time.monotonic()
         trace = self.engine.step_trace  # one entry per step that ran
         if not trace and not outputs:
             return False
