@@ -106,6 +106,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # tokens per step at most (the largest bucket)
     # Precompiled token buckets; None = powers of two from 16 up to max_num_batched_tokens.
     token_buckets: tuple[int, ...] | None = None
+    # Sequence-row sizes compiled for each token bucket besides min(T, max_num_seqs): a step
+    # with few sequences (a lone prompt's prefill) then runs the lm_head and sampling on few
+    # rows, not on max_num_seqs padded ones. Each extra size adds a compile per token bucket.
+    seq_buckets: tuple[int, ...] = (16,)
     scheduling_policy: str = "fcfs"  # fcfs | priority (lower value first) | srpf
     srpf_aging: float = 16.0  # srpf: tokens a waiting request gains on newer ones per step
     long_prefill_token_threshold: int = 0  # prefill tokens per request per step; 0: no cap
@@ -143,6 +147,12 @@ class SchedulerConfig:
             self.max_num_batched_tokens >= self.max_num_seqs,
             f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
             f"({self.max_num_seqs}) so every running request can decode in each step",
+        )
+        seq_buckets = tuple(int(b) for b in self.seq_buckets)
+        object.__setattr__(self, "seq_buckets", seq_buckets)
+        _check(
+            all(b >= 1 for b in seq_buckets),
+            f"seq_buckets must be positive, got {list(seq_buckets)}",
         )
         if self.token_buckets is not None:
             buckets = tuple(int(b) for b in self.token_buckets)

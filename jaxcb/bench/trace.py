@@ -49,7 +49,7 @@ def trace_meta(llm_or_engine: Any, **extra: Any) -> dict[str, Any]:
         model=str(engine.model_path),
         dtype=engine.config.dtype,
         batching=sched.batching,
-        buckets=[b.num_tokens for b in engine.buckets],
+        buckets=sorted({b.num_tokens for b in engine.buckets}),
         max_num_seqs=sched.max_num_seqs,
         max_num_batched_tokens=sched.max_num_batched_tokens,
         kv_pages_total=engine.num_pages,

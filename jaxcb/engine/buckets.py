@@ -28,8 +28,11 @@ def default_token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> tu
     return tuple(buckets)
 
 
-def make_buckets(token_buckets: tuple[int, ...], max_num_seqs: int) -> tuple[Bucket, ...]:
-    """A bucket of T tokens holds at most min(T, max_num_seqs) sequences."""
+def make_buckets(
+    token_buckets: tuple[int, ...], max_num_seqs: int, seq_buckets: tuple[int, ...] = ()
+) -> tuple[Bucket, ...]:
+    """A bucket of T tokens holds at most min(T, max_num_seqs) sequences; `seq_buckets` adds
+    buckets of T tokens with fewer sequence rows (min(s, T) for each s). Sorted by (T, S)."""
     # pick_bucket bisects, so the sizes must be sorted; a shuffled set would pick a bigger
     # bucket than needed.
     if not token_buckets or any(b < 1 for b in token_buckets):
@@ -38,11 +41,16 @@ def make_buckets(token_buckets: tuple[int, ...], max_num_seqs: int) -> tuple[Buc
         raise ValueError(f"token buckets must be strictly increasing, got {list(token_buckets)}")
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-    return tuple(Bucket(t, min(t, max_num_seqs)) for t in token_buckets)
+    if any(s < 1 for s in seq_buckets):
+        raise ValueError(f"sequence buckets must be >= 1, got {list(seq_buckets)}")
+    seq_sizes = {min(s, max_num_seqs) for s in seq_buckets} | {max_num_seqs}
+    return tuple(
+        Bucket(t, s) for t in token_buckets for s in sorted({min(x, t) for x in seq_sizes})
+    )
 
 
 def pick_bucket(buckets: tuple[Bucket, ...], num_tokens: int, num_seqs: int) -> Bucket:
-    """The smallest bucket that holds the batch."""
+    """The smallest bucket that holds the batch: fewest tokens, then fewest sequences."""
     i = bisect.bisect_left([b.num_tokens for b in buckets], num_tokens)
     while i < len(buckets) and buckets[i].num_seqs < num_seqs:
         i += 1

@@ -130,7 +130,7 @@ class LLMEngine:
         self.num_pages = num_pages
         self.kv_cache_bytes = num_pages * page_bytes(spec, cache.page_size, kv_dtype.itemsize)
         token_buckets = sched.token_buckets or default_token_buckets(sched.max_num_batched_tokens)
-        self.buckets = make_buckets(token_buckets, sched.max_num_seqs)
+        self.buckets = make_buckets(token_buckets, sched.max_num_seqs, sched.seq_buckets)
 
         self.pool = PagePool(num_pages)
         watermark_pages = sched.watermark_pages(num_pages)
@@ -187,7 +187,7 @@ class LLMEngine:
             self.kv_cache_dtype,
             cache.page_size,
             self.kv_cache_bytes / 2**20,
-            [b.num_tokens for b in self.buckets],
+            sorted({b.num_tokens for b in self.buckets}),
             self.attention_backend,
             self.matmul_backend,
             jax.default_backend(),

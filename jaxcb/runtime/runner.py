@@ -112,7 +112,9 @@ class ModelRunner:
             lowered = self._step.lower(self.params, self.state, example)
             self._compiled[bucket] = lowered.compile()
             seconds = time.perf_counter() - t0
-            self.compile_seconds[bucket.num_tokens] = seconds
+            # per token bucket (its sequence-row variants summed)
+            t = bucket.num_tokens
+            self.compile_seconds[t] = self.compile_seconds.get(t, 0.0) + seconds
             total += seconds
             logger.info(
                 "compiled bucket T=%d S=%d in %.2fs", bucket.num_tokens, bucket.num_seqs, seconds

@@ -46,7 +46,7 @@ class ServerSettings:
 
 def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     model_name = settings.served_model_names[0]
-    metrics = ServerMetrics(model_name, [b.num_tokens for b in engine.buckets])
+    metrics = ServerMetrics(model_name, sorted({b.num_tokens for b in engine.buckets}))
     engine_loop = EngineLoop(engine, metrics)
     serving = OpenAIServing(engine_loop, list(settings.served_model_names))
 

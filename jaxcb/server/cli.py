@@ -162,7 +162,7 @@ def log_startup(engine: LLMEngine, settings: ServerSettings, url: str) -> None:
         f"data_parallel_size {config.parallel.data_parallel_size}",
         f"  KV pages:     {engine.num_pages} pages x {engine.page_size} tokens = {tokens} tokens, "
         f"{engine.kv_cache_bytes / 2**20:.1f} MiB ({engine.kv_cache_bytes} bytes)",
-        f"  buckets:      tokens {[b.num_tokens for b in engine.buckets]}, "
+        f"  buckets:      tokens {sorted({b.num_tokens for b in engine.buckets})}, "
         f"max_num_seqs {config.scheduler.max_num_seqs}",
         f"  scheduling:   policy {sched.scheduling_policy}, prefix caching "
         f"{'on' if config.cache.enable_prefix_caching else 'off'}, watermark "

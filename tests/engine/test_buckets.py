@@ -112,3 +112,20 @@ def test_every_schedulable_batch_fits_the_default_set(
     b = pick_bucket(buckets, t, s)
     assert b.num_tokens >= t and b.num_seqs >= s
     assert all(smaller.num_tokens < t for smaller in buckets if smaller.num_tokens < b.num_tokens)
+
+
+def test_sequence_buckets_give_few_sequence_steps_small_rows() -> None:
+    buckets = make_buckets((16, 64, 256), 128, seq_buckets=(16,))
+    assert buckets == (
+        Bucket(16, 16),
+        Bucket(64, 16),
+        Bucket(64, 64),
+        Bucket(256, 16),
+        Bucket(256, 128),
+    )
+    assert pick_bucket(buckets, 150, 1) == Bucket(256, 16)  # a lone prompt: 16 rows
+    assert pick_bucket(buckets, 150, 17) == Bucket(256, 128)
+    assert pick_bucket(buckets, 40, 40) == Bucket(64, 64)
+    assert pick_bucket(buckets, 64, 65) == Bucket(256, 128)  # more sequences: a bigger T
+    with pytest.raises(ValueError, match="sequence buckets must be >= 1"):
+        make_buckets((16,), 8, seq_buckets=(0,))
