@@ -20,7 +20,6 @@
 #include <limits>
 #include <memory>
 #include <thread>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AMX_TILE__)
@@ -743,7 +742,7 @@ ffi::Error MatmulAmxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a,
   if (m == 0) return ffi::Error::Success();
   const int64_t m_pad = (m + 31) / 32 * 32;
   const uint16_t* a_data = reinterpret_cast<const uint16_t*>(a.typed_data());
-  std::vector<uint16_t> padded;
+  thread_local std::vector<uint16_t> padded;  // reused: this runs every step
   if (m_pad != m) {  // rows of zeros up to a whole 32-row block
     padded.assign(m_pad * k, 0);
     std::memcpy(padded.data(), a_data, m * k * sizeof(uint16_t));
