@@ -32,7 +32,7 @@ import yaml
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "native", "xla", "pallas", "pallas-tpu", "pallas-gpu")
-MATMUL_BACKENDS = ("auto", "amx", "xla")
+MATMUL_BACKENDS = ("auto", "amx", "avx512_bf16", "avx512", "xla")
 SCHEDULING_POLICIES = ("fcfs", "priority", "srpf")
 BATCHING_MODES = ("continuous", "static", "dynamic")
 
@@ -184,10 +184,12 @@ class KernelConfig:
     when a C++ compiler is found, else xla).
 
     Matmul path: "amx" (jaxcb's native bf16 kernel on AMX tiles, weights packed at load: CPU,
-    bfloat16 weights, no tensor parallelism), "xla", or "auto" (amx where it can run)."""
+    bfloat16 weights, no tensor parallelism), "avx512_bf16" (the same with AVX512-BF16 dot
+    products, for CPUs without AMX), "avx512" (float32 weights, AVX-512 FMAs), "xla", or
+    "auto" (the first native kernel that can run, else xla)."""
 
     attention: str = "auto"  # auto | native | xla | pallas | pallas-tpu | pallas-gpu
-    matmul: str = "auto"  # auto | amx | xla
+    matmul: str = "auto"  # auto | amx | avx512_bf16 | avx512 | xla
 
     def __post_init__(self) -> None:
         _check_types(self)

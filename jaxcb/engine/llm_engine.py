@@ -162,7 +162,7 @@ class LLMEngine:
             attention=attention,
             num_top_logprobs=MAX_TOP_LOGPROBS,
             mesh=mesh,
-            pack_matmuls=self.matmul_backend == "amx",
+            pack_matmuls=None if self.matmul_backend == "xla" else self.matmul_backend,
         )
         from jaxcb.runtime import compile_cache
 

@@ -16,9 +16,9 @@ Parameter pytree (plain dicts and lists; projections stored as [in, out]):
 Grouping q/k/v per KV head makes one matmul for all three and lets tensor parallelism shard
 the KV-head axis without splitting a group.
 
-On CPUs with AMX the runner may replace the bfloat16 matmul weights (wqkv, wo, w_gate_up,
-w_down, lm_head, each viewed as [in, out]) by {"amx_bf16": packed} (jaxcb.native.pack_amx);
-`matmul` sends those to the native AMX kernel.
+On CPUs the runner may replace the matmul weights (wqkv, wo, w_gate_up, w_down, lm_head,
+each viewed as [in, out]) by {kernel: packed} (jaxcb.native.PACKED_MATMULS: "amx" or
+"avx512_bf16" for bfloat16, "avx512" for float32); `matmul` sends those to that kernel.
 """
 
 from __future__ import annotations
@@ -137,12 +137,25 @@ AttentionFn = Callable[..., jax.Array]
 
 
 def matmul(x: jax.Array, w: jax.Array | dict[str, jax.Array]) -> jax.Array:
-    """x @ w for a [in, out] weight (float32 result), or a weight packed for AMX."""
+    """x @ w for a [in, out] weight (float32 result), or a weight packed for a native
+    kernel ({"amx" | "avx512_bf16" | "avx512": packed})."""
     if isinstance(w, dict):
         from jaxcb import native
 
-        return native.matmul_amx(x, w["amx_bf16"])
+        ((kernel, packed),) = w.items()
+        return native.PACKED_MATMULS[kernel].kernel(x, packed)
     return dense(x, w.reshape(w.shape[0], -1))
+
+
+def packed_swiglu(w: jax.Array | dict[str, jax.Array]) -> Callable[..., jax.Array] | None:
+    """For a gate_up weight packed for a native kernel that fuses silu(gate) * up into its
+    epilogue: that fused kernel (x, packed) -> act; else None."""
+    if not isinstance(w, dict):
+        return None
+    from jaxcb import native
+
+    ((kernel, packed),) = w.items()
+    return native.PACKED_MATMULS[kernel].swiglu if packed.shape[0] % 2 == 0 else None
 
 
 @dataclass(frozen=True)
@@ -212,7 +225,10 @@ def forward(
 
         h = rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
         w = layer["w_gate_up"]  # [H, 2, I]
-        if isinstance(w, dict):  # packed as [H, 2 * I]
+        swiglu = packed_swiglu(w)
+        if swiglu is not None:  # the activation in the matmul's epilogue
+            act = swiglu(h, *w.values())
+        elif isinstance(w, dict):  # packed as [H, 2 * I]
             gate_up = matmul(h, w).reshape(num_tokens, 2, -1)
         else:
             # Gate and up in one matmul, without merging (2, I) into one axis: tensor
@@ -221,7 +237,8 @@ def forward(
             gate_up = jnp.einsum(
                 "th,hci->tci", h.astype(w.dtype), w, preferred_element_type=jnp.float32
             )  # [T, 2, I]
-        act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
+        if swiglu is None:
+            act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
         x = x + matmul(act, layer["w_down"])
 
     last = rms_norm(x[logits_indices], params["final_norm"], spec.rms_norm_eps)  # [S, H]

@@ -1,5 +1,7 @@
-"""Native CPU kernels (C++, XLA FFI): ragged paged attention, the in-place KV write, and a
-bfloat16 matmul on AMX tiles (CPUs with AMX, weights packed once at load time).
+"""Native CPU kernels (C++, XLA FFI): ragged paged attention, the in-place KV write, and
+matmuls over weights packed once at load time: bfloat16 on AMX tiles (CPUs with AMX) or with
+AVX512-BF16 dot products (vdpbf16ps: AMD Zen 4 and later, Intel Cooper Lake and later), and
+float32 with AVX-512 FMAs.
 
 The source ships with the package and is compiled on first use with the system's C++
 compiler into the jaxcb cache directory (keyed by the source, jaxlib version and compiler
@@ -18,6 +20,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +41,10 @@ FLAGS = [
 ATTENTION_TARGET = "jaxcb_ragged_paged_attention"
 KV_WRITE_TARGET = "jaxcb_kv_write"
 MATMUL_AMX_TARGET = "jaxcb_matmul_amx"
+MATMUL_AVX512_BF16_TARGET = "jaxcb_matmul_avx512_bf16"
+MATMUL_AVX512_F32_TARGET = "jaxcb_matmul_avx512_f32"
+SWIGLU_AVX512_BF16_TARGET = "jaxcb_swiglu_avx512_bf16"
+SWIGLU_AVX512_F32_TARGET = "jaxcb_swiglu_avx512_f32"
 
 
 class NativeBuildError(RuntimeError):
@@ -99,12 +106,22 @@ def _load() -> bool:
     _AMX[0] = bool(lib.JaxcbAmxAvailable())  # built with AMX and granted by the kernel
     if _AMX[0]:
         targets.append((MATMUL_AMX_TARGET, lib.JaxcbMatmulAmx))
+    _AVX512_BF16[0] = bool(lib.JaxcbAvx512Bf16Available())  # built with -mavx512bf16
+    if _AVX512_BF16[0]:
+        targets.append((MATMUL_AVX512_BF16_TARGET, lib.JaxcbMatmulBf16Avx512))
+        targets.append((SWIGLU_AVX512_BF16_TARGET, lib.JaxcbSwigluBf16Avx512))
+    _AVX512[0] = bool(lib.JaxcbAvx512Available())  # built with -mavx512f
+    if _AVX512[0]:
+        targets.append((MATMUL_AVX512_F32_TARGET, lib.JaxcbMatmulF32Avx512))
+        targets.append((SWIGLU_AVX512_F32_TARGET, lib.JaxcbSwigluF32Avx512))
     for name, symbol in targets:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
     return True
 
 
 _AMX = [False]
+_AVX512_BF16 = [False]
+_AVX512 = [False]
 
 
 def available() -> bool:
@@ -169,26 +186,113 @@ def amx_available() -> bool:
     return available() and _AMX[0]
 
 
-def can_pack_amx(shape: tuple[int, ...]) -> bool:
-    """Whether a [K, N] weight fits the AMX tile layout: K a multiple of 32, N of 16."""
+def avx512_bf16_available() -> bool:
+    """Whether `matmul_avx512_bf16` can run: the kernels built for a CPU with AVX512-BF16."""
+    return available() and _AVX512_BF16[0]
+
+
+def avx512_available() -> bool:
+    """Whether `matmul_avx512_f32` can run: the kernels built for a CPU with AVX-512."""
+    return available() and _AVX512[0]
+
+
+def can_pack_bf16(shape: tuple[int, ...]) -> bool:
+    """Whether a [K, N] weight fits the packed layout: K a multiple of 32, N of 16."""
     return len(shape) == 2 and shape[0] % 32 == 0 and shape[1] % 16 == 0
 
 
-def pack_amx(w: np.ndarray) -> np.ndarray:
-    """A [K, N] bfloat16 weight in the AMX B-operand layout, [N/16, K/32, 16, 32]: block
-    (n, k) holds rows 32k .. 32k+31 and columns 16n .. 16n+15 as 16 rows of 16 (even row,
-    odd row) pairs, one 1 KiB tile, blocks of a column run contiguous along K."""
+def pack_bf16(w: np.ndarray) -> np.ndarray:
+    """A [K, N] bfloat16 weight in the packed layout both matmul kernels read (the AMX
+    B-operand layout), [N/16, K/32, 16, 32]: block (n, k) holds rows 32k .. 32k+31 and columns
+    16n .. 16n+15 as 16 rows of 16 (even row, odd row) pairs, one 1 KiB tile; blocks of a
+    column run contiguous along K, so k-pair p of a column block is the 64 bytes at p * 32."""
     k, n = w.shape
-    if not can_pack_amx(w.shape):
+    if not can_pack_bf16(w.shape):
         raise ValueError(f"cannot pack a [{k}, {n}] weight: K must divide by 32 and N by 16")
     blocks = np.asarray(w).reshape(k // 32, 16, 2, n // 16, 16)  # [kb, r, parity, nb, c]
     return np.ascontiguousarray(blocks.transpose(3, 0, 1, 4, 2)).reshape(n // 16, k // 32, 16, 32)
 
 
-def matmul_amx(x: jax.Array, w_packed: jax.Array) -> jax.Array:  # f32[M, N]
-    """x [M, K] @ w [K, N] with w from `pack_amx`: bfloat16 inputs, float32 accumulation
-    and result (like `jnp.dot(x.astype(bf16), w, preferred_element_type=f32)`)."""
+def can_pack_f32(shape: tuple[int, ...]) -> bool:
+    """Whether a [K, N] weight fits `pack_f32`: N a multiple of 16."""
+    return len(shape) == 2 and shape[1] % 16 == 0
+
+
+def pack_f32(w: np.ndarray) -> np.ndarray:
+    """A [K, N] float32 weight as [N/16, K, 16]: 16-column blocks, each contiguous along K
+    (row k of a block is one 64-byte vector)."""
+    k, n = w.shape
+    if not can_pack_f32(w.shape):
+        raise ValueError(f"cannot pack a [{k}, {n}] weight: N must divide by 16")
+    return np.ascontiguousarray(np.asarray(w).reshape(k, n // 16, 16).transpose(1, 0, 2))
+
+
+def _packed_matmul(target: str, x: jax.Array, w_packed: jax.Array) -> jax.Array:
     _load()
     n = w_packed.shape[0] * 16
-    call = jax.ffi.ffi_call(MATMUL_AMX_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    return call(x.astype(jnp.bfloat16), w_packed)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    return call(x.astype(w_packed.dtype), w_packed)
+
+
+def matmul_amx(x: jax.Array, w_packed: jax.Array) -> jax.Array:  # f32[M, N]
+    """x [M, K] @ w [K, N] on AMX tiles, w from `pack_bf16`: bfloat16 inputs, float32
+    accumulation and result (like `jnp.dot(x.astype(bf16), w, preferred_element_type=f32)`)."""
+    return _packed_matmul(MATMUL_AMX_TARGET, x, w_packed)
+
+
+def matmul_avx512_bf16(x: jax.Array, w_packed: jax.Array) -> jax.Array:  # f32[M, N]
+    """`matmul_amx`'s contract with AVX512-BF16 dot products (vdpbf16ps) instead of tiles."""
+    return _packed_matmul(MATMUL_AVX512_BF16_TARGET, x, w_packed)
+
+
+def matmul_avx512_f32(x: jax.Array, w_packed: jax.Array) -> jax.Array:  # f32[M, N]
+    """x [M, K] @ w [K, N] in float32 with AVX-512 FMAs, w from `pack_f32`."""
+    return _packed_matmul(MATMUL_AVX512_F32_TARGET, x, w_packed)
+
+
+def _packed_swiglu(target: str, x: jax.Array, w_packed: jax.Array) -> jax.Array:
+    _load()
+    if w_packed.shape[0] % 2:
+        raise ValueError(f"swiglu needs a [K, 2 * I] weight, I a multiple of 16: {w_packed.shape}")
+    i = w_packed.shape[0] * 8
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], i), w_packed.dtype))
+    return call(x.astype(w_packed.dtype), w_packed)
+
+
+def swiglu_avx512_bf16(x: jax.Array, w_packed: jax.Array) -> jax.Array:  # bf16[M, I]
+    """silu(gate) * up for gate_up = x @ w, w [K, 2 * I] (gate columns, then up) from
+    `pack_bf16`: the matmul of `matmul_avx512_bf16` with the activation in its epilogue,
+    written in bfloat16 (the input of the down projection)."""
+    return _packed_swiglu(SWIGLU_AVX512_BF16_TARGET, x, w_packed)
+
+
+def swiglu_avx512_f32(x: jax.Array, w_packed: jax.Array) -> jax.Array:  # f32[M, I]
+    """`swiglu_avx512_bf16` in float32, w from `pack_f32`."""
+    return _packed_swiglu(SWIGLU_AVX512_F32_TARGET, x, w_packed)
+
+
+class PackedMatmul(NamedTuple):
+    kernel: Callable[[jax.Array, jax.Array], jax.Array]  # (x, packed weight) -> f32 result
+    available: Callable[[], bool]  # whether this machine can run it
+    dtype: Any  # the weights' dtype it takes
+    can_pack: Callable[[tuple[int, ...]], bool]
+    pack: Callable[[np.ndarray], np.ndarray]
+    # (x, packed [K, 2 * I] gate_up weight) -> silu(gate) * up, or None (not fused)
+    swiglu: Callable[[jax.Array, jax.Array], jax.Array] | None = None
+
+
+#: kernels.matmul name -> its kernel, in the order "auto" prefers them
+PACKED_MATMULS = {
+    "amx": PackedMatmul(matmul_amx, amx_available, jnp.bfloat16, can_pack_bf16, pack_bf16),
+    "avx512_bf16": PackedMatmul(
+        matmul_avx512_bf16,
+        avx512_bf16_available,
+        jnp.bfloat16,
+        can_pack_bf16,
+        pack_bf16,
+        swiglu_avx512_bf16,
+    ),
+    "avx512": PackedMatmul(
+        matmul_avx512_f32, avx512_available, jnp.float32, can_pack_f32, pack_f32, swiglu_avx512_f32
+    ),
+}

@@ -100,7 +100,8 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, Body body) {
       state->done.fetch_add(1, std::memory_order_release);
     }
   };
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  // The caller is one of the workers: one thread per core in all (more only time-share).
+  int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work]() { work(); });
   work();
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
@@ -771,6 +772,182 @@ ffi::Error MatmulAmxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a,
 }
 #endif  // AMX
 
+
+// ---- AVX-512 matmuls over packed weights: bf16 (vdpbf16ps) and f32 (FMA) -------------
+//
+// out[M, N] (f32) = a[M, K] x w[K, N], w packed once at load time in 16-column blocks that
+// run contiguous along K, so that each 4-byte step of K is one 64-byte vector of w:
+// - bf16 (pack_bf16, the AMX layout): a step is a k-pair (rows 2p, 2p+1), the vector holds
+//   (even row, odd row) for each of the 16 columns, which vdpbf16ps takes against a
+//   broadcast pair of a (CPUs with AVX512-BF16 but no AMX: AMD Zen 4 and later);
+// - f32 (pack_f32, [N/16, K, 16]): a step is one row k, FMA against a broadcast of a[m, k].
+// A micro-tile keeps kMr x kNr accumulators (rows x 16-column blocks) in registers; XLA's
+// own dots lose a third of that on the narrow batches of decode steps.
+#if defined(__AVX512F__)
+constexpr int kPackedMr = 6, kPackedNr = 4;
+
+// silu(g) * u on 16 lanes: g * sigmoid(g), sigmoid from e = exp(-|g|) <= 1.
+inline __m512 Swiglu512(__m512 g, __m512 u) {
+  const __m512 abs = _mm512_abs_ps(g);
+  const __m512 e = Exp512(_mm512_sub_ps(_mm512_setzero_ps(), abs));
+  const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, abs, _CMP_EQ_OQ), e,
+                                          _mm512_set1_ps(1.0f));  // g >= 0: 1, else e
+  const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+  return _mm512_mul_ps(_mm512_mul_ps(g, sig), u);
+}
+
+// Micro-tile of MR rows x NR 16-column blocks. Plain: blocks j at w + j * w_stride, written
+// as f32 to out (row stride n). kSwiglu: blocks j < NR/2 are gate columns, j >= NR/2 the
+// matching up columns at up_offset bytes further; silu(gate) * up (NR/2 blocks) is written to
+// out in the weights' dtype (bf16 feeds the next matmul as it is).
+template <bool kBf16, bool kSwiglu, int MR, int NR>
+void PackedMicroTile(const char* a, int64_t a_stride, int64_t steps, const char* w,
+                     int64_t w_stride, int64_t up_offset, void* out, int64_t n,
+                     const char* prefetch, int64_t prefetch_bytes) {
+  for (int64_t off = 0; off < prefetch_bytes; off += 64) {
+    _mm_prefetch(prefetch + off, _MM_HINT_T1);
+    if (kSwiglu) _mm_prefetch(prefetch + up_offset + off, _MM_HINT_T1);
+  }
+  const char* wj[NR];
+  for (int j = 0; j < NR; ++j) {
+    wj[j] = kSwiglu && j >= NR / 2 ? w + up_offset + (j - NR / 2) * w_stride : w + j * w_stride;
+  }
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < steps; ++p) {
+    __m512i b[NR];
+    for (int j = 0; j < NR; ++j) b[j] = _mm512_loadu_si512(wj[j] + p * 64);
+    for (int i = 0; i < MR; ++i) {
+      int32_t bits;
+      std::memcpy(&bits, a + i * a_stride + p * 4, sizeof(bits));
+      const __m512i av = _mm512_set1_epi32(bits);
+      for (int j = 0; j < NR; ++j) {
+        if constexpr (kBf16) {
+#if defined(__AVX512BF16__)
+          acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)av, (__m512bh)b[j]);
+#endif
+        } else {
+          acc[i][j] = _mm512_fmadd_ps(_mm512_castsi512_ps(av), _mm512_castsi512_ps(b[j]),
+                                      acc[i][j]);
+        }
+      }
+    }
+  }
+  if constexpr (!kSwiglu) {
+    float* o = static_cast<float*>(out);
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) _mm512_storeu_ps(o + i * n + 16 * j, acc[i][j]);
+  } else {
+    for (int i = 0; i < MR; ++i) {
+      for (int j = 0; j < NR / 2; ++j) {
+        const __m512 v = Swiglu512(acc[i][j], acc[i][j + NR / 2]);
+        if constexpr (kBf16) {
+#if defined(__AVX512BF16__)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i * n) +
+                                  j,
+                              (__m256i)_mm512_cvtneps_pbh(v));
+#endif
+        } else {
+          _mm512_storeu_ps(static_cast<float*>(out) + i * n + 16 * j, v);
+        }
+      }
+    }
+  }
+}
+
+template <bool kBf16, bool kSwiglu, int NR, typename... Args>
+void PackedRowsTile(int64_t rows, Args... args) {
+  switch (rows) {
+    case 6: return PackedMicroTile<kBf16, kSwiglu, 6, NR>(args...);
+    case 5: return PackedMicroTile<kBf16, kSwiglu, 5, NR>(args...);
+    case 4: return PackedMicroTile<kBf16, kSwiglu, 4, NR>(args...);
+    case 3: return PackedMicroTile<kBf16, kSwiglu, 3, NR>(args...);
+    case 2: return PackedMicroTile<kBf16, kSwiglu, 2, NR>(args...);
+    default: return PackedMicroTile<kBf16, kSwiglu, 1, NR>(args...);
+  }
+}
+
+template <bool kBf16, bool kSwiglu, typename... Args>
+void PackedTile(int64_t rows, int64_t blocks, Args... args) {
+  if (blocks == 4) return PackedRowsTile<kBf16, kSwiglu, 4>(rows, args...);
+  if (blocks == 2) return PackedRowsTile<kBf16, kSwiglu, 2>(rows, args...);
+  if constexpr (!kSwiglu) {  // fused: gate and up blocks come in pairs
+    if (blocks == 3) return PackedRowsTile<kBf16, kSwiglu, 3>(rows, args...);
+    return PackedRowsTile<kBf16, kSwiglu, 1>(rows, args...);
+  }
+}
+
+// a: [M, K] of 2-byte (bf16) or 4-byte (f32) elements; w: its packed blocks, n_blocks of
+// them. kSwiglu: w is [K, 2 * I] (gate columns, then up), out [M, I] = silu(gate) * up.
+template <bool kBf16, bool kSwiglu>
+void PackedMatmul(ffi::ThreadPool& pool, const char* a, const char* w, void* out, int64_t m,
+                  int64_t k, int64_t n_blocks) {
+  constexpr int64_t kElem = kBf16 ? 2 : 4;
+  constexpr int64_t kOutElem = kSwiglu ? kElem : 4;
+  const int64_t a_stride = k * kElem, steps = k * kElem / 4;
+  const int64_t w_stride = steps * 64;  // bytes of one 16-column block of w
+  // Output blocks: with kSwiglu, each pairs a gate block with its up block.
+  const int64_t out_blocks = kSwiglu ? n_blocks / 2 : n_blocks, n = out_blocks * 16;
+  const int64_t up_offset = kSwiglu ? out_blocks * w_stride : 0;
+  constexpr int64_t kGroup = kSwiglu ? kPackedNr / 2 : kPackedNr;  // output blocks per tile
+  // Work items: groups of output blocks, in a few contiguous runs per thread; a group's
+  // slice of w (K x 64 columns) stays in L2 while the rows of a pass over it.
+  const int64_t groups = (out_blocks + kGroup - 1) / kGroup;
+  const int64_t items = std::min<int64_t>(groups, 8 * (pool.num_threads() + 1));
+  // Rows in chunks whose slice of a stays in L2 too (prefill's long batches).
+  const int64_t chunk =
+      std::max<int64_t>(kPackedMr, (256 * 1024 / a_stride) / kPackedMr * kPackedMr);
+  char* out_bytes = static_cast<char*>(out);
+  ParallelFor(pool, items, [&](int64_t item) {
+    const int64_t g0 = groups * item / items, g1 = groups * (item + 1) / items;
+    for (int64_t mc = 0; mc < m; mc += chunk) {
+      const int64_t mc_end = std::min(mc + chunk, m);
+      const int64_t tiles = (mc_end - mc + kPackedMr - 1) / kPackedMr;
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t ob0 = g * kGroup, blocks = std::min<int64_t>(kGroup, out_blocks - ob0);
+        // The next group's slice of w is requested into L2 in equal parts by this group's
+        // row tiles (it streams from DRAM: the weights of a whole model do not fit in L3).
+        const int64_t next_bytes =
+            g + 1 < g1 ? std::min<int64_t>(kGroup, out_blocks - ob0 - kGroup) * w_stride : 0;
+        const int64_t part = (next_bytes / tiles + 63) / 64 * 64;
+        const char* next = w + (ob0 + kGroup) * w_stride;
+        for (int64_t m0 = mc, t = 0; m0 < mc_end; m0 += kPackedMr, ++t) {
+          const int64_t from = std::min(t * part, next_bytes);
+          PackedTile<kBf16, kSwiglu>(
+              std::min<int64_t>(kPackedMr, mc_end - m0), kSwiglu ? 2 * blocks : blocks,
+              a + m0 * a_stride, a_stride, steps, w + ob0 * w_stride, w_stride, up_offset,
+              static_cast<void*>(out_bytes + (m0 * n + ob0 * 16) * kOutElem), n, next + from,
+              std::min(part, next_bytes - from));
+        }
+      }
+    }
+  });
+}
+
+template <ffi::DataType T, bool kSwiglu>
+ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<T> a, ffi::Buffer<T> w,
+                            ffi::Result<ffi::AnyBuffer> out) {
+  constexpr bool kBf16 = T == ffi::DataType::BF16;
+  auto ad = a.dimensions();
+  auto wd = w.dimensions();
+  const bool ok = kBf16 ? (wd.size() == 4 && wd[2] == 16 && wd[3] == 32)
+                        : (wd.size() == 3 && wd[2] == 16);
+  if (ad.size() != 2 || !ok || wd[1] * (kBf16 ? 32 : 1) != ad[1]) {
+    return ffi::Error::InvalidArgument(kBf16 ? "a must be [M, K] and w [N/16, K/32, 16, 32]"
+                                             : "a must be [M, K] and w [N/16, K, 16]");
+  }
+  if (kSwiglu && wd[0] % 2) {
+    return ffi::Error::InvalidArgument("swiglu: w must hold as many up blocks as gate blocks");
+  }
+  if (ad[0] == 0) return ffi::Error::Success();
+  PackedMatmul<kBf16, kSwiglu>(pool, reinterpret_cast<const char*>(a.typed_data()),
+                               reinterpret_cast<const char*>(w.typed_data()),
+                               out->untyped_data(), ad[0], ad[1], wd[0]);
+  return ffi::Error::Success();
+}
+#endif  // __AVX512F__
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbRaggedPagedAttention, RaggedPagedAttentionImpl,
@@ -809,4 +986,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbMatmulAmx, MatmulAmxImpl,
 extern "C" int JaxcbAmxAvailable() { return AmxEnabled() ? 1 : 0; }
 #else
 extern "C" int JaxcbAmxAvailable() { return 0; }
+#endif
+
+#if defined(__AVX512F__)
+#define JAXCB_PACKED_MATMUL(name, T, swiglu)                                            \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (MatmulPackedImpl<ffi::DataType::T, swiglu>),   \
+                                ffi::Ffi::Bind()                                        \
+                                    .Ctx<ffi::ThreadPool>()                             \
+                                    .Arg<ffi::Buffer<ffi::DataType::T>>() /* a [M, K] */ \
+                                    .Arg<ffi::Buffer<ffi::DataType::T>>() /* w packed */ \
+                                    .Ret<ffi::AnyBuffer>());
+
+JAXCB_PACKED_MATMUL(JaxcbMatmulF32Avx512, F32, false)    // -> f32 [M, N]
+JAXCB_PACKED_MATMUL(JaxcbSwigluF32Avx512, F32, true)     // -> f32 [M, N / 2]
+extern "C" int JaxcbAvx512Available() { return 1; }
+#else
+extern "C" int JaxcbAvx512Available() { return 0; }
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+JAXCB_PACKED_MATMUL(JaxcbMatmulBf16Avx512, BF16, false)  // -> f32 [M, N]
+JAXCB_PACKED_MATMUL(JaxcbSwigluBf16Avx512, BF16, true)   // -> bf16 [M, N / 2]
+extern "C" int JaxcbAvx512Bf16Available() { return 1; }
+#else
+extern "C" int JaxcbAvx512Bf16Available() { return 0; }
 #endif

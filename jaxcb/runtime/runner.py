@@ -51,10 +51,11 @@ class ModelRunner:
         attention: AttentionBackend,
         num_top_logprobs: int,
         mesh: jax.sharding.Mesh | None = None,
-        pack_matmuls: bool = False,
+        pack_matmuls: str | None = None,
     ) -> None:
-        """`pack_matmuls`: run the bfloat16 matmuls on the native AMX kernel, their weights
-        packed for it (CPU with AMX, one device; see `matmul_backend`)."""
+        """`pack_matmuls`: a native matmul kernel ("amx" or "avx512_bf16") to run the
+        bfloat16 matmuls on, their weights packed for it (CPU, one device; see
+        `matmul_backend`)."""
         self.spec = spec
         self.page_size = page_size
         self.pages_per_seq = pages_per_seq
@@ -64,7 +65,7 @@ class ModelRunner:
         attention = sharding.shard_attention(attention, mesh)  # per KV-head shard if tp > 1
         params = _adapt_params_for_backend(params)
         if pack_matmuls:
-            params = _pack_matmul_weights(params)
+            params = _pack_matmul_weights(params, pack_matmuls)
         rules = sharding.rules_for(spec, tp)
         self.param_shardings = sharding.param_shardings(params, mesh, rules)
         self.params = sharding.shard_params(params, self.param_shardings)
@@ -167,38 +168,50 @@ _MATMUL_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
 def matmul_backend(name: str, *, dtype: jnp.dtype, tensor_parallel_size: int) -> str:
-    """The matmul path for `kernels.matmul` = name: "amx" (jaxcb's AMX kernel, bfloat16
-    weights on a CPU with AMX, one device per replica) or "xla". "auto" picks amx when it
-    can; "amx" where it cannot is a ValueError saying why."""
+    """The matmul path for `kernels.matmul` = name: one of jaxcb's native CPU kernels over
+    packed weights ("amx" or "avx512_bf16" for bfloat16 weights on a CPU with AMX or with
+    AVX512-BF16, "avx512" for float32 weights on a CPU with AVX-512; one device per replica)
+    or "xla". "auto" picks the first native kernel that can run, else xla; a native kernel
+    named where it cannot run is a ValueError saying why."""
     from jaxcb import native
 
-    reasons = []
-    if jax.default_backend() != "cpu":
-        reasons.append(f"the platform is {jax.default_backend()}, not cpu")
-    if jnp.dtype(dtype) != jnp.bfloat16:
-        reasons.append(f"the weights are {jnp.dtype(dtype).name}, not bfloat16")
-    if tensor_parallel_size > 1:
-        reasons.append("tensor parallelism shards the weights (the kernel is per device)")
-    if not reasons and not native.amx_available():
-        reasons.append("this CPU, compiler or OS gives no AMX (bf16 tiles)")
-    if name == "xla" or (name == "auto" and reasons):
-        return "xla"
-    if reasons:
-        raise ValueError("kernels.matmul='amx' cannot run: " + "; ".join(reasons))
-    return "amx"
+    def reasons(kernel: str) -> list[str]:
+        spec = native.PACKED_MATMULS[kernel]
+        found = []
+        if jax.default_backend() != "cpu":
+            found.append(f"the platform is {jax.default_backend()}, not cpu")
+        if jnp.dtype(dtype) != jnp.dtype(spec.dtype):
+            want = jnp.dtype(spec.dtype).name
+            found.append(f"the weights are {jnp.dtype(dtype).name}, not {want}")
+        if tensor_parallel_size > 1:
+            found.append("tensor parallelism shards the weights (the kernel is per device)")
+        if not found and not spec.available():
+            isa = {"amx": "AMX (bf16 tiles)", "avx512_bf16": "AVX512-BF16"}.get(kernel, "AVX-512")
+            found.append(f"this CPU, compiler or OS gives no {isa}")
+        return found
+
+    if name == "auto":
+        return next((k for k in native.PACKED_MATMULS if not reasons(k)), "xla")
+    if name == "xla":
+        return name
+    if why := reasons(name):
+        raise ValueError(f"kernels.matmul={name!r} cannot run: " + "; ".join(why))
+    return name
 
 
-def _pack_matmul_weights(params: Params) -> Params:
-    """Each bfloat16 matmul weight whose [in, out] view fits the tile layout becomes
-    {"amx_bf16": pack_amx(weight)} (models/llama.py sends those to the AMX kernel)."""
+def _pack_matmul_weights(params: Params, kernel: str) -> Params:
+    """Each matmul weight of the kernel's dtype whose [in, out] view fits its packed layout
+    becomes {kernel: packed} (models/llama.py sends those to that native kernel)."""
     from jaxcb import native
+
+    spec = native.PACKED_MATMULS[kernel]
 
     def pack(w: object) -> object:
         w2 = np.asarray(w)
         w2 = w2.reshape(w2.shape[0], -1)
-        if w2.dtype != jnp.bfloat16 or not native.can_pack_amx(w2.shape):
+        if w2.dtype != jnp.dtype(spec.dtype) or not spec.can_pack(w2.shape):
             return w
-        return {"amx_bf16": native.pack_amx(w2)}
+        return {kernel: spec.pack(w2)}
 
     params = dict(params)
     params["layers"] = [

@@ -54,7 +54,7 @@ RULES: dict[str, str | None] = {
     "page_slots": None,
     "tokens": None,
     "seqs": None,
-    "amx_tiles": None,  # a weight packed for the CPU AMX kernel (never sharded)
+    "packed_tiles": None,  # a weight packed for a native CPU matmul kernel (never sharded)
 }
 
 #: Parameter name -> logical axes of its dimensions (layouts documented in models/llama.py).
@@ -72,7 +72,10 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "mlp_norm": ("embed",),
     "w_gate_up": ("embed", "gate_up", "mlp"),  # [H, 2, I]
     "w_down": ("mlp", "embed"),  # [I, H]
-    "amx_bf16": ("amx_tiles",) * 4,  # {"amx_bf16": [N/16, K/32, 16, 32]}: models/llama.py
+    # {"amx" | "avx512_bf16": [N/16, K/32, 16, 32]}, {"avx512": [N/16, K, 16]}: llama.py
+    "amx": ("packed_tiles",) * 4,
+    "avx512_bf16": ("packed_tiles",) * 4,
+    "avx512": ("packed_tiles",) * 3,
 }
 KV_PAGES_AXES = ("kv_heads", "pages", "page_slots", "head_dim")  # [Hkv, P, page_size, D]
 Q_AXES = ("tokens", "q_heads", "head_dim")  # attention's q and output: [T, Hq, D]

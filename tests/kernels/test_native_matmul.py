@@ -1,6 +1,7 @@
-"""jaxcb's bfloat16 AMX matmul (jaxcb/native): the packed weight layout, the kernel against
-XLA's dot, and the engine choosing it (kernels.matmul). Kernel tests skip on CPUs without
-AMX; the layout and the choice are checked everywhere."""
+"""jaxcb's native matmuls over packed weights (jaxcb/native): the packed layouts, each kernel
+(bfloat16 on AMX tiles or with AVX512-BF16 dot products, float32 with AVX-512 FMAs) against
+XLA's dot, and the engine choosing one (kernels.matmul). Kernel tests skip on CPUs without
+that instruction set; the layouts and the choice are checked everywhere."""
 
 from __future__ import annotations
 
@@ -12,14 +13,20 @@ import pytest
 from jaxcb import LLM, SamplingParams, native
 from jaxcb.runtime.runner import matmul_backend
 
-needs_amx = pytest.mark.skipif(not native.amx_available(), reason="no AMX on this CPU")
+KERNELS = [
+    pytest.param(
+        name,
+        marks=pytest.mark.skipif(not can_run(), reason=f"no {name} on this CPU"),
+    )
+    for name, (_, can_run, *_) in native.PACKED_MATMULS.items()
+]
 
 
 def test_pack_layout():
     """Block (n, k), row r, lane 2c + p holds w[32k + 2r + p, 16n + c]."""
     k, n = 64, 48
     w = np.arange(k * n, dtype=np.float32).reshape(k, n).astype(jnp.bfloat16)
-    packed = native.pack_amx(w)
+    packed = native.pack_bf16(w)
     assert packed.shape == (n // 16, k // 32, 16, 32)
     rng = np.random.default_rng(0)
     for _ in range(50):
@@ -27,46 +34,91 @@ def test_pack_layout():
         assert packed[nb, kb, r, 2 * c + p] == w[32 * kb + 2 * r + p, 16 * nb + c]
 
 
+def test_pack_f32_layout():
+    """Block n, row k, lane c holds w[k, 16n + c]."""
+    w = np.arange(24 * 48, dtype=np.float32).reshape(24, 48)
+    packed = native.pack_f32(w)
+    assert packed.shape == (3, 24, 16)
+    assert packed[2, 5, 7] == w[5, 39] and packed[0, 23, 15] == w[23, 15]
+
+
 def test_pack_rejects_shapes_off_the_tiles():
-    assert native.can_pack_amx((64, 48)) and not native.can_pack_amx((48, 64))
+    assert native.can_pack_bf16((64, 48)) and not native.can_pack_bf16((48, 64))
     with pytest.raises(ValueError, match="K must divide by 32 and N by 16"):
-        native.pack_amx(np.zeros((64, 40), jnp.bfloat16))
+        native.pack_bf16(np.zeros((64, 40), jnp.bfloat16))
+    assert native.can_pack_f32((24, 48)) and not native.can_pack_f32((48, 24))
+    with pytest.raises(ValueError, match="N must divide by 16"):
+        native.pack_f32(np.zeros((64, 40), np.float32))
 
 
-@needs_amx
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize(
     "m, k, n",
     [(1, 32, 16), (7, 64, 48), (16, 64, 16), (33, 96, 80), (64, 512, 768), (130, 256, 96)],
 )
-def test_matmul_matches_xla_dot(m, k, n):
+def test_matmul_matches_xla_dot(kernel, m, k, n):
+    spec = native.PACKED_MATMULS[kernel]
     rng = np.random.default_rng(m + k + n)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
-    expected = jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
-    got = jax.jit(native.matmul_amx)(x, jnp.asarray(native.pack_amx(np.asarray(w))))
+    w = jnp.asarray(rng.standard_normal((k, n)), spec.dtype)
+    expected = jnp.dot(
+        x.astype(spec.dtype), w, preferred_element_type=jnp.float32, precision="highest"
+    )
+    got = jax.jit(spec.kernel)(x, jnp.asarray(spec.pack(np.asarray(w))))
     assert got.shape == (m, n) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-4)
 
 
+FUSED = [p for p in KERNELS if native.PACKED_MATMULS[p.values[0]].swiglu is not None]
+
+
+@pytest.mark.parametrize("kernel", FUSED)
+@pytest.mark.parametrize("m, k, i", [(1, 32, 16), (7, 64, 48), (13, 96, 64), (64, 512, 1536)])
+def test_swiglu_matches_xla(kernel, m, k, i):
+    """silu(x @ w_gate) * (x @ w_up) from one packed [K, 2 * I] weight, written in the
+    weights' dtype; I/16 odd exercises the last gate block paired alone."""
+    spec = native.PACKED_MATMULS[kernel]
+    rng = np.random.default_rng(m + k + i)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    x = x.at[0, :].set(40.0)  # large |gate| on both sides: silu's tails
+    w = jnp.asarray(rng.standard_normal((k, 2 * i)), spec.dtype)
+    gu = jnp.dot(x.astype(spec.dtype), w, preferred_element_type=jnp.float32, precision="highest")
+    expected = (jax.nn.silu(gu[:, :i]) * gu[:, i:]).astype(spec.dtype)
+    got = jax.jit(spec.swiglu)(x, jnp.asarray(spec.pack(np.asarray(w))))
+    assert got.shape == (m, i) and got.dtype == spec.dtype
+    tol = 1e-2 if spec.dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(expected, np.float32), rtol=tol, atol=tol
+    )
+
+
 def test_matmul_backend_choice():
-    f32 = matmul_backend("auto", dtype=jnp.float32, tensor_parallel_size=1)
-    assert f32 == "xla"  # float32 weights keep XLA's float32 dot (parity with transformers)
     assert matmul_backend("xla", dtype=jnp.bfloat16, tensor_parallel_size=1) == "xla"
     assert matmul_backend("auto", dtype=jnp.bfloat16, tensor_parallel_size=2) == "xla"
-    with pytest.raises(ValueError, match="not bfloat16"):
-        matmul_backend("amx", dtype=jnp.float32, tensor_parallel_size=1)
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        matmul_backend("amx", dtype=jnp.bfloat16, tensor_parallel_size=2)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        runnable = [
+            name
+            for name, spec in native.PACKED_MATMULS.items()
+            if spec.available() and spec.dtype == dtype
+        ]
+        expected = (runnable + ["xla"])[0]
+        assert matmul_backend("auto", dtype=dtype, tensor_parallel_size=1) == expected
+    for kernel, spec in native.PACKED_MATMULS.items():
+        other = jnp.float32 if spec.dtype == jnp.bfloat16 else jnp.bfloat16
+        with pytest.raises(ValueError, match=f"not {jnp.dtype(spec.dtype).name}"):
+            matmul_backend(kernel, dtype=other, tensor_parallel_size=1)
+        with pytest.raises(ValueError, match="tensor parallelism"):
+            matmul_backend(kernel, dtype=spec.dtype, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="matmul must be one of"):
         LLM(matmul="onednn")
 
 
-@needs_amx
-def test_engine_on_amx_matches_xla_matmuls():
-    """The same bf16 engine with its matmuls on the AMX kernel and on XLA: same greedy tokens
-    and logprobs (both multiply bf16 and accumulate in float32)."""
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_engine_on_native_matmul_matches_xla_matmuls(kernel):
+    """The same engine with its matmuls on a native kernel and on XLA: same greedy tokens
+    (both multiply in the weights' dtype and accumulate in float32)."""
     config = dict(
-        dtype="bfloat16",
+        dtype=jnp.dtype(native.PACKED_MATMULS[kernel].dtype).name,
         max_num_seqs=4,
         max_num_batched_tokens=64,
         token_buckets=[16, 64],
@@ -74,15 +126,16 @@ def test_engine_on_amx_matches_xla_matmuls():
         max_model_len=256,
         attention="native",
     )
-    amx = LLM(matmul="amx", **config)
+    packed = LLM(matmul=kernel, **config)
     xla = LLM(matmul="xla", **config)
-    assert (amx.engine.matmul_backend, xla.engine.matmul_backend) == ("amx", "xla")
-    layer = amx.engine.runner.params["layers"][0]
-    assert all(isinstance(layer[name], dict) for name in ("wqkv", "wo", "w_gate_up", "w_down"))
+    assert (packed.engine.matmul_backend, xla.engine.matmul_backend) == (kernel, "xla")
+    layer = packed.engine.runner.params["layers"][0]
+    for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+        assert list(layer[name]) == [kernel]
     prompts = [[10, 11, 12, 13], list(range(40, 90))]
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
     for a, b in zip(
-        amx.generate(prompts, sp, use_tqdm=False),
+        packed.generate(prompts, sp, use_tqdm=False),
         xla.generate(prompts, sp, use_tqdm=False),
         strict=True,
     ):

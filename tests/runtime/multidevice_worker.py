@@ -49,7 +49,9 @@ def sampling() -> list[SamplingParams]:
     return [greedy] * 5 + [seeded]
 
 
-def spec_of(array: jax.Array) -> list:
+def spec_of(array: jax.Array | dict[str, jax.Array]) -> list:
+    if isinstance(array, dict):  # {kernel: packed}: a weight packed for a native matmul
+        (array,) = array.values()
     return [None if a is None else str(a) for a in array.sharding.spec]
 
 
