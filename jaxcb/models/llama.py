@@ -228,16 +228,16 @@ def forward(
         swiglu = packed_swiglu(w)
         if swiglu is not None:  # the activation in the matmul's epilogue
             act = swiglu(h, *w.values())
-        elif isinstance(w, dict):  # packed as [H, 2 * I]
-            gate_up = matmul(h, w).reshape(num_tokens, 2, -1)
         else:
-            # Gate and up in one matmul, without merging (2, I) into one axis: tensor
-            # parallelism shards I, and a merged 2 * I axis would not be sharded evenly (XLA
-            # would gather w).
-            gate_up = jnp.einsum(
-                "th,hci->tci", h.astype(w.dtype), w, preferred_element_type=jnp.float32
-            )  # [T, 2, I]
-        if swiglu is None:
+            if isinstance(w, dict):  # packed as [H, 2 * I]
+                gate_up = matmul(h, w).reshape(num_tokens, 2, -1)
+            else:
+                # Gate and up in one matmul, without merging (2, I) into one axis: tensor
+                # parallelism shards I, and a merged 2 * I axis would not be sharded evenly
+                # (XLA would gather w).
+                gate_up = jnp.einsum(
+                    "th,hci->tci", h.astype(w.dtype), w, preferred_element_type=jnp.float32
+                )  # [T, 2, I]
             act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
         x = x + matmul(act, layer["w_down"])
 

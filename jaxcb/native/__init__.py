@@ -277,22 +277,32 @@ class PackedMatmul(NamedTuple):
     dtype: Any  # the weights' dtype it takes
     can_pack: Callable[[tuple[int, ...]], bool]
     pack: Callable[[np.ndarray], np.ndarray]
+    isa: str  # what the CPU must have, for errors
     # (x, packed [K, 2 * I] gate_up weight) -> silu(gate) * up, or None (not fused)
     swiglu: Callable[[jax.Array, jax.Array], jax.Array] | None = None
 
 
 #: kernels.matmul name -> its kernel, in the order "auto" prefers them
 PACKED_MATMULS = {
-    "amx": PackedMatmul(matmul_amx, amx_available, jnp.bfloat16, can_pack_bf16, pack_bf16),
+    "amx": PackedMatmul(
+        matmul_amx, amx_available, jnp.bfloat16, can_pack_bf16, pack_bf16, "AMX (bf16 tiles)"
+    ),
     "avx512_bf16": PackedMatmul(
         matmul_avx512_bf16,
         avx512_bf16_available,
         jnp.bfloat16,
         can_pack_bf16,
         pack_bf16,
+        "AVX512-BF16",
         swiglu_avx512_bf16,
     ),
     "avx512": PackedMatmul(
-        matmul_avx512_f32, avx512_available, jnp.float32, can_pack_f32, pack_f32, swiglu_avx512_f32
+        matmul_avx512_f32,
+        avx512_available,
+        jnp.float32,
+        can_pack_f32,
+        pack_f32,
+        "AVX-512",
+        swiglu_avx512_f32,
     ),
 }

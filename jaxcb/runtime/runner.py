@@ -186,8 +186,7 @@ def matmul_backend(name: str, *, dtype: jnp.dtype, tensor_parallel_size: int) ->
         if tensor_parallel_size > 1:
             found.append("tensor parallelism shards the weights (the kernel is per device)")
         if not found and not spec.available():
-            isa = {"amx": "AMX (bf16 tiles)", "avx512_bf16": "AVX512-BF16"}.get(kernel, "AVX-512")
-            found.append(f"this CPU, compiler or OS gives no {isa}")
+            found.append(f"this CPU, compiler or OS gives no {spec.isa}")
         return found
 
     if name == "auto":
