@@ -92,7 +92,7 @@ class ModelRunner:
             step,
             donate_argnames=("state",),
             in_shardings=(self.param_shardings, state_shardings, self._replicated),
-            out_shardings=(self._replicated, state_shardings),
+            out_shardings=(self._replicated, self._replicated, state_shardings),
         )
         self.max_model_len = max_model_len
         self._compiled: dict[Bucket, jax.stages.Compiled] = {}
@@ -131,7 +131,7 @@ class ModelRunner:
                     np.zeros(shape, np.int32), self._replicated
                 )
             inp.penalty_tokens = self._no_penalty_tokens[bucket]
-        out, self.state = compiled(self.params, self.state, inp)
+        out, _logits, self.state = compiled(self.params, self.state, inp)  # see step()
         want_top = bool(inp.flags[FLAG_TOP_LOGPROBS])
         fetched = jax.device_get(
             (out.token_ids, out.logprobs)
