@@ -378,7 +378,7 @@ def run_batch(
                     continue
                 request_id = str(item.line)
                 try:
-                    engine.add_request(request_id, item.prompt_ids, item.params)
+                    engine.add_request(request_id, item.prompt_ids, item.params, final_only=True)
                 except ValueError as exc:  # too long, beyond the limits, ...
                     seen.discard(key)
                     report(item, f"ValueError: {exc}")

@@ -80,7 +80,10 @@ class LLM:
         requests = list(zip(prompt_list, params_list, priorities, strict=True))
         for prompt, params, prio in requests:
             engine.validate_request(prompt, params, priority=prio)
-        ids = [engine.add_request(None, p, sp, priority=prio) for p, sp, prio in requests]
+        ids = [
+            engine.add_request(None, p, sp, priority=prio, final_only=True)
+            for p, sp, prio in requests
+        ]
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:

@@ -48,6 +48,7 @@ class _Group:
     prompt_token_ids: list[int]
     children: list[Request]
     detokenizers: list[IncrementalDetokenizer]
+    final_only: bool = False  # step() reports it once, when finished (offline generate)
     broken: bool = False  # building its output failed: texts are no longer available
 
     @property
@@ -215,10 +216,13 @@ class LLMEngine:
         *,
         arrival_time: float | None = None,
         priority: int = 0,
+        final_only: bool = False,
     ) -> str:
         """Validate and queue a request; returns its id. Bad input raises ValueError and
         leaves the engine untouched. `priority` matters under the "priority" policy only
-        (lower values are admitted first); elsewhere it must be 0."""
+        (lower values are admitted first); elsewhere it must be 0. `final_only`: step()
+        returns the request's output once, when it finishes, instead of after every token
+        (vLLM's RequestOutputKind.FINAL_ONLY; what LLM.generate asks for)."""
         params = params or SamplingParams()
         prompt_text, prompt_ids = self.validate_request(prompt, params, priority=priority)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
@@ -255,7 +259,7 @@ class LLMEngine:
                     include_stop_str_in_output=params.include_stop_str_in_output,
                 )
             )
-        group = _Group(request_id, prompt_text, prompt_ids, children, detoks)
+        group = _Group(request_id, prompt_text, prompt_ids, children, detoks, final_only)
         self._groups[request_id] = group
         for child in children:
             self._request_group[id(child)] = group
@@ -408,7 +412,7 @@ class LLMEngine:
                 self._append_sample(req, group, result, s, now)
             except Exception as exc:  # this request's problem only: the others go on
                 self._fail_request(req, exc, now)
-        return [self._output(g, now) for g in touched.values()]
+        return [self._output(g, now) for g in touched.values() if g.finished or not g.final_only]
 
     def _append_sample(self, req: Request, group: _Group, result: Any, s: int, now: float) -> None:
         """The token sampled for row s: append it, detokenize, check every stop condition."""

@@ -143,6 +143,7 @@ class ReplicatedEngine:
         *,
         arrival_time: float | None = None,
         priority: int = 0,
+        final_only: bool = False,
     ) -> str:
         """Queue a request on the least-loaded replica (LLMEngine.add_request's contract)."""
         if request_id is None:
@@ -154,7 +155,12 @@ class ReplicatedEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         index = self._least_loaded()
         self.replicas[index].add_request(
-            request_id, prompt, params, arrival_time=arrival_time, priority=priority
+            request_id,
+            prompt,
+            params,
+            arrival_time=arrival_time,
+            priority=priority,
+            final_only=final_only,
         )
         self._owner[request_id] = index
         return request_id

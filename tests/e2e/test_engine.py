@@ -137,6 +137,20 @@ def test_generate_api(llm):
         assert key in stats
 
 
+def test_final_only_requests_report_once(llm):
+    engine = llm.engine
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    streamed = engine.add_request(None, [5, 6, 7], sp)
+    final = engine.add_request(None, [5, 6, 7], sp, final_only=True)
+    seen: dict[str, list] = {streamed: [], final: []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert [len(o.outputs[0].token_ids) for o in seen[streamed]] == [1, 2, 3, 4]
+    assert len(seen[final]) == 1 and seen[final][0].finished
+    assert seen[final][0].outputs[0].token_ids == seen[streamed][-1].outputs[0].token_ids
+
+
 def test_stop_conditions(llm):
     base = llm.generate(
         [[10, 11, 12]],

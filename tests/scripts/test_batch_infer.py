@@ -140,7 +140,7 @@ class EchoEngine:
         self.waiting: dict[str, list[int]] = {}
         self.added: list[str] = []
 
-    def add_request(self, request_id, prompt, params) -> str:
+    def add_request(self, request_id, prompt, params, *, final_only=False) -> str:
         if len(prompt) > 8:
             raise ValueError("too long")
         self.waiting[request_id] = list(prompt)
