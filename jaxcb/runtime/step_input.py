@@ -96,45 +96,61 @@ def pack_step_input(
     max_model_len: int,
     num_top_logprobs: int,
 ) -> StepInput:
-    """Lay the scheduled chunks out on the token axis, padded to the bucket."""
+    """Lay the scheduled chunks out on the token axis, padded to the bucket.
+
+    Per-sequence values are collected in lists and written with one array assignment each:
+    element-wise numpy writes cost ~10 µs per sequence, over a millisecond per step of 128.
+    """
     inp = empty_step_input(bucket, pages_per_seq, max_model_len=1)
     inp.penalty_tokens = None
-    offset = 0
-    for s, chunk in enumerate(sched.chunks):
-        req, n, start, end = chunk.request, chunk.num_tokens, chunk.start, chunk.end
-        rows = slice(offset, offset + n)
-        positions = np.arange(start, end, dtype=np.int32)
-        pages = np.asarray(req.page_ids, dtype=np.int32)
-        inp.input_ids[rows] = req.token_ids[start:end]
-        inp.positions[rows] = positions
-        inp.slot_mapping[rows] = pages[positions // page_size] * page_size + positions % page_size
-        offset += n
-        inp.cu_q_lens[s + 1] = offset
-        inp.kv_lens[s] = end
-        inp.page_indices[s, : len(pages)] = pages
-        inp.logits_indices[s] = offset - 1
-        inp.num_prompt_tokens[s] = req.num_prompt_tokens
+    chunks = sched.chunks
+    num_seqs = len(chunks)
+    reqs = [c.request for c in chunks]
+    params = [r.params for r in reqs]
+    starts = np.fromiter((c.start for c in chunks), np.int32, num_seqs)
+    lens = np.fromiter((c.num_tokens for c in chunks), np.int32, num_seqs)
+    ends = starts + lens
+    cu = np.cumsum(lens, dtype=np.int32)
+    total = int(cu[-1]) if num_seqs else 0
 
-        p = req.params
-        inp.temperature[s] = p.temperature
-        inp.top_k[s] = p.effective_top_k
-        inp.top_p[s] = p.top_p
-        inp.min_p[s] = p.min_p
-        inp.rng_keys[s] = (req.seed >> 32) & 0xFFFFFFFF, req.seed & 0xFFFFFFFF
-        inp.sample_counters[s] = len(req.output_token_ids)
-        inp.presence_penalty[s] = p.presence_penalty
-        inp.frequency_penalty[s] = p.frequency_penalty
-        inp.repetition_penalty[s] = p.repetition_penalty
-        if chunk.samples:
-            inp.flags[FLAG_RANDOM] |= p.temperature > 0
-            inp.flags[FLAG_PENALTY] |= p.uses_penalties
-            inp.flags[FLAG_LOGPROBS] |= p.logprobs is not None
-            inp.flags[FLAG_TOP_LOGPROBS] |= (p.logprobs or 0) > 0 and num_top_logprobs > 0
+    token_ids: list[int] = []
+    for c in chunks:
+        token_ids += c.request.token_ids[c.start : c.end]
+    seq_of_row = np.repeat(np.arange(num_seqs, dtype=np.int32), lens)
+    positions = np.arange(total, dtype=np.int32) + np.repeat(starts - (cu - lens), lens)
+    for s, req in enumerate(reqs):
+        inp.page_indices[s, : len(req.page_ids)] = req.page_ids
+    pages = inp.page_indices[seq_of_row, positions // page_size]
+    inp.input_ids[:total] = token_ids
+    inp.positions[:total] = positions
+    inp.slot_mapping[:total] = pages * page_size + positions % page_size
+
+    inp.cu_q_lens[1 : num_seqs + 1] = cu
+    inp.cu_q_lens[num_seqs + 1 :] = total
+    inp.kv_lens[:num_seqs] = ends
+    inp.logits_indices[:num_seqs] = cu - 1
+    inp.num_seqs[0] = num_seqs
+    inp.num_prompt_tokens[:num_seqs] = [r.num_prompt_tokens for r in reqs]
+    inp.sample_counters[:num_seqs] = [len(r.output_token_ids) for r in reqs]
+    inp.rng_keys[:num_seqs, 0] = [(r.seed >> 32) & 0xFFFFFFFF for r in reqs]
+    inp.rng_keys[:num_seqs, 1] = [r.seed & 0xFFFFFFFF for r in reqs]
+    inp.temperature[:num_seqs] = [p.temperature for p in params]
+    inp.top_k[:num_seqs] = [p.effective_top_k for p in params]
+    inp.top_p[:num_seqs] = [p.top_p for p in params]
+    inp.min_p[:num_seqs] = [p.min_p for p in params]
+    inp.presence_penalty[:num_seqs] = [p.presence_penalty for p in params]
+    inp.frequency_penalty[:num_seqs] = [p.frequency_penalty for p in params]
+    inp.repetition_penalty[:num_seqs] = [p.repetition_penalty for p in params]
+
+    sampling = [p for c, p in zip(chunks, params, strict=True) if c.samples]
+    inp.flags[FLAG_RANDOM] = any(p.temperature > 0 for p in sampling)
+    inp.flags[FLAG_PENALTY] = any(p.uses_penalties for p in sampling)
+    inp.flags[FLAG_LOGPROBS] = any(p.logprobs is not None for p in sampling)
+    inp.flags[FLAG_TOP_LOGPROBS] = num_top_logprobs > 0 and any(
+        (p.logprobs or 0) > 0 for p in sampling
+    )
     if inp.flags[FLAG_PENALTY]:
         inp.penalty_tokens = np.zeros((bucket.num_seqs, max_model_len), np.int32)
-        for s, chunk in enumerate(sched.chunks):
+        for s, chunk in enumerate(chunks):
             inp.penalty_tokens[s, : chunk.end] = chunk.request.token_ids[: chunk.end]
-    num_seqs = len(sched.chunks)
-    inp.cu_q_lens[num_seqs + 1 :] = offset
-    inp.num_seqs[0] = num_seqs
     return inp

@@ -101,7 +101,7 @@ def test_matmul_backend_choice():
             for name, spec in native.PACKED_MATMULS.items()
             if spec.available() and spec.dtype == dtype
         ]
-        expected = (runnable + ["xla"])[0]
+        expected = [*runnable, "xla"][0]
         assert matmul_backend("auto", dtype=dtype, tensor_parallel_size=1) == expected
     for kernel, spec in native.PACKED_MATMULS.items():
         other = jnp.float32 if spec.dtype == jnp.bfloat16 else jnp.bfloat16

@@ -1,0 +1,97 @@
+"""pack_step_input on a constructed batch: a decode, a mid-prompt chunk and a last chunk."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxcb.engine.buckets import Bucket
+from jaxcb.engine.request import Request
+from jaxcb.engine.scheduler import ScheduledChunk, SchedulerOutput
+from jaxcb.runtime.step_input import (
+    FLAG_LOGPROBS,
+    FLAG_PENALTY,
+    FLAG_RANDOM,
+    FLAG_TOP_LOGPROBS,
+    pack_step_input,
+)
+from jaxcb.sampling_params import SamplingParams
+from pallas_kernels.ragged_paged_attention import PADDING_SLOT
+
+PAGE = 4
+
+
+def request(rid: str, prompt: list[int], pages: list[int], params: SamplingParams, seed: int):
+    req = Request(rid, prompt, params, seed, 8, frozenset(), 0.0)
+    req.page_ids = pages
+    return req
+
+
+def test_chunks_laid_out_on_the_token_axis():
+    greedy = SamplingParams(temperature=0)
+    # decoding: 5 prompt tokens + 1 output, the newest (position 5) is fed
+    dec = request("dec", [1, 2, 3, 4, 5], [7, 3], greedy, seed=(9 << 32) | 11)
+    dec.append_token(6)
+    # a long prompt, its middle chunk (positions 2..5): samples nothing this step
+    mid = request(
+        "mid",
+        [10, 11, 12, 13, 14, 15, 16, 17],
+        [0, 5],
+        SamplingParams(temperature=0.7, top_k=3, presence_penalty=0.5),
+        seed=1,
+    )
+    # the last chunk of a prompt (positions 4..6): samples, with logprobs
+    last = request(
+        "last",
+        [20, 21, 22, 23, 24, 25, 26],
+        [2, 9],
+        SamplingParams(temperature=0, logprobs=2),
+        seed=2,
+    )
+    sched = SchedulerOutput(
+        chunks=[ScheduledChunk(dec, 5, 1), ScheduledChunk(mid, 2, 4), ScheduledChunk(last, 4, 3)]
+    )
+    inp = pack_step_input(
+        sched,
+        Bucket(16, 4),
+        page_size=PAGE,
+        pages_per_seq=3,
+        max_model_len=32,
+        num_top_logprobs=5,
+    )
+    np.testing.assert_array_equal(inp.input_ids[:8], [6, 12, 13, 14, 15, 24, 25, 26])
+    np.testing.assert_array_equal(inp.positions[:8], [5, 2, 3, 4, 5, 4, 5, 6])
+    # slot = page_ids[pos // 4] * 4 + pos % 4
+    np.testing.assert_array_equal(inp.slot_mapping[:8], [13, 2, 3, 20, 21, 36, 37, 38])
+    assert (inp.slot_mapping[8:] == PADDING_SLOT).all() and (inp.input_ids[8:] == 0).all()
+    np.testing.assert_array_equal(inp.cu_q_lens, [0, 1, 5, 8, 8])
+    np.testing.assert_array_equal(inp.kv_lens, [6, 6, 7, 0])
+    np.testing.assert_array_equal(inp.logits_indices, [0, 4, 7, 0])
+    np.testing.assert_array_equal(inp.page_indices, [[7, 3, 0], [0, 5, 0], [2, 9, 0], [0, 0, 0]])
+    assert inp.num_seqs[0] == 3
+    np.testing.assert_array_equal(inp.num_prompt_tokens, [5, 8, 7, 0])
+    np.testing.assert_array_equal(inp.sample_counters, [1, 0, 0, 0])
+    np.testing.assert_array_equal(inp.rng_keys[:3], [[9, 11], [0, 1], [0, 2]])
+    np.testing.assert_allclose(inp.temperature, [0, 0.7, 0, 0])
+    assert inp.top_k[1] == 3 and inp.presence_penalty[1] == np.float32(0.5)
+    # flags count sampling rows only: `mid` (random, penalties) samples nothing this step
+    assert inp.flags[FLAG_RANDOM] == 0 and inp.flags[FLAG_PENALTY] == 0
+    assert inp.flags[FLAG_LOGPROBS] == 1 and inp.flags[FLAG_TOP_LOGPROBS] == 1
+    assert inp.penalty_tokens is None
+
+
+def test_penalty_rows_carry_each_sequence_history():
+    params = SamplingParams(temperature=0.5, repetition_penalty=1.2)
+    a = request("a", [1, 2, 3], [0], params, seed=0)
+    a.append_token(4)
+    sched = SchedulerOutput(chunks=[ScheduledChunk(a, 3, 1)])
+    inp = pack_step_input(
+        sched,
+        Bucket(16, 2),
+        page_size=PAGE,
+        pages_per_seq=2,
+        max_model_len=8,
+        num_top_logprobs=0,
+    )
+    assert inp.flags[FLAG_RANDOM] == 1 and inp.flags[FLAG_PENALTY] == 1
+    np.testing.assert_array_equal(inp.penalty_tokens, [[1, 2, 3, 4, 0, 0, 0, 0], [0] * 8])
+    assert inp.flags[FLAG_TOP_LOGPROBS] == 0
