@@ -54,7 +54,16 @@ def test_pack_rejects_shapes_off_the_tiles():
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize(
     "m, k, n",
-    [(1, 32, 16), (7, 64, 48), (16, 64, 16), (33, 96, 80), (64, 512, 768), (130, 256, 96)],
+    # the last: an output over 8 MB, written with non-temporal stores
+    [
+        (1, 32, 16),
+        (7, 64, 48),
+        (16, 64, 16),
+        (33, 96, 80),
+        (64, 512, 768),
+        (130, 256, 96),
+        (70, 32, 32048),
+    ],
 )
 def test_matmul_matches_xla_dot(kernel, m, k, n):
     spec = native.PACKED_MATMULS[kernel]
