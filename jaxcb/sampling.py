@@ -113,6 +113,7 @@ def sample(
     flags: jax.Array,  # i32[4]: any random row / penalties / logprobs / top logprobs
     penalty_args: tuple[jax.Array, ...],  # apply_penalties' arguments after logits
     num_top_logprobs: int,
+    greedy_ids: jax.Array | None = None,  # i32[S]: the logits' argmax, if already known
 ) -> SamplingOutput:
     any_random, any_penalty = flags[0] > 0, flags[1] > 0
     any_logprobs, any_top = flags[2] > 0, flags[3] > 0
@@ -131,7 +132,10 @@ def sample(
     # All-greedy batches without penalties take the argmax of the logits as they are: a cond
     # whose untaken branch returns its [S, V] operand unchanged still copies it (16 MB at
     # S=128), so the penalty cond sits inside the general branch only.
-    token_ids = jax.lax.cond(any_random | any_penalty, general, argmax_last_axis, logits)
+    # (The LM head's native CPU kernels take the argmax from their accumulators: no pass over
+    # the [S, V] logits at all then.)
+    greedy = argmax_last_axis if greedy_ids is None else (lambda x: greedy_ids)
+    token_ids = jax.lax.cond(any_random | any_penalty, general, greedy, logits)
 
     num_seqs, k = logits.shape[0], num_top_logprobs
 

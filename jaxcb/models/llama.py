@@ -147,6 +147,21 @@ def matmul(x: jax.Array, w: jax.Array | dict[str, jax.Array]) -> jax.Array:
     return dense(x, w.reshape(w.shape[0], -1))
 
 
+def matmul_and_argmax(
+    x: jax.Array, w: jax.Array | dict[str, jax.Array]
+) -> tuple[jax.Array, jax.Array | None]:
+    """`matmul(x, w)` and, when the weight's native kernel takes it from its accumulators on
+    the way out, the argmax of each result row (i32, first index on ties); else None."""
+    if isinstance(w, dict):
+        from jaxcb import native
+
+        ((kernel, packed),) = w.items()
+        argmax = native.PACKED_MATMULS[kernel].argmax
+        if argmax is not None:
+            return argmax(x, packed)
+    return matmul(x, w), None
+
+
 def packed_swiglu(w: jax.Array | dict[str, jax.Array]) -> Callable[..., jax.Array] | None:
     """For a gate_up weight packed for a native kernel that fuses silu(gate) * up into its
     epilogue: that fused kernel (x, packed) -> act; else None."""
@@ -181,8 +196,9 @@ def forward(
     *,
     spec: ModelSpec,
     attention: AttentionBackend,
-) -> tuple[jax.Array, KVCache]:  # (f32[S, V] logits, updated caches)
-    """One forward pass over a packed ragged batch."""
+) -> tuple[jax.Array, jax.Array | None, KVCache]:
+    """One forward pass over a packed ragged batch: f32[S, V] logits, their greedy tokens
+    (i32[S]) when the LM head's kernel computes them on the way (else None), new caches."""
     num_tokens = input_ids.shape[0]
     g, d = spec.group_size, spec.head_dim
     rope = rope_tables(positions, spec.inv_freq())
@@ -243,5 +259,5 @@ def forward(
 
     last = rms_norm(x[logits_indices], params["final_norm"], spec.rms_norm_eps)  # [S, H]
     lm_head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    logits = matmul(last, lm_head)  # f32[S, V]
-    return logits, new_caches
+    logits, greedy = matmul_and_argmax(last, lm_head)  # f32[S, V], i32[S] | None
+    return logits, greedy, new_caches

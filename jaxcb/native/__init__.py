@@ -46,6 +46,8 @@ MATMUL_AVX512_BF16_TARGET = "jaxcb_matmul_avx512_bf16"
 MATMUL_AVX512_F32_TARGET = "jaxcb_matmul_avx512_f32"
 SWIGLU_AVX512_BF16_TARGET = "jaxcb_swiglu_avx512_bf16"
 SWIGLU_AVX512_F32_TARGET = "jaxcb_swiglu_avx512_f32"
+MATMUL_ARGMAX_AVX512_BF16_TARGET = "jaxcb_matmul_argmax_avx512_bf16"
+MATMUL_ARGMAX_AVX512_F32_TARGET = "jaxcb_matmul_argmax_avx512_f32"
 
 
 class NativeBuildError(RuntimeError):
@@ -111,10 +113,12 @@ def _load() -> bool:
     if _AVX512_BF16[0]:
         targets.append((MATMUL_AVX512_BF16_TARGET, lib.JaxcbMatmulBf16Avx512))
         targets.append((SWIGLU_AVX512_BF16_TARGET, lib.JaxcbSwigluBf16Avx512))
+        targets.append((MATMUL_ARGMAX_AVX512_BF16_TARGET, lib.JaxcbMatmulArgmaxBf16Avx512))
     _AVX512[0] = bool(lib.JaxcbAvx512Available())  # built with -mavx512f
     if _AVX512[0]:
         targets.append((MATMUL_AVX512_F32_TARGET, lib.JaxcbMatmulF32Avx512))
         targets.append((SWIGLU_AVX512_F32_TARGET, lib.JaxcbSwigluF32Avx512))
+        targets.append((MATMUL_ARGMAX_AVX512_F32_TARGET, lib.JaxcbMatmulArgmaxF32Avx512))
     for name, symbol in targets:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
     return True
@@ -251,6 +255,47 @@ def matmul_avx512_f32(x: jax.Array, w_packed: jax.Array) -> jax.Array:  # f32[M,
     return _packed_matmul(MATMUL_AVX512_F32_TARGET, x, w_packed)
 
 
+#: Work-item slots of the argmax matmuls' partial results (the kernel uses at most this many
+#: items; more than enough to keep a few cores busy on an LM head).
+ARGMAX_SLOTS = 64
+
+
+def _packed_matmul_argmax(
+    target: str, x: jax.Array, w_packed: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    _load()
+    m, n = x.shape[0], w_packed.shape[0] * 16
+    call = jax.ffi.ffi_call(
+        target,
+        (
+            jax.ShapeDtypeStruct((m, n), jnp.float32),
+            jax.ShapeDtypeStruct((m, ARGMAX_SLOTS), jnp.float32),
+            jax.ShapeDtypeStruct((m, ARGMAX_SLOTS), jnp.int32),
+        ),
+    )
+    out, best_val, best_idx = call(x.astype(w_packed.dtype), w_packed)
+    # Slots cover increasing column ranges: the first slot holding the row's max holds its
+    # first argmax, as jnp.argmax would pick it.
+    slot = jnp.argmax(best_val, axis=1)
+    return out, jnp.take_along_axis(best_idx, slot[:, None], axis=1)[:, 0]
+
+
+def matmul_argmax_avx512_bf16(
+    x: jax.Array, w_packed: jax.Array
+) -> tuple[jax.Array, jax.Array]:  # (f32[M, N], i32[M])
+    """`matmul_avx512_bf16`, plus the argmax of each output row (first index on ties) taken
+    from the accumulators on the way out: an LM head's greedy tokens without another pass
+    over its [M, vocab] logits."""
+    return _packed_matmul_argmax(MATMUL_ARGMAX_AVX512_BF16_TARGET, x, w_packed)
+
+
+def matmul_argmax_avx512_f32(
+    x: jax.Array, w_packed: jax.Array
+) -> tuple[jax.Array, jax.Array]:  # (f32[M, N], i32[M])
+    """`matmul_argmax_avx512_bf16` for `matmul_avx512_f32`."""
+    return _packed_matmul_argmax(MATMUL_ARGMAX_AVX512_F32_TARGET, x, w_packed)
+
+
 def _packed_swiglu(target: str, x: jax.Array, w_packed: jax.Array) -> jax.Array:
     _load()
     if w_packed.shape[0] % 2:
@@ -281,6 +326,8 @@ class PackedMatmul(NamedTuple):
     isa: str  # what the CPU must have, for errors
     # (x, packed [K, 2 * I] gate_up weight) -> silu(gate) * up, or None (not fused)
     swiglu: Callable[[jax.Array, jax.Array], jax.Array] | None = None
+    # (x, packed weight) -> (x @ w, argmax of each row), or None
+    argmax: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None
 
 
 #: kernels.matmul name -> its kernel, in the order "auto" prefers them
@@ -296,6 +343,7 @@ PACKED_MATMULS = {
         pack_bf16,
         "AVX512-BF16",
         swiglu_avx512_bf16,
+        matmul_argmax_avx512_bf16,
     ),
     "avx512": PackedMatmul(
         matmul_avx512_f32,
@@ -305,5 +353,6 @@ PACKED_MATMULS = {
         pack_f32,
         "AVX-512",
         swiglu_avx512_f32,
+        matmul_argmax_avx512_f32,
     ),
 }

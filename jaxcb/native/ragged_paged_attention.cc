@@ -796,14 +796,23 @@ inline __m512 Swiglu512(__m512 g, __m512 u) {
   return _mm512_mul_ps(_mm512_mul_ps(g, sig), u);
 }
 
+// Running (max, first column holding it) of the rows of a tile, over the columns seen so far:
+// the greedy token of an LM head's rows, taken from the accumulators on the way out.
+struct RowArgmax {
+  float* val;      // [rows of the tile]
+  int32_t* idx;    // [rows of the tile]
+  int64_t col0;    // the tile's first output column
+};
+
 // Micro-tile of MR rows x NR 16-column blocks. Plain: blocks j at w + j * w_stride, written
-// as f32 to out (row stride n). kSwiglu: blocks j < NR/2 are gate columns, j >= NR/2 the
+// as f32 to out (row stride n), and folded into `argmax` if given. kSwiglu: blocks j < NR/2 are gate columns, j >= NR/2 the
 // matching up columns at up_offset bytes further; silu(gate) * up (NR/2 blocks) is written to
 // out in the weights' dtype (bf16 feeds the next matmul as it is).
 template <bool kBf16, bool kSwiglu, int MR, int NR>
 void PackedMicroTile(const char* a, int64_t a_stride, int64_t steps, const char* w,
                      int64_t w_stride, int64_t up_offset, void* out, int64_t n,
-                     const char* prefetch, int64_t prefetch_bytes, bool stream) {
+                     const char* prefetch, int64_t prefetch_bytes, bool stream,
+                     const RowArgmax* argmax) {
   for (int64_t off = 0; off < prefetch_bytes; off += 64) {
     _mm_prefetch(prefetch + off, _MM_HINT_T1);
     if (kSwiglu) _mm_prefetch(prefetch + up_offset + off, _MM_HINT_T1);
@@ -842,6 +851,24 @@ void PackedMicroTile(const char* a, int64_t a_stride, int64_t steps, const char*
     } else {
       for (int i = 0; i < MR; ++i)
         for (int j = 0; j < NR; ++j) _mm512_storeu_ps(o + i * n + 16 * j, acc[i][j]);
+    }
+    if (argmax != nullptr) {
+      for (int i = 0; i < MR; ++i) {
+        __m512 mx = acc[i][0];
+        for (int j = 1; j < NR; ++j) mx = _mm512_max_ps(mx, acc[i][j]);
+        const float best = _mm512_reduce_max_ps(mx);
+        if (best > argmax->val[i]) {  // strictly: an earlier column keeps a tie
+          const __m512 target = _mm512_set1_ps(best);
+          for (int j = 0; j < NR; ++j) {
+            const __mmask16 hit = _mm512_cmp_ps_mask(acc[i][j], target, _CMP_EQ_OQ);
+            if (hit) {
+              argmax->idx[i] = static_cast<int32_t>(argmax->col0 + 16 * j + __builtin_ctz(hit));
+              break;
+            }
+          }
+          argmax->val[i] = best;
+        }
+      }
     }
   } else {
     for (int i = 0; i < MR; ++i) {
@@ -885,9 +912,12 @@ void PackedTile(int64_t rows, int64_t blocks, Args... args) {
 
 // a: [M, K] of 2-byte (bf16) or 4-byte (f32) elements; w: its packed blocks, n_blocks of
 // them. kSwiglu: w is [K, 2 * I] (gate columns, then up), out [M, I] = silu(gate) * up.
+// best_val / best_idx ([M, slots], or null): per row and work item, the largest output and
+// its first column (items cover increasing column ranges; unused slots keep -inf).
 template <bool kBf16, bool kSwiglu>
 void PackedMatmul(ffi::ThreadPool& pool, const char* a, const char* w, void* out, int64_t m,
-                  int64_t k, int64_t n_blocks) {
+                  int64_t k, int64_t n_blocks, float* best_val = nullptr,
+                  int32_t* best_idx = nullptr, int64_t slots = 0) {
   constexpr int64_t kElem = kBf16 ? 2 : 4;
   constexpr int64_t kOutElem = kSwiglu ? kElem : 4;
   const int64_t a_stride = k * kElem, steps = k * kElem / 4;
@@ -899,7 +929,12 @@ void PackedMatmul(ffi::ThreadPool& pool, const char* a, const char* w, void* out
   // Work items: groups of output blocks, in a few contiguous runs per thread; a group's
   // slice of w (K x 64 columns) stays in L2 while the rows of a pass over it.
   const int64_t groups = (out_blocks + kGroup - 1) / kGroup;
-  const int64_t items = std::min<int64_t>(groups, 8 * (pool.num_threads() + 1));
+  int64_t items = std::min<int64_t>(groups, 8 * (pool.num_threads() + 1));
+  if (best_val != nullptr) {
+    items = std::min(items, slots);
+    std::fill(best_val, best_val + m * slots, -std::numeric_limits<float>::infinity());
+    std::fill(best_idx, best_idx + m * slots, 0);
+  }
   // Rows in chunks whose slice of a stays in L2 too (prefill's long batches).
   const int64_t chunk =
       std::max<int64_t>(kPackedMr, (256 * 1024 / a_stride) / kPackedMr * kPackedMr);
@@ -911,6 +946,12 @@ void PackedMatmul(ffi::ThreadPool& pool, const char* a, const char* w, void* out
                       reinterpret_cast<uintptr_t>(out) % 64 == 0;
   ParallelFor(pool, items, [&](int64_t item) {
     const int64_t g0 = groups * item / items, g1 = groups * (item + 1) / items;
+    std::vector<float> row_val;
+    std::vector<int32_t> row_idx;
+    if (best_val != nullptr) {
+      row_val.assign(m, -std::numeric_limits<float>::infinity());
+      row_idx.assign(m, 0);
+    }
     for (int64_t mc = 0; mc < m; mc += chunk) {
       const int64_t mc_end = std::min(mc + chunk, m);
       const int64_t tiles = (mc_end - mc + kPackedMr - 1) / kPackedMr;
@@ -924,15 +965,23 @@ void PackedMatmul(ffi::ThreadPool& pool, const char* a, const char* w, void* out
         const char* next = w + (ob0 + kGroup) * w_stride;
         for (int64_t m0 = mc, t = 0; m0 < mc_end; m0 += kPackedMr, ++t) {
           const int64_t from = std::min(t * part, next_bytes);
+          const RowArgmax argmax{row_val.data() + m0, row_idx.data() + m0, ob0 * 16};
           PackedTile<kBf16, kSwiglu>(
               std::min<int64_t>(kPackedMr, mc_end - m0), kSwiglu ? 2 * blocks : blocks,
               a + m0 * a_stride, a_stride, steps, w + ob0 * w_stride, w_stride, up_offset,
               static_cast<void*>(out_bytes + (m0 * n + ob0 * 16) * kOutElem), n, next + from,
-              std::min(part, next_bytes - from), stream);
+              std::min(part, next_bytes - from), stream,
+              best_val != nullptr ? &argmax : nullptr);
         }
       }
     }
     if (stream) _mm_sfence();
+    if (best_val != nullptr) {
+      for (int64_t r = 0; r < m; ++r) {
+        best_val[r * slots + item] = row_val[r];
+        best_idx[r * slots + item] = row_idx[r];
+      }
+    }
   });
 }
 
@@ -955,6 +1004,34 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<T> a, ffi::Buffer<
   PackedMatmul<kBf16, kSwiglu>(pool, reinterpret_cast<const char*>(a.typed_data()),
                                reinterpret_cast<const char*>(w.typed_data()),
                                out->untyped_data(), ad[0], ad[1], wd[0]);
+  return ffi::Error::Success();
+}
+
+// The plain matmul that also returns, per row, the max and first argmax of each work item's
+// columns ([M, slots] each; the caller reduces over slots).
+template <ffi::DataType T>
+ffi::Error MatmulArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<T> a, ffi::Buffer<T> w,
+                            ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::Buffer<ffi::F32>> best_val,
+                            ffi::Result<ffi::Buffer<ffi::S32>> best_idx) {
+  constexpr bool kBf16 = T == ffi::DataType::BF16;
+  auto ad = a.dimensions();
+  auto wd = w.dimensions();
+  auto bd = best_val->dimensions();
+  const bool ok = kBf16 ? (wd.size() == 4 && wd[2] == 16 && wd[3] == 32)
+                        : (wd.size() == 3 && wd[2] == 16);
+  if (ad.size() != 2 || !ok || wd[1] * (kBf16 ? 32 : 1) != ad[1]) {
+    return ffi::Error::InvalidArgument(kBf16 ? "a must be [M, K] and w [N/16, K/32, 16, 32]"
+                                             : "a must be [M, K] and w [N/16, K, 16]");
+  }
+  if (bd.size() != 2 || bd[0] != ad[0] || bd[1] < 1) {
+    return ffi::Error::InvalidArgument("best_val / best_idx must be [M, slots]");
+  }
+  if (ad[0] == 0) return ffi::Error::Success();
+  PackedMatmul<kBf16, false>(pool, reinterpret_cast<const char*>(a.typed_data()),
+                             reinterpret_cast<const char*>(w.typed_data()), out->untyped_data(),
+                             ad[0], ad[1], wd[0], best_val->typed_data(),
+                             best_idx->typed_data(), bd[1]);
   return ffi::Error::Success();
 }
 #endif  // __AVX512F__
@@ -1008,8 +1085,20 @@ extern "C" int JaxcbAmxAvailable() { return 0; }
                                     .Arg<ffi::Buffer<ffi::DataType::T>>() /* w packed */ \
                                     .Ret<ffi::AnyBuffer>());
 
+// -> f32 [M, N], f32 [M, slots], i32 [M, slots]
+#define JAXCB_MATMUL_ARGMAX(name, T)                                                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (MatmulArgmaxImpl<ffi::DataType::T>),             \
+                                ffi::Ffi::Bind()                                        \
+                                    .Ctx<ffi::ThreadPool>()                             \
+                                    .Arg<ffi::Buffer<ffi::DataType::T>>() /* a [M, K] */ \
+                                    .Arg<ffi::Buffer<ffi::DataType::T>>() /* w packed */ \
+                                    .Ret<ffi::AnyBuffer>()                              \
+                                    .Ret<ffi::Buffer<ffi::F32>>()                       \
+                                    .Ret<ffi::Buffer<ffi::S32>>());
+
 JAXCB_PACKED_MATMUL(JaxcbMatmulF32Avx512, F32, false)    // -> f32 [M, N]
 JAXCB_PACKED_MATMUL(JaxcbSwigluF32Avx512, F32, true)     // -> f32 [M, N / 2]
+JAXCB_MATMUL_ARGMAX(JaxcbMatmulArgmaxF32Avx512, F32)
 extern "C" int JaxcbAvx512Available() { return 1; }
 #else
 extern "C" int JaxcbAvx512Available() { return 0; }
@@ -1018,6 +1107,7 @@ extern "C" int JaxcbAvx512Available() { return 0; }
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 JAXCB_PACKED_MATMUL(JaxcbMatmulBf16Avx512, BF16, false)  // -> f32 [M, N]
 JAXCB_PACKED_MATMUL(JaxcbSwigluBf16Avx512, BF16, true)   // -> bf16 [M, N / 2]
+JAXCB_MATMUL_ARGMAX(JaxcbMatmulArgmaxBf16Avx512, BF16)
 extern "C" int JaxcbAvx512Bf16Available() { return 1; }
 #else
 extern "C" int JaxcbAvx512Bf16Available() { return 0; }

@@ -51,7 +51,7 @@ def step(
         num_seqs=inp.num_seqs,
         slot_mapping=inp.slot_mapping,
     )
-    logits, kv_caches = forward(
+    logits, greedy_ids, kv_caches = forward(
         params,
         state.kv_caches,
         inp.input_ids,
@@ -82,5 +82,6 @@ def step(
         flags=inp.flags,
         penalty_args=penalty_args,
         num_top_logprobs=num_top_logprobs,
+        greedy_ids=greedy_ids,
     )
     return out, logits, DeviceState(kv_caches)

@@ -79,6 +79,31 @@ def test_matmul_matches_xla_dot(kernel, m, k, n):
 
 
 FUSED = [p for p in KERNELS if native.PACKED_MATMULS[p.values[0]].swiglu is not None]
+WITH_ARGMAX = [p for p in KERNELS if native.PACKED_MATMULS[p.values[0]].argmax is not None]
+
+
+@pytest.mark.parametrize("kernel", WITH_ARGMAX)
+@pytest.mark.parametrize("m, k, n", [(1, 32, 16), (7, 64, 48), (70, 32, 32048), (130, 96, 4000)])
+def test_matmul_argmax_is_the_matmul_and_its_row_argmax(kernel, m, k, n):
+    spec = native.PACKED_MATMULS[kernel]
+    rng = np.random.default_rng(m * n)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    packed = jnp.asarray(spec.pack(rng.standard_normal((k, n)).astype(spec.dtype)))
+    out, ids = jax.jit(spec.argmax)(x, packed)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(spec.kernel)(x, packed)))
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(jnp.argmax(out, axis=1)))
+
+
+@pytest.mark.parametrize("kernel", WITH_ARGMAX)
+def test_matmul_argmax_ties_go_to_the_first_column(kernel):
+    spec = native.PACKED_MATMULS[kernel]
+    w = np.zeros((32, 4000), np.float32)
+    w[:, [3000, 100, 2999]] = 1.0  # three equal maxima in different work items
+    x = jnp.ones((5, 32), jnp.float32)
+    _, ids = jax.jit(spec.argmax)(x, jnp.asarray(spec.pack(w.astype(spec.dtype))))
+    assert np.asarray(ids).tolist() == [100] * 5
+    _, ids = jax.jit(spec.argmax)(x, jnp.asarray(spec.pack(np.zeros_like(w).astype(spec.dtype))))
+    assert np.asarray(ids).tolist() == [0] * 5
 
 
 @pytest.mark.parametrize("kernel", FUSED)
