@@ -805,9 +805,10 @@ struct RowArgmax {
 };
 
 // Micro-tile of MR rows x NR 16-column blocks. Plain: blocks j at w + j * w_stride, written
-// as f32 to out (row stride n), and folded into `argmax` if given. kSwiglu: blocks j < NR/2 are gate columns, j >= NR/2 the
-// matching up columns at up_offset bytes further; silu(gate) * up (NR/2 blocks) is written to
-// out in the weights' dtype (bf16 feeds the next matmul as it is).
+// as f32 to out (row stride n; non-temporal if `stream`), and folded into `argmax` if given.
+// kSwiglu: blocks j < NR/2 are gate columns, j >= NR/2 the matching up columns at up_offset
+// bytes further; silu(gate) * up (NR/2 blocks) is written to out in the weights' dtype (bf16
+// feeds the next matmul as it is).
 template <bool kBf16, bool kSwiglu, int MR, int NR>
 void PackedMicroTile(const char* a, int64_t a_stride, int64_t steps, const char* w,
                      int64_t w_stride, int64_t up_offset, void* out, int64_t n,
