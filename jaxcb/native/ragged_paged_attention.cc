@@ -986,15 +986,21 @@ void PackedMatmul(ffi::ThreadPool& pool, const char* a, const char* w, void* out
   });
 }
 
+// a is [M, K]; w is packed from a [K, N] weight (pack_bf16 / pack_f32 layout).
+template <bool kBf16, typename Dims>
+bool PackedShapesOk(const Dims& ad, const Dims& wd) {
+  const bool w_ok = kBf16 ? (wd.size() == 4 && wd[2] == 16 && wd[3] == 32)
+                          : (wd.size() == 3 && wd[2] == 16);
+  return ad.size() == 2 && w_ok && wd[1] * (kBf16 ? 32 : 1) == ad[1];
+}
+
 template <ffi::DataType T, bool kSwiglu>
 ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<T> a, ffi::Buffer<T> w,
                             ffi::Result<ffi::AnyBuffer> out) {
   constexpr bool kBf16 = T == ffi::DataType::BF16;
   auto ad = a.dimensions();
   auto wd = w.dimensions();
-  const bool ok = kBf16 ? (wd.size() == 4 && wd[2] == 16 && wd[3] == 32)
-                        : (wd.size() == 3 && wd[2] == 16);
-  if (ad.size() != 2 || !ok || wd[1] * (kBf16 ? 32 : 1) != ad[1]) {
+  if (!PackedShapesOk<kBf16>(ad, wd)) {
     return ffi::Error::InvalidArgument(kBf16 ? "a must be [M, K] and w [N/16, K/32, 16, 32]"
                                              : "a must be [M, K] and w [N/16, K, 16]");
   }
@@ -1019,9 +1025,7 @@ ffi::Error MatmulArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<T> a, ffi::Buffer<
   auto ad = a.dimensions();
   auto wd = w.dimensions();
   auto bd = best_val->dimensions();
-  const bool ok = kBf16 ? (wd.size() == 4 && wd[2] == 16 && wd[3] == 32)
-                        : (wd.size() == 3 && wd[2] == 16);
-  if (ad.size() != 2 || !ok || wd[1] * (kBf16 ? 32 : 1) != ad[1]) {
+  if (!PackedShapesOk<kBf16>(ad, wd)) {
     return ffi::Error::InvalidArgument(kBf16 ? "a must be [M, K] and w [N/16, K/32, 16, 32]"
                                              : "a must be [M, K] and w [N/16, K, 16]");
   }

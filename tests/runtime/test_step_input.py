@@ -26,6 +26,17 @@ def request(rid: str, prompt: list[int], pages: list[int], params: SamplingParam
     return req
 
 
+def pack(sched, bucket, *, pages_per_seq, max_model_len, top_logprobs):
+    return pack_step_input(
+        sched,
+        bucket,
+        page_size=PAGE,
+        pages_per_seq=pages_per_seq,
+        max_model_len=max_model_len,
+        num_top_logprobs=top_logprobs,
+    )
+
+
 def test_chunks_laid_out_on_the_token_axis():
     greedy = SamplingParams(temperature=0)
     # decoding: 5 prompt tokens + 1 output, the newest (position 5) is fed
@@ -50,14 +61,7 @@ def test_chunks_laid_out_on_the_token_axis():
     sched = SchedulerOutput(
         chunks=[ScheduledChunk(dec, 5, 1), ScheduledChunk(mid, 2, 4), ScheduledChunk(last, 4, 3)]
     )
-    inp = pack_step_input(
-        sched,
-        Bucket(16, 4),
-        page_size=PAGE,
-        pages_per_seq=3,
-        max_model_len=32,
-        num_top_logprobs=5,
-    )
+    inp = pack(sched, Bucket(16, 4), pages_per_seq=3, max_model_len=32, top_logprobs=5)
     np.testing.assert_array_equal(inp.input_ids[:8], [6, 12, 13, 14, 15, 24, 25, 26])
     np.testing.assert_array_equal(inp.positions[:8], [5, 2, 3, 4, 5, 4, 5, 6])
     # slot = page_ids[pos // 4] * 4 + pos % 4
@@ -84,14 +88,7 @@ def test_penalty_rows_carry_each_sequence_history():
     a = request("a", [1, 2, 3], [0], params, seed=0)
     a.append_token(4)
     sched = SchedulerOutput(chunks=[ScheduledChunk(a, 3, 1)])
-    inp = pack_step_input(
-        sched,
-        Bucket(16, 2),
-        page_size=PAGE,
-        pages_per_seq=2,
-        max_model_len=8,
-        num_top_logprobs=0,
-    )
+    inp = pack(sched, Bucket(16, 2), pages_per_seq=2, max_model_len=8, top_logprobs=0)
     assert inp.flags[FLAG_RANDOM] == 1 and inp.flags[FLAG_PENALTY] == 1
     np.testing.assert_array_equal(inp.penalty_tokens, [[1, 2, 3, 4, 0, 0, 0, 0], [0] * 8])
     assert inp.flags[FLAG_TOP_LOGPROBS] == 0
