@@ -136,30 +136,35 @@ def abstract_params(spec: ModelSpec, dtype: Any) -> Params:
 AttentionFn = Callable[..., jax.Array]
 
 
-def matmul(x: jax.Array, w: jax.Array | dict[str, jax.Array]) -> jax.Array:
+def matmul(
+    x: jax.Array, w: jax.Array | dict[str, jax.Array], rows: jax.Array | None = None
+) -> jax.Array:
     """x @ w for a [in, out] weight (float32 result), or a weight packed for a native
-    kernel ({"amx" | "avx512_bf16" | "avx512": packed})."""
+    kernel ({"amx" | "avx512_bf16" | "avx512": packed}). `rows` (i32 scalar): how many
+    leading rows of x are real, the rest a bucket's padding; the native kernels skip the
+    padding and return zeros there, other paths compute it."""
     if isinstance(w, dict):
         from jaxcb import native
 
         ((kernel, packed),) = w.items()
-        return native.PACKED_MATMULS[kernel].kernel(x, packed)
+        return native.PACKED_MATMULS[kernel].kernel(x, packed, rows)
     return dense(x, w.reshape(w.shape[0], -1))
 
 
 def matmul_and_argmax(
-    x: jax.Array, w: jax.Array | dict[str, jax.Array]
+    x: jax.Array, w: jax.Array | dict[str, jax.Array], rows: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array | None]:
-    """`matmul(x, w)` and, when the weight's native kernel takes it from its accumulators on
-    the way out, the argmax of each result row (i32, first index on ties); else None."""
+    """`matmul(x, w, rows)` and, when the weight's native kernel takes it from its
+    accumulators on the way out, the argmax of each result row (i32, first index on ties);
+    else None."""
     if isinstance(w, dict):
         from jaxcb import native
 
         ((kernel, packed),) = w.items()
         argmax = native.PACKED_MATMULS[kernel].argmax
         if argmax is not None:
-            return argmax(x, packed)
-    return matmul(x, w), None
+            return argmax(x, packed, rows)
+    return matmul(x, w, rows), None
 
 
 def packed_swiglu(w: jax.Array | dict[str, jax.Array]) -> Callable[..., jax.Array] | None:
@@ -201,6 +206,11 @@ def forward(
     (i32[S]) when the LM head's kernel computes them on the way (else None), new caches."""
     num_tokens = input_ids.shape[0]
     g, d = spec.group_size, spec.head_dim
+    # Real rows of the token axis and of the sampled rows: the rest is the bucket's padding,
+    # which the native matmuls skip (a 150-token step in a 192 bucket, 5 sequences of a
+    # prefill step in 128 LM-head rows).
+    real_tokens = meta.cu_q_lens[meta.num_seqs[0]]
+    real_seqs = meta.num_seqs[0]
     rope = rope_tables(positions, spec.inv_freq())
     x = params["embed"][input_ids]  # [T, H]
     if x.dtype == jnp.uint16:  # a bf16 table kept as raw bits (see ModelRunner): view rows
@@ -211,7 +221,7 @@ def forward(
     new_caches: KVCache = []
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
-        qkv = matmul(h, layer["wqkv"])  # [H, Hkv, G + 2, D] -> [T, Hkv * (G + 2) * D]
+        qkv = matmul(h, layer["wqkv"], real_tokens)  # [H, Hkv, G + 2, D] -> [T, Hkv * (G + 2) * D]
         qkv = qkv.reshape(num_tokens, spec.num_kv_heads, g + 2, d)  # [T, Hkv, G + 2, D]
         if "bqkv" in layer:
             qkv = qkv + layer["bqkv"].astype(jnp.float32)
@@ -237,16 +247,16 @@ def forward(
             sm_scale=spec.sm_scale,
             sliding_window=spec.sliding_windows[i],
         )  # [T, Hq, D]
-        x = x + matmul(attn.reshape(num_tokens, -1), layer["wo"])
+        x = x + matmul(attn.reshape(num_tokens, -1), layer["wo"], real_tokens)
 
         h = rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
         w = layer["w_gate_up"]  # [H, 2, I]
         swiglu = packed_swiglu(w)
         if swiglu is not None:  # the activation in the matmul's epilogue
-            act = swiglu(h, *w.values())
+            act = swiglu(h, *w.values(), real_tokens)
         else:
             if isinstance(w, dict):  # packed as [H, 2 * I]
-                gate_up = matmul(h, w).reshape(num_tokens, 2, -1)
+                gate_up = matmul(h, w, real_tokens).reshape(num_tokens, 2, -1)
             else:
                 # Gate and up in one matmul, without merging (2, I) into one axis: tensor
                 # parallelism shards I, and a merged 2 * I axis would not be sharded evenly
@@ -255,9 +265,9 @@ def forward(
                     "th,hci->tci", h.astype(w.dtype), w, preferred_element_type=jnp.float32
                 )  # [T, 2, I]
             act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
-        x = x + matmul(act, layer["w_down"])
+        x = x + matmul(act, layer["w_down"], real_tokens)
 
     last = rms_norm(x[logits_indices], params["final_norm"], spec.rms_norm_eps)  # [S, H]
     lm_head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    logits, greedy = matmul_and_argmax(last, lm_head)  # f32[S, V], i32[S] | None
+    logits, greedy = matmul_and_argmax(last, lm_head, real_seqs)  # f32[S, V], i32[S] | None
     return logits, greedy, new_caches

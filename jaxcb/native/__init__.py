@@ -232,27 +232,44 @@ def pack_f32(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(w).reshape(k, n // 16, 16).transpose(1, 0, 2))
 
 
-def _packed_matmul(target: str, x: jax.Array, w_packed: jax.Array) -> jax.Array:
+def _real_rows(x: jax.Array, rows: jax.Array | int | None) -> jax.Array:
+    """i32[1]: how many leading rows of x are real (all of them if None); the AVX-512
+    kernels compute only those and write zeros to the rest (a bucket's padding)."""
+    if rows is None:
+        return jnp.full((1,), x.shape[0], jnp.int32)
+    return jnp.reshape(jnp.asarray(rows, jnp.int32), (1,))
+
+
+def _packed_matmul(
+    target: str, x: jax.Array, w_packed: jax.Array, rows: jax.Array | int | None
+) -> jax.Array:
     _load()
     n = w_packed.shape[0] * 16
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    return call(x.astype(w_packed.dtype), w_packed, _real_rows(x, rows))
+
+
+def matmul_amx(x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:  # f32[M, N]
+    """x [M, K] @ w [K, N] on AMX tiles, w from `pack_bf16`: bfloat16 inputs, float32
+    accumulation and result (like `jnp.dot(x.astype(bf16), w, preferred_element_type=f32)`).
+    Computes every row (`rows` is accepted for the common signature and ignored)."""
+    _load()
+    n = w_packed.shape[0] * 16
+    call = jax.ffi.ffi_call(MATMUL_AMX_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     return call(x.astype(w_packed.dtype), w_packed)
 
 
-def matmul_amx(x: jax.Array, w_packed: jax.Array) -> jax.Array:  # f32[M, N]
-    """x [M, K] @ w [K, N] on AMX tiles, w from `pack_bf16`: bfloat16 inputs, float32
-    accumulation and result (like `jnp.dot(x.astype(bf16), w, preferred_element_type=f32)`)."""
-    return _packed_matmul(MATMUL_AMX_TARGET, x, w_packed)
+def matmul_avx512_bf16(x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:
+    """`matmul_amx`'s contract (f32[M, N]) with AVX512-BF16 dot products (vdpbf16ps) instead
+    of tiles. `rows` (i32 scalar or [1], default M): only the first `rows` rows of x are real;
+    the others are not computed and come out zero."""
+    return _packed_matmul(MATMUL_AVX512_BF16_TARGET, x, w_packed, rows)
 
 
-def matmul_avx512_bf16(x: jax.Array, w_packed: jax.Array) -> jax.Array:  # f32[M, N]
-    """`matmul_amx`'s contract with AVX512-BF16 dot products (vdpbf16ps) instead of tiles."""
-    return _packed_matmul(MATMUL_AVX512_BF16_TARGET, x, w_packed)
-
-
-def matmul_avx512_f32(x: jax.Array, w_packed: jax.Array) -> jax.Array:  # f32[M, N]
-    """x [M, K] @ w [K, N] in float32 with AVX-512 FMAs, w from `pack_f32`."""
-    return _packed_matmul(MATMUL_AVX512_F32_TARGET, x, w_packed)
+def matmul_avx512_f32(x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:
+    """x [M, K] @ w [K, N] in float32 with AVX-512 FMAs, w from `pack_f32` (f32[M, N]);
+    `rows` as for `matmul_avx512_bf16`."""
+    return _packed_matmul(MATMUL_AVX512_F32_TARGET, x, w_packed, rows)
 
 
 #: Work-item slots of the argmax matmuls' partial results (the kernel uses at most this many
@@ -261,7 +278,7 @@ ARGMAX_SLOTS = 64
 
 
 def _packed_matmul_argmax(
-    target: str, x: jax.Array, w_packed: jax.Array
+    target: str, x: jax.Array, w_packed: jax.Array, rows: Any
 ) -> tuple[jax.Array, jax.Array]:
     _load()
     m, n = x.shape[0], w_packed.shape[0] * 16
@@ -273,7 +290,7 @@ def _packed_matmul_argmax(
             jax.ShapeDtypeStruct((m, ARGMAX_SLOTS), jnp.int32),
         ),
     )
-    out, best_val, best_idx = call(x.astype(w_packed.dtype), w_packed)
+    out, best_val, best_idx = call(x.astype(w_packed.dtype), w_packed, _real_rows(x, rows))
     # Slots cover increasing column ranges: the first slot holding the row's max holds its
     # first argmax, as jnp.argmax would pick it.
     slot = jnp.argmax(best_val, axis=1)
@@ -281,53 +298,55 @@ def _packed_matmul_argmax(
 
 
 def matmul_argmax_avx512_bf16(
-    x: jax.Array, w_packed: jax.Array
+    x: jax.Array, w_packed: jax.Array, rows: Any = None
 ) -> tuple[jax.Array, jax.Array]:  # (f32[M, N], i32[M])
     """`matmul_avx512_bf16`, plus the argmax of each output row (first index on ties) taken
     from the accumulators on the way out: an LM head's greedy tokens without another pass
-    over its [M, vocab] logits."""
-    return _packed_matmul_argmax(MATMUL_ARGMAX_AVX512_BF16_TARGET, x, w_packed)
+    over its [M, vocab] logits. Padding rows (past `rows`) get token 0."""
+    return _packed_matmul_argmax(MATMUL_ARGMAX_AVX512_BF16_TARGET, x, w_packed, rows)
 
 
 def matmul_argmax_avx512_f32(
-    x: jax.Array, w_packed: jax.Array
+    x: jax.Array, w_packed: jax.Array, rows: Any = None
 ) -> tuple[jax.Array, jax.Array]:  # (f32[M, N], i32[M])
     """`matmul_argmax_avx512_bf16` for `matmul_avx512_f32`."""
-    return _packed_matmul_argmax(MATMUL_ARGMAX_AVX512_F32_TARGET, x, w_packed)
+    return _packed_matmul_argmax(MATMUL_ARGMAX_AVX512_F32_TARGET, x, w_packed, rows)
 
 
-def _packed_swiglu(target: str, x: jax.Array, w_packed: jax.Array) -> jax.Array:
+def _packed_swiglu(target: str, x: jax.Array, w_packed: jax.Array, rows: Any) -> jax.Array:
     _load()
     if w_packed.shape[0] % 2:
         raise ValueError(f"swiglu needs a [K, 2 * I] weight, I a multiple of 16: {w_packed.shape}")
     i = w_packed.shape[0] * 8
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], i), w_packed.dtype))
-    return call(x.astype(w_packed.dtype), w_packed)
+    return call(x.astype(w_packed.dtype), w_packed, _real_rows(x, rows))
 
 
-def swiglu_avx512_bf16(x: jax.Array, w_packed: jax.Array) -> jax.Array:  # bf16[M, I]
+def swiglu_avx512_bf16(x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:
     """silu(gate) * up for gate_up = x @ w, w [K, 2 * I] (gate columns, then up) from
     `pack_bf16`: the matmul of `matmul_avx512_bf16` with the activation in its epilogue,
-    written in bfloat16 (the input of the down projection)."""
-    return _packed_swiglu(SWIGLU_AVX512_BF16_TARGET, x, w_packed)
+    written in bfloat16 (the input of the down projection), bf16[M, I]; `rows` as there."""
+    return _packed_swiglu(SWIGLU_AVX512_BF16_TARGET, x, w_packed, rows)
 
 
-def swiglu_avx512_f32(x: jax.Array, w_packed: jax.Array) -> jax.Array:  # f32[M, I]
-    """`swiglu_avx512_bf16` in float32, w from `pack_f32`."""
-    return _packed_swiglu(SWIGLU_AVX512_F32_TARGET, x, w_packed)
+def swiglu_avx512_f32(x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:
+    """`swiglu_avx512_bf16` in float32 (f32[M, I]), w from `pack_f32`."""
+    return _packed_swiglu(SWIGLU_AVX512_F32_TARGET, x, w_packed, rows)
 
 
 class PackedMatmul(NamedTuple):
-    kernel: Callable[[jax.Array, jax.Array], jax.Array]  # (x, packed weight) -> f32 result
+    # (x, packed weight, real rows=None) -> f32 result; every kernel takes the real-row count
+    # of x (the rest is a bucket's padding), the AVX-512 ones skip the padding rows.
+    kernel: Callable[..., jax.Array]
     available: Callable[[], bool]  # whether this machine can run it
     dtype: Any  # the weights' dtype it takes
     can_pack: Callable[[tuple[int, ...]], bool]
     pack: Callable[[np.ndarray], np.ndarray]
     isa: str  # what the CPU must have, for errors
-    # (x, packed [K, 2 * I] gate_up weight) -> silu(gate) * up, or None (not fused)
-    swiglu: Callable[[jax.Array, jax.Array], jax.Array] | None = None
-    # (x, packed weight) -> (x @ w, argmax of each row), or None
-    argmax: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None
+    # (x, packed [K, 2 * I] gate_up weight, rows=None) -> silu(gate) * up, or None (not fused)
+    swiglu: Callable[..., jax.Array] | None = None
+    # (x, packed weight, rows=None) -> (x @ w, argmax of each row), or None
+    argmax: Callable[..., tuple[jax.Array, jax.Array]] | None = None
 
 
 #: kernels.matmul name -> its kernel, in the order "auto" prefers them

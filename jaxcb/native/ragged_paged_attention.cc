@@ -994,9 +994,19 @@ bool PackedShapesOk(const Dims& ad, const Dims& wd) {
   return ad.size() == 2 && w_ok && wd[1] * (kBf16 ? 32 : 1) == ad[1];
 }
 
+// The rows of a that are real: `rows` holds the count (the rest of the bucket is padding);
+// out of range means all. Padding rows of the result are zeros: they cost no arithmetic.
+template <typename Dims>
+int64_t RealRows(const Dims& ad, ffi::Buffer<ffi::S32>& rows) {
+  const int64_t m = ad[0];
+  if (rows.element_count() < 1) return m;
+  const int64_t r = rows.typed_data()[0];
+  return r < 0 || r > m ? m : r;
+}
+
 template <ffi::DataType T, bool kSwiglu>
 ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<T> a, ffi::Buffer<T> w,
-                            ffi::Result<ffi::AnyBuffer> out) {
+                            ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> out) {
   constexpr bool kBf16 = T == ffi::DataType::BF16;
   auto ad = a.dimensions();
   auto wd = w.dimensions();
@@ -1007,18 +1017,23 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<T> a, ffi::Buffer<
   if (kSwiglu && wd[0] % 2) {
     return ffi::Error::InvalidArgument("swiglu: w must hold as many up blocks as gate blocks");
   }
-  if (ad[0] == 0) return ffi::Error::Success();
+  const int64_t m = RealRows(ad, rows);
+  const int64_t row_bytes = out->size_bytes() / std::max<int64_t>(ad[0], 1);
+  std::memset(static_cast<char*>(out->untyped_data()) + m * row_bytes, 0,
+              (ad[0] - m) * row_bytes);
+  if (m == 0) return ffi::Error::Success();
   PackedMatmul<kBf16, kSwiglu>(pool, reinterpret_cast<const char*>(a.typed_data()),
                                reinterpret_cast<const char*>(w.typed_data()),
-                               out->untyped_data(), ad[0], ad[1], wd[0]);
+                               out->untyped_data(), m, ad[1], wd[0]);
   return ffi::Error::Success();
 }
 
 // The plain matmul that also returns, per row, the max and first argmax of each work item's
-// columns ([M, slots] each; the caller reduces over slots).
+// columns ([M, slots] each; the caller reduces over slots). Padding rows: zeros, and every
+// slot -inf at column 0.
 template <ffi::DataType T>
 ffi::Error MatmulArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<T> a, ffi::Buffer<T> w,
-                            ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::Buffer<ffi::F32>> best_val,
                             ffi::Result<ffi::Buffer<ffi::S32>> best_idx) {
   constexpr bool kBf16 = T == ffi::DataType::BF16;
@@ -1032,11 +1047,18 @@ ffi::Error MatmulArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<T> a, ffi::Buffer<
   if (bd.size() != 2 || bd[0] != ad[0] || bd[1] < 1) {
     return ffi::Error::InvalidArgument("best_val / best_idx must be [M, slots]");
   }
-  if (ad[0] == 0) return ffi::Error::Success();
+  const int64_t m = RealRows(ad, rows), slots = bd[1];
+  const int64_t row_bytes = out->size_bytes() / std::max<int64_t>(ad[0], 1);
+  std::memset(static_cast<char*>(out->untyped_data()) + m * row_bytes, 0,
+              (ad[0] - m) * row_bytes);
+  std::fill(best_val->typed_data() + m * slots, best_val->typed_data() + ad[0] * slots,
+            -std::numeric_limits<float>::infinity());
+  std::fill(best_idx->typed_data() + m * slots, best_idx->typed_data() + ad[0] * slots, 0);
+  if (m == 0) return ffi::Error::Success();
   PackedMatmul<kBf16, false>(pool, reinterpret_cast<const char*>(a.typed_data()),
                              reinterpret_cast<const char*>(w.typed_data()), out->untyped_data(),
-                             ad[0], ad[1], wd[0], best_val->typed_data(),
-                             best_idx->typed_data(), bd[1]);
+                             m, ad[1], wd[0], best_val->typed_data(), best_idx->typed_data(),
+                             slots);
   return ffi::Error::Success();
 }
 #endif  // __AVX512F__
@@ -1088,6 +1110,7 @@ extern "C" int JaxcbAmxAvailable() { return 0; }
                                     .Ctx<ffi::ThreadPool>()                             \
                                     .Arg<ffi::Buffer<ffi::DataType::T>>() /* a [M, K] */ \
                                     .Arg<ffi::Buffer<ffi::DataType::T>>() /* w packed */ \
+                                    .Arg<ffi::Buffer<ffi::S32>>() /* real rows [1] */    \
                                     .Ret<ffi::AnyBuffer>());
 
 // -> f32 [M, N], f32 [M, slots], i32 [M, slots]
@@ -1097,6 +1120,7 @@ extern "C" int JaxcbAmxAvailable() { return 0; }
                                     .Ctx<ffi::ThreadPool>()                             \
                                     .Arg<ffi::Buffer<ffi::DataType::T>>() /* a [M, K] */ \
                                     .Arg<ffi::Buffer<ffi::DataType::T>>() /* w packed */ \
+                                    .Arg<ffi::Buffer<ffi::S32>>() /* real rows [1] */    \
                                     .Ret<ffi::AnyBuffer>()                              \
                                     .Ret<ffi::Buffer<ffi::F32>>()                       \
                                     .Ret<ffi::Buffer<ffi::S32>>());

@@ -126,6 +126,35 @@ def test_swiglu_matches_xla(kernel, m, k, i):
     )
 
 
+AVX512 = [p for p in KERNELS if p.values[0] != "amx"]  # the kernels that skip padding rows
+
+
+@pytest.mark.parametrize("kernel", AVX512)
+@pytest.mark.parametrize("rows", [0, 5, 13])
+def test_padding_rows_are_skipped_and_zero(kernel, rows):
+    """With `rows` real rows of 13, every entry point returns the full-batch result on those
+    rows (bit for bit: a row's sums do not depend on the others) and zeros past them; the
+    argmax of a padding row is token 0. Out-of-range counts mean all rows."""
+    spec = native.PACKED_MATMULS[kernel]
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((13, 64)), jnp.float32) + 1.0  # no zero rows
+    packed = jnp.asarray(spec.pack(rng.standard_normal((64, 4000)).astype(spec.dtype)))
+    n = jnp.int32(rows)
+    for fn in (spec.kernel, spec.swiglu):
+        full, got = np.asarray(jax.jit(fn)(x, packed)), np.asarray(jax.jit(fn)(x, packed, n))
+        np.testing.assert_array_equal(got[:rows], full[:rows])
+        assert not got[rows:].any() and full[rows:].all()
+    out, ids = jax.jit(spec.argmax)(x, packed, n)
+    full_out, full_ids = jax.jit(spec.argmax)(x, packed)
+    np.testing.assert_array_equal(np.asarray(out)[:rows], np.asarray(full_out)[:rows])
+    assert np.asarray(ids).tolist() == np.asarray(full_ids)[:rows].tolist() + [0] * (13 - rows)
+    for out_of_range in (-1, 14):
+        np.testing.assert_array_equal(
+            np.asarray(jax.jit(spec.kernel)(x, packed, jnp.int32(out_of_range))),
+            np.asarray(jax.jit(spec.kernel)(x, packed)),
+        )
+
+
 def test_matmul_backend_choice():
     assert matmul_backend("xla", dtype=jnp.bfloat16, tensor_parallel_size=1) == "xla"
     assert matmul_backend("auto", dtype=jnp.bfloat16, tensor_parallel_size=2) == "xla"
