@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -106,7 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     app = build_app(engine, settings)
     url = server_url(args.host, sock.getsockname()[1])
-    log_startup(engine, settings, url)
+    frozen = freeze_startup_heap()
+    log_startup(engine, settings, url, frozen)
     uv_config = uvicorn.Config(
         app,
         log_config=None,  # our logging format for uvicorn's loggers too
@@ -141,7 +143,19 @@ def server_url(host: str, port: int) -> str:
     return f"http://{shown}:{port}"
 
 
-def log_startup(engine: LLMEngine, settings: ServerSettings, url: str) -> None:
+def freeze_startup_heap() -> int:
+    """Collect once, then move every object alive now (jax, transformers, the engine and the
+    app: ~600k objects on bench-57m) out of the cyclic collector's view; returns how many.
+
+    They live as long as the server. Left in the oldest generation, each full collection
+    walks them all: 250-330 ms here, a stall of every running request (bench-57m bf16 at
+    2 req/s: p99 TTFT 142-264 ms against a mean of 33-37). Refcounting still frees them."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+def log_startup(engine: LLMEngine, settings: ServerSettings, url: str, frozen: int = 0) -> None:
     config = engine.config
     sched = config.scheduler
     tokens = engine.num_pages * engine.page_size
@@ -169,6 +183,7 @@ def log_startup(engine: LLMEngine, settings: ServerSettings, url: str) -> None:
         f"{sched.watermark_pages(engine.num_pages)} pages, at most "
         f"{config.limits.max_waiting_requests} waiting",
         f"  compiled in:  {engine.compile_seconds:.1f} s",
+        f"  gc:           {frozen} start-up objects frozen (full collections skip them)",
         f"  listening on: {url}  (OpenAI base_url {url}/v1)",
         f"  try:          {curl}",
     ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -35,6 +36,14 @@ def test_metrics_parse_with_prometheus_client(server):
     for family in families.values():
         for sample in family.samples:
             assert sample.labels.get("model_name") == MODEL, sample
+
+
+def test_startup_heap_is_frozen_out_of_full_collections(server):
+    """serve.py freezes what start-up built (jax, transformers, the engine), so a full
+    collection while serving does not walk it: the banner says how many objects."""
+    frozen = re.search(r"gc: +(\d+) start-up objects frozen", server.log())
+    assert frozen is not None, server.tail()
+    assert int(frozen.group(1)) > 50_000  # jax and transformers alone hold more
 
 
 def test_counters_move_as_expected(server):
