@@ -7,8 +7,9 @@ They exist to be compared with the real scheduler (`scheduler.batching`: continu
 Both model a *padded batch*: a rectangle of `rows x width` token slots in which every row is one
 request, and every slot a real token does not fill is padding that still costs compute. The
 padding travels in `SchedulerOutput.num_padding_tokens`: the engine picks the bucket for
-real + padding tokens, so the padded work really runs (on padding rows, which write nothing),
-and `stats()` counts it in the padding fraction.
+real + padding tokens, so the padded work really runs (on padding rows, which write nothing;
+the native CPU matmuls, which skip a bucket's rounding, compute them: they are counted in
+`StepInput.num_compute_tokens`), and `stats()` counts it in the padding fraction.
 
 static    a batch of up to `max_num_seqs` requests is formed when the previous one is done.
           Its prompts are left-padded to the longest and prefilled together (in column chunks

@@ -60,6 +60,7 @@ def step(
         meta,
         spec=spec,
         attention=attention,
+        num_compute_tokens=inp.num_compute_tokens,
     )
     for sharding in logits_shardings:
         logits = jax.lax.with_sharding_constraint(logits, sharding)

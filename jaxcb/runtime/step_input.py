@@ -32,6 +32,9 @@ class StepInput:
     kv_lens: np.ndarray  # i32[S]
     page_indices: np.ndarray  # i32[S, W]
     num_seqs: np.ndarray  # i32[1]
+    # i32[1]: token rows the matmuls must compute: the real ones plus a batching baseline's
+    # padding (SchedulerOutput.num_padding_tokens), not the bucket's rounding
+    num_compute_tokens: np.ndarray
     logits_indices: np.ndarray  # i32[S]: the row of each sequence's last token
     # sequence rows (sampling)
     num_prompt_tokens: np.ndarray  # i32[S]
@@ -71,6 +74,7 @@ def empty_step_input(bucket: Bucket, pages_per_seq: int, max_model_len: int) -> 
         kv_lens=np.zeros(s, i32),
         page_indices=np.zeros((s, pages_per_seq), i32),
         num_seqs=np.zeros(1, i32),
+        num_compute_tokens=np.zeros(1, i32),
         logits_indices=np.zeros(s, i32),
         num_prompt_tokens=np.zeros(s, i32),
         temperature=np.zeros(s, f32),
@@ -130,6 +134,7 @@ def pack_step_input(
     inp.kv_lens[:num_seqs] = ends
     inp.logits_indices[:num_seqs] = cu - 1
     inp.num_seqs[0] = num_seqs
+    inp.num_compute_tokens[0] = min(total + sched.num_padding_tokens, bucket.num_tokens)
     inp.num_prompt_tokens[:num_seqs] = [r.num_prompt_tokens for r in reqs]
     inp.sample_counters[:num_seqs] = [len(r.output_token_ids) for r in reqs]
     inp.rng_keys[:num_seqs, 0] = [(r.seed >> 32) & 0xFFFFFFFF for r in reqs]

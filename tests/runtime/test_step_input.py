@@ -72,6 +72,7 @@ def test_chunks_laid_out_on_the_token_axis():
     np.testing.assert_array_equal(inp.logits_indices, [0, 4, 7, 0])
     np.testing.assert_array_equal(inp.page_indices, [[7, 3, 0], [0, 5, 0], [2, 9, 0], [0, 0, 0]])
     assert inp.num_seqs[0] == 3
+    assert inp.num_compute_tokens[0] == 8  # the matmuls skip the bucket's 8 padding rows
     np.testing.assert_array_equal(inp.num_prompt_tokens, [5, 8, 7, 0])
     np.testing.assert_array_equal(inp.sample_counters, [1, 0, 0, 0])
     np.testing.assert_array_equal(inp.rng_keys[:3], [[9, 11], [0, 1], [0, 2]])
@@ -81,6 +82,16 @@ def test_chunks_laid_out_on_the_token_axis():
     assert inp.flags[FLAG_RANDOM] == 0 and inp.flags[FLAG_PENALTY] == 0
     assert inp.flags[FLAG_LOGPROBS] == 1 and inp.flags[FLAG_TOP_LOGPROBS] == 1
     assert inp.penalty_tokens is None
+
+
+def test_a_baselines_batch_padding_is_computed():
+    """Static/dynamic batching's padding is work a padded batch really does: it is counted in
+    the rows the matmuls compute (capped at the bucket); the bucket's rounding is not."""
+    req = request("a", [1, 2, 3], [0], SamplingParams(temperature=0), seed=0)
+    for padding, want in [(0, 3), (5, 8), (40, 16)]:
+        sched = SchedulerOutput(chunks=[ScheduledChunk(req, 0, 3)], num_padding_tokens=padding)
+        inp = pack(sched, Bucket(16, 4), pages_per_seq=2, max_model_len=8, top_logprobs=0)
+        assert inp.num_compute_tokens[0] == want
 
 
 def test_penalty_rows_carry_each_sequence_history():
