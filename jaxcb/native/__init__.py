@@ -240,36 +240,31 @@ def _real_rows(x: jax.Array, rows: jax.Array | int | None) -> jax.Array:
     return jnp.reshape(jnp.asarray(rows, jnp.int32), (1,))
 
 
-def _packed_matmul(
-    target: str, x: jax.Array, w_packed: jax.Array, rows: jax.Array | int | None
-) -> jax.Array:
+def _packed_matmul(target: str, x: jax.Array, w_packed: jax.Array, *extra: jax.Array) -> jax.Array:
     _load()
     n = w_packed.shape[0] * 16
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    return call(x.astype(w_packed.dtype), w_packed, _real_rows(x, rows))
+    return call(x.astype(w_packed.dtype), w_packed, *extra)
 
 
 def matmul_amx(x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:  # f32[M, N]
     """x [M, K] @ w [K, N] on AMX tiles, w from `pack_bf16`: bfloat16 inputs, float32
     accumulation and result (like `jnp.dot(x.astype(bf16), w, preferred_element_type=f32)`).
     Computes every row (`rows` is accepted for the common signature and ignored)."""
-    _load()
-    n = w_packed.shape[0] * 16
-    call = jax.ffi.ffi_call(MATMUL_AMX_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    return call(x.astype(w_packed.dtype), w_packed)
+    return _packed_matmul(MATMUL_AMX_TARGET, x, w_packed)
 
 
 def matmul_avx512_bf16(x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:
     """`matmul_amx`'s contract (f32[M, N]) with AVX512-BF16 dot products (vdpbf16ps) instead
     of tiles. `rows` (i32 scalar or [1], default M): only the first `rows` rows of x are real;
     the others are not computed and come out zero."""
-    return _packed_matmul(MATMUL_AVX512_BF16_TARGET, x, w_packed, rows)
+    return _packed_matmul(MATMUL_AVX512_BF16_TARGET, x, w_packed, _real_rows(x, rows))
 
 
 def matmul_avx512_f32(x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:
     """x [M, K] @ w [K, N] in float32 with AVX-512 FMAs, w from `pack_f32` (f32[M, N]);
     `rows` as for `matmul_avx512_bf16`."""
-    return _packed_matmul(MATMUL_AVX512_F32_TARGET, x, w_packed, rows)
+    return _packed_matmul(MATMUL_AVX512_F32_TARGET, x, w_packed, _real_rows(x, rows))
 
 
 #: Work-item slots of the argmax matmuls' partial results (the kernel uses at most this many

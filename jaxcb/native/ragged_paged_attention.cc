@@ -1004,6 +1004,12 @@ int64_t RealRows(const Dims& ad, ffi::Buffer<ffi::S32>& rows) {
   return r < 0 || r > m ? m : r;
 }
 
+// Rows [m, rows) of a [rows, ...] result are zeros.
+inline void ZeroRowsFrom(ffi::AnyBuffer& out, int64_t rows, int64_t m) {
+  const int64_t row_bytes = out.size_bytes() / std::max<int64_t>(rows, 1);
+  std::memset(static_cast<char*>(out.untyped_data()) + m * row_bytes, 0, (rows - m) * row_bytes);
+}
+
 template <ffi::DataType T, bool kSwiglu>
 ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<T> a, ffi::Buffer<T> w,
                             ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> out) {
@@ -1018,9 +1024,7 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<T> a, ffi::Buffer<
     return ffi::Error::InvalidArgument("swiglu: w must hold as many up blocks as gate blocks");
   }
   const int64_t m = RealRows(ad, rows);
-  const int64_t row_bytes = out->size_bytes() / std::max<int64_t>(ad[0], 1);
-  std::memset(static_cast<char*>(out->untyped_data()) + m * row_bytes, 0,
-              (ad[0] - m) * row_bytes);
+  ZeroRowsFrom(*out, ad[0], m);
   if (m == 0) return ffi::Error::Success();
   PackedMatmul<kBf16, kSwiglu>(pool, reinterpret_cast<const char*>(a.typed_data()),
                                reinterpret_cast<const char*>(w.typed_data()),
@@ -1048,9 +1052,7 @@ ffi::Error MatmulArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<T> a, ffi::Buffer<
     return ffi::Error::InvalidArgument("best_val / best_idx must be [M, slots]");
   }
   const int64_t m = RealRows(ad, rows), slots = bd[1];
-  const int64_t row_bytes = out->size_bytes() / std::max<int64_t>(ad[0], 1);
-  std::memset(static_cast<char*>(out->untyped_data()) + m * row_bytes, 0,
-              (ad[0] - m) * row_bytes);
+  ZeroRowsFrom(*out, ad[0], m);
   std::fill(best_val->typed_data() + m * slots, best_val->typed_data() + ad[0] * slots,
             -std::numeric_limits<float>::infinity());
   std::fill(best_idx->typed_data() + m * slots, best_idx->typed_data() + ad[0] * slots, 0);
