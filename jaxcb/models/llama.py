@@ -201,24 +201,20 @@ def forward(
     *,
     spec: ModelSpec,
     attention: AttentionBackend,
-    num_compute_tokens: jax.Array | None = None,  # i32[1]
+    num_compute_tokens: jax.Array,  # i32[1]
 ) -> tuple[jax.Array, jax.Array | None, KVCache]:
     """One forward pass over a packed ragged batch: f32[S, V] logits, their greedy tokens
     (i32[S]) when the LM head's kernel computes them on the way (else None), new caches.
 
-    The native matmuls compute only the first `num_compute_tokens` token rows (default: the
-    real ones, cu_q_lens[num_seqs]) and the first num_seqs sampled rows; the rest of the
-    bucket is padding and comes out zero. A batching baseline's padding is charged by
-    counting it in `num_compute_tokens`."""
+    The native matmuls compute only the first `num_compute_tokens` token rows (the real ones,
+    plus a batching baseline's padding, which is charged that way) and the first num_seqs
+    sampled rows; the rest of the bucket is padding and comes out zero."""
     num_tokens = input_ids.shape[0]
     g, d = spec.group_size, spec.head_dim
     # Rows of the token axis and of the sampled rows that count: the rest is the bucket's
     # padding, which the native matmuls skip (a 150-token step in a 192 bucket, 5 sequences
     # of a prefill step in 128 LM-head rows).
-    if num_compute_tokens is None:
-        real_tokens = meta.cu_q_lens[meta.num_seqs[0]]
-    else:
-        real_tokens = num_compute_tokens[0]
+    real_tokens = num_compute_tokens[0]
     real_seqs = meta.num_seqs[0]
     rope = rope_tables(positions, spec.inv_freq())
     x = params["embed"][input_ids]  # [T, H]
