@@ -186,10 +186,16 @@ class KernelConfig:
     Matmul path: "amx" (jaxcb's native bf16 kernel on AMX tiles, weights packed at load: CPU,
     bfloat16 weights, no tensor parallelism), "avx512_bf16" (the same with AVX512-BF16 dot
     products, for CPUs without AMX), "avx512" (float32 weights, AVX-512 FMAs), "xla", or
-    "auto" (the first native kernel that can run, else xla)."""
+    "auto" (the first native kernel that can run, else xla).
+
+    greedy_screen: with "avx512" on a CPU that also has AVX512-BF16, steps whose rows are all
+    greedy (no sampling, penalties or logprobs) find each row's token with a bf16 LM head
+    and recompute in float32 only the few columns that could hold its maximum: the same
+    tokens as the float32 LM head at about half its cost (a bf16 copy of lm_head in memory)."""
 
     attention: str = "auto"  # auto | native | xla | pallas | pallas-tpu | pallas-gpu
     matmul: str = "auto"  # auto | amx | avx512_bf16 | avx512 | xla
+    greedy_screen: bool = True
 
     def __post_init__(self) -> None:
         _check_types(self)

@@ -164,6 +164,7 @@ class LLMEngine:
             num_top_logprobs=MAX_TOP_LOGPROBS,
             mesh=mesh,
             pack_matmuls=None if self.matmul_backend == "xla" else self.matmul_backend,
+            greedy_screen=config.kernels.greedy_screen,
         )
         from jaxcb.runtime import compile_cache
 

@@ -12,6 +12,8 @@ Parameter pytree (plain dicts and lists; projections stored as [in, out]):
                  wo [Hq * D, H]; mlp_norm [H]; w_gate_up [H, 2, I]; w_down [I, H]
     final_norm   [H]
     lm_head      [H, V]   (absent when the embeddings are tied)
+    lm_head_screen        (optional, CPU) a bf16 copy of a float32 lm_head and its column
+                 statistics, for exact greedy tokens at bf16 cost (native.pack_argmax_screen)
 
 Grouping q/k/v per KV head makes one matmul for all three and lets tensor parallelism shard
 the KV-head axis without splitting a group.
@@ -202,13 +204,17 @@ def forward(
     spec: ModelSpec,
     attention: AttentionBackend,
     num_compute_tokens: jax.Array,  # i32[1]
+    need_logits: jax.Array,  # bool[]: whether anything but the greedy tokens is read
 ) -> tuple[jax.Array, jax.Array | None, KVCache]:
     """One forward pass over a packed ragged batch: f32[S, V] logits, their greedy tokens
     (i32[S]) when the LM head's kernel computes them on the way (else None), new caches.
 
     The native matmuls compute only the first `num_compute_tokens` token rows (the real ones,
     plus a batching baseline's padding, which is charged that way) and the first num_seqs
-    sampled rows; the rest of the bucket is padding and comes out zero."""
+    sampled rows; the rest of the bucket is padding and comes out zero.
+
+    With an `lm_head_screen` and `need_logits` false, the greedy tokens are exact but the
+    logits only their bf16 screen (see native.matmul_argmax_screened_f32)."""
     num_tokens = input_ids.shape[0]
     g, d = spec.group_size, spec.head_dim
     # Rows of the token axis and of the sampled rows that count: the rest is the bucket's
@@ -274,5 +280,19 @@ def forward(
 
     last = rms_norm(x[logits_indices], params["final_norm"], spec.rms_norm_eps)  # [S, H]
     lm_head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    logits, greedy = matmul_and_argmax(last, lm_head, real_seqs)  # f32[S, V], i32[S] | None
+    if "lm_head_screen" not in params:
+        logits, greedy = matmul_and_argmax(last, lm_head, real_seqs)  # f32[S, V], i32[S] | None
+        return logits, greedy, new_caches
+
+    from jaxcb import native
+
+    def screened(h: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return native.matmul_argmax_screened_f32(
+            h, lm_head["avx512"], params["lm_head_screen"], real_seqs
+        )
+
+    def exact(h: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return native.matmul_argmax_avx512_f32(h, lm_head["avx512"], real_seqs)
+
+    logits, greedy = jax.lax.cond(need_logits, exact, screened, last)
     return logits, greedy, new_caches

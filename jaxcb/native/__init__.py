@@ -48,6 +48,7 @@ SWIGLU_AVX512_BF16_TARGET = "jaxcb_swiglu_avx512_bf16"
 SWIGLU_AVX512_F32_TARGET = "jaxcb_swiglu_avx512_f32"
 MATMUL_ARGMAX_AVX512_BF16_TARGET = "jaxcb_matmul_argmax_avx512_bf16"
 MATMUL_ARGMAX_AVX512_F32_TARGET = "jaxcb_matmul_argmax_avx512_f32"
+MATMUL_ARGMAX_SCREENED_F32_TARGET = "jaxcb_matmul_argmax_screened_f32"
 
 
 class NativeBuildError(RuntimeError):
@@ -114,6 +115,7 @@ def _load() -> bool:
         targets.append((MATMUL_AVX512_BF16_TARGET, lib.JaxcbMatmulBf16Avx512))
         targets.append((SWIGLU_AVX512_BF16_TARGET, lib.JaxcbSwigluBf16Avx512))
         targets.append((MATMUL_ARGMAX_AVX512_BF16_TARGET, lib.JaxcbMatmulArgmaxBf16Avx512))
+        targets.append((MATMUL_ARGMAX_SCREENED_F32_TARGET, lib.JaxcbMatmulArgmaxScreenedF32))
     _AVX512[0] = bool(lib.JaxcbAvx512Available())  # built with -mavx512f
     if _AVX512[0]:
         targets.append((MATMUL_AVX512_F32_TARGET, lib.JaxcbMatmulF32Avx512))
@@ -306,6 +308,57 @@ def matmul_argmax_avx512_f32(
 ) -> tuple[jax.Array, jax.Array]:  # (f32[M, N], i32[M])
     """`matmul_argmax_avx512_bf16` for `matmul_avx512_f32`."""
     return _packed_matmul_argmax(MATMUL_ARGMAX_AVX512_F32_TARGET, x, w_packed, rows)
+
+
+def pack_argmax_screen(w: np.ndarray) -> dict[str, np.ndarray]:
+    """What `matmul_argmax_screened_f32` needs besides `pack_f32(w)` for a [K, N] float32
+    weight: w rounded to bfloat16 in the `pack_bf16` layout, and f32[2, N] column statistics,
+    ||w_j|| and ||bf16(w_j) - w_j|| (2-norms, rounded up), the column factors of the bound on
+    how far a bf16 product can be from the float32 one."""
+    w = np.asarray(w, np.float32)
+    if w.ndim != 2 or not can_pack_bf16(w.shape):
+        raise ValueError(f"cannot screen a {list(w.shape)} weight: K must divide by 32, N by 16")
+    screen = w.astype(jnp.bfloat16)
+    w64 = w.astype(np.float64)
+    norms = np.sqrt(np.einsum("kn,kn->n", w64, w64))
+    diff = screen.astype(np.float64) - w64
+    errors = np.sqrt(np.einsum("kn,kn->n", diff, diff))
+    # Rounded up to float32 (and never 0: the bound also covers subnormals flushed to zero).
+    stats = np.stack([np.maximum(norms, 2.0**-30), errors]) * (1 + 2.0**-20)
+    return {
+        "avx512_bf16": pack_bf16(screen),
+        "screen_stats": np.nextafter(stats.astype(np.float32), np.inf),
+    }
+
+
+def argmax_screen_available() -> bool:
+    """Whether `matmul_argmax_screened_f32` can run (AVX-512 and AVX512-BF16)."""
+    return avx512_available() and avx512_bf16_available()
+
+
+def matmul_argmax_screened_f32(
+    x: jax.Array,  # f32[M, K]
+    w_packed: jax.Array,  # pack_f32(w)
+    screen: dict[str, jax.Array],  # pack_argmax_screen(w)
+    rows: Any = None,
+) -> tuple[jax.Array, jax.Array]:  # (f32[M, N], i32[M])
+    """The greedy tokens of `matmul_argmax_avx512_f32(x, w_packed, rows)`, bit for bit (first
+    index on ties), for about the cost of a bf16 matmul: x @ w in bf16, then only the few
+    columns whose error bound lets them hold a row's maximum recomputed in float32. The first
+    result is the bf16 products, not float32 logits: for callers that need only the tokens."""
+    _load()
+    m, n = x.shape[0], w_packed.shape[0] * 16
+    call = jax.ffi.ffi_call(
+        MATMUL_ARGMAX_SCREENED_F32_TARGET,
+        (jax.ShapeDtypeStruct((m, n), jnp.float32), jax.ShapeDtypeStruct((m,), jnp.int32)),
+    )
+    return call(
+        x.astype(jnp.float32),
+        screen["avx512_bf16"],
+        w_packed,
+        screen["screen_stats"],
+        _real_rows(x, rows),
+    )
 
 
 def _packed_swiglu(target: str, x: jax.Array, w_packed: jax.Array, rows: Any) -> jax.Array:

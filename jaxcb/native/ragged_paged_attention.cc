@@ -1063,6 +1063,122 @@ ffi::Error MatmulArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<T> a, ffi::Buffer<
                              slots);
   return ffi::Error::Success();
 }
+
+#if defined(__AVX512BF16__)
+// The greedy token of each row of a[M, K] x w[K, N] in float32: exactly the argmax of the
+// logits MatmulArgmaxImpl<F32> computes (first column on ties), for about the cost of a bf16
+// matmul. The rows are multiplied once in bf16 (w_screen: w rounded to bf16, pack_bf16
+// layout); every output then lies within a bound of its float32 value,
+//   |bf16 result - f32 result| <= ||a~|| ||w~_j - w_j|| + ||a~ - a|| ||w_j|| + rounding,
+// a~ and w~ the bf16 roundings (col_stats holds ||w_j|| and ||w~_j - w_j||, rounded up). Only
+// the columns whose upper bound reaches the row's best lower bound can hold the argmax
+// (usually one or two of 32000); their 16-column blocks are recomputed in float32, with the
+// FMA sequence of the float32 kernel, so the values compared are bit for bit that kernel's.
+// out gets the bf16-product logits (what a caller reading them sees: a screen, not logits).
+ffi::Error MatmulArgmaxScreenedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
+                                    ffi::Buffer<ffi::BF16> w_screen, ffi::Buffer<ffi::F32> w,
+                                    ffi::Buffer<ffi::F32> col_stats,
+                                    ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> out,
+                                    ffi::Result<ffi::Buffer<ffi::S32>> ids) {
+  auto ad = a.dimensions();
+  auto sd = w_screen.dimensions();
+  auto wd = w.dimensions();
+  auto cd = col_stats.dimensions();
+  if (!PackedShapesOk<true>(ad, sd) || !PackedShapesOk<false>(ad, wd) || sd[0] != wd[0]) {
+    return ffi::Error::InvalidArgument(
+        "a must be [M, K], w_screen [N/16, K/32, 16, 32] and w [N/16, K, 16]");
+  }
+  if (cd.size() != 2 || cd[0] != 2 || cd[1] != wd[0] * 16) {
+    return ffi::Error::InvalidArgument("col_stats must be [2, N]");
+  }
+  const int64_t m = RealRows(ad, rows), k = ad[1], n_blocks = wd[0], n = n_blocks * 16;
+  ZeroRowsFrom(*out, ad[0], m);
+  int32_t* id_data = ids->typed_data();
+  std::fill(id_data + m, id_data + ad[0], 0);
+  if (m == 0) return ffi::Error::Success();
+
+  // a in bf16, and each row's share of the bound.
+  thread_local std::vector<uint16_t> a_bf16;
+  thread_local std::vector<float> row_a, row_b;
+  thread_local std::vector<char> exhaustive;
+  a_bf16.resize(m * k);
+  row_a.resize(m);
+  row_b.resize(m);
+  exhaustive.assign(m, 0);
+  const float* a_data = a.typed_data();
+  // Rounding of the two float32 sums (Higham's gamma_K) plus a margin that covers the float
+  // arithmetic of the bound itself; bf16 dot products flush subnormals (a K * 2^-126 term).
+  const double gamma = k * 0x1p-24 / (1 - k * 0x1p-24) + 0x1p-20, inflate = 1 + 0x1p-10;
+  for (int64_t i = 0; i < m; ++i) {
+    double s_screen = 0, s_diff = 0, s_exact = 0;
+    for (int64_t kk = 0; kk < k; ++kk) {
+      const float x = a_data[i * k + kk];
+      const uint16_t xb = F32ToBf16(x);
+      const double xt = Bf16ToF32(xb);
+      a_bf16[i * k + kk] = xb;
+      s_screen += xt * xt;
+      s_diff += (xt - x) * (xt - x);
+      s_exact += static_cast<double>(x) * x;
+    }
+    const double n_screen = std::sqrt(s_screen), n_exact = std::sqrt(s_exact);
+    row_a[i] = static_cast<float>(n_screen * (1 + gamma) * inflate);
+    row_b[i] = static_cast<float>(
+        (std::sqrt(s_diff) + gamma * (n_screen + n_exact) + k * 0x1p-95) * inflate);
+    // Inf or NaN (or a bound past float's range): every column is a candidate.
+    exhaustive[i] = !std::isfinite(row_a[i]) || !std::isfinite(row_b[i]);
+  }
+
+  float* screen = static_cast<float*>(out->untyped_data());
+  PackedMatmul<true, false>(pool, reinterpret_cast<const char*>(a_bf16.data()),
+                            reinterpret_cast<const char*>(w_screen.typed_data()), screen, m, k,
+                            n_blocks);
+
+  const float *w_data = w.typed_data(), *col_n = col_stats.typed_data(), *col_r = col_n + n;
+  // (The thread-local vectors by pointer: in a worker thread their names are its own.)
+  const float *a_bound = row_a.data(), *b_bound = row_b.data();
+  const char* scan_all = exhaustive.data();
+  ParallelFor(pool, m, [&](int64_t i) {
+    const __m512 ra = _mm512_set1_ps(a_bound[i]), rb = _mm512_set1_ps(b_bound[i]);
+    const float* row = screen + i * n;
+    auto bound = [&](int64_t c) {  // of columns c .. c + 15
+      return _mm512_fmadd_ps(ra, _mm512_loadu_ps(col_r + c),
+                             _mm512_mul_ps(rb, _mm512_loadu_ps(col_n + c)));
+    };
+    // The row's largest lower bound: its argmax in float32 is at least this.
+    __m512 lo = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t c = 0; c < n; c += 16) {
+      lo = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(row + c), bound(c)), lo);  // drops NaN
+    }
+    const __m512 floor = _mm512_set1_ps(_mm512_reduce_max_ps(lo));
+    const float* x = a_data + i * k;
+    float best = -std::numeric_limits<float>::infinity();
+    int32_t best_col = 0;
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      const int64_t c = b * 16;
+      const __m512 upper = _mm512_add_ps(_mm512_loadu_ps(row + c), bound(c));
+      const __mmask16 cand =
+          scan_all[i] ? __mmask16(0xffff) : _mm512_cmp_ps_mask(upper, floor, _CMP_GE_OQ);
+      if (!cand) continue;
+      // The block in float32, as PackedMicroTile<false, ...> sums it: one FMA chain per column.
+      const float* wb = w_data + b * k * 16;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t kk = 0; kk < k; ++kk) {
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(x[kk]), _mm512_loadu_ps(wb + kk * 16), acc);
+      }
+      alignas(64) float exact[16];
+      _mm512_store_ps(exact, acc);
+      for (int lane = 0; lane < 16; ++lane) {
+        if (((cand >> lane) & 1) && exact[lane] > best) {  // strictly: the first column wins a tie
+          best = exact[lane];
+          best_col = static_cast<int32_t>(c + lane);
+        }
+      }
+    }
+    id_data[i] = best_col;
+  });
+  return ffi::Error::Success();
+}
+#endif  // __AVX512BF16__
 #endif  // __AVX512F__
 
 }  // namespace
@@ -1139,6 +1255,16 @@ extern "C" int JaxcbAvx512Available() { return 0; }
 JAXCB_PACKED_MATMUL(JaxcbMatmulBf16Avx512, BF16, false)  // -> f32 [M, N]
 JAXCB_PACKED_MATMUL(JaxcbSwigluBf16Avx512, BF16, true)   // -> bf16 [M, N / 2]
 JAXCB_MATMUL_ARGMAX(JaxcbMatmulArgmaxBf16Avx512, BF16)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbMatmulArgmaxScreenedF32, MatmulArgmaxScreenedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // a [M, K]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_screen (pack_bf16)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w (pack_f32)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // col_stats [2, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // real rows [1]
+                                  .Ret<ffi::AnyBuffer>()          // f32 [M, N] (the screen)
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // i32 [M]
 extern "C" int JaxcbAvx512Bf16Available() { return 1; }
 #else
 extern "C" int JaxcbAvx512Bf16Available() { return 0; }

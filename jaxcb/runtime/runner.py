@@ -52,10 +52,12 @@ class ModelRunner:
         num_top_logprobs: int,
         mesh: jax.sharding.Mesh | None = None,
         pack_matmuls: str | None = None,
+        greedy_screen: bool = True,
     ) -> None:
-        """`pack_matmuls`: a native matmul kernel ("amx" or "avx512_bf16") to run the
-        bfloat16 matmuls on, their weights packed for it (CPU, one device; see
-        `matmul_backend`)."""
+        """`pack_matmuls`: a native matmul kernel ("amx", "avx512_bf16", "avx512") to run
+        the matmuls of its dtype on, their weights packed for it (CPU, one device; see
+        `matmul_backend`). `greedy_screen`: with "avx512", also keep the bf16 screen of the
+        float32 lm_head that finds greedy tokens at bf16 cost (if this CPU has AVX512-BF16)."""
         self.spec = spec
         self.page_size = page_size
         self.pages_per_seq = pages_per_seq
@@ -65,7 +67,7 @@ class ModelRunner:
         attention = sharding.shard_attention(attention, mesh)  # per KV-head shard if tp > 1
         params = _adapt_params_for_backend(params)
         if pack_matmuls:
-            params = _pack_matmul_weights(params, pack_matmuls)
+            params = _pack_matmul_weights(params, pack_matmuls, greedy_screen=greedy_screen)
         rules = sharding.rules_for(spec, tp)
         self.param_shardings = sharding.param_shardings(params, mesh, rules)
         self.params = sharding.shard_params(params, self.param_shardings)
@@ -198,9 +200,10 @@ def matmul_backend(name: str, *, dtype: jnp.dtype, tensor_parallel_size: int) ->
     return name
 
 
-def _pack_matmul_weights(params: Params, kernel: str) -> Params:
+def _pack_matmul_weights(params: Params, kernel: str, *, greedy_screen: bool) -> Params:
     """Each matmul weight of the kernel's dtype whose [in, out] view fits its packed layout
-    becomes {kernel: packed} (models/llama.py sends those to that native kernel)."""
+    becomes {kernel: packed} (models/llama.py sends those to that native kernel); a float32
+    lm_head packed for "avx512" gains its bf16 screen (`greedy_screen`, where it can run)."""
     from jaxcb import native
 
     spec = native.PACKED_MATMULS[kernel]
@@ -218,5 +221,14 @@ def _pack_matmul_weights(params: Params, kernel: str) -> Params:
         for layer in params["layers"]
     ]
     if "lm_head" in params:
-        params["lm_head"] = pack(params["lm_head"])
+        lm_head = np.asarray(params["lm_head"])
+        params["lm_head"] = pack(lm_head)
+        if (
+            greedy_screen
+            and kernel == "avx512"
+            and isinstance(params["lm_head"], dict)
+            and native.can_pack_bf16(lm_head.shape)
+            and native.argmax_screen_available()
+        ):
+            params["lm_head_screen"] = native.pack_argmax_screen(lm_head)
     return params

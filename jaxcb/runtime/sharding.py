@@ -76,6 +76,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "amx": ("packed_tiles",) * 4,
     "avx512_bf16": ("packed_tiles",) * 4,
     "avx512": ("packed_tiles",) * 3,
+    "screen_stats": ("packed_tiles",) * 2,  # lm_head_screen's [2, V] column statistics
 }
 KV_PAGES_AXES = ("kv_heads", "pages", "page_slots", "head_dim")  # [Hkv, P, page_size, D]
 Q_AXES = ("tokens", "q_heads", "head_dim")  # attention's q and output: [T, Hq, D]

@@ -11,7 +11,7 @@ import jax
 
 from jaxcb.models.llama import AttentionBackend, AttentionMetadata, ModelSpec, Params, forward
 from jaxcb.runtime.kv_cache import DeviceState
-from jaxcb.runtime.step_input import StepInput
+from jaxcb.runtime.step_input import FLAG_LOGPROBS, FLAG_PENALTY, FLAG_RANDOM, StepInput
 from jaxcb.sampling import SamplingOutput, sample
 
 #: Incremented each time the step function is traced; tests assert it stays put after warm-up.
@@ -61,6 +61,10 @@ def step(
         spec=spec,
         attention=attention,
         num_compute_tokens=inp.num_compute_tokens,
+        # Random rows, penalties and logprobs read the logits; greedy rows only their argmax.
+        need_logits=(inp.flags[FLAG_RANDOM] > 0)
+        | (inp.flags[FLAG_PENALTY] > 0)
+        | (inp.flags[FLAG_LOGPROBS] > 0),
     )
     for sharding in logits_shardings:
         logits = jax.lax.with_sharding_constraint(logits, sharding)
