@@ -280,19 +280,19 @@ def forward(
 
     last = rms_norm(x[logits_indices], params["final_norm"], spec.rms_norm_eps)  # [S, H]
     lm_head = params["lm_head"] if "lm_head" in params else params["embed"].T
+
+    def exact(h: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        return matmul_and_argmax(h, lm_head, real_seqs)  # f32[S, V], i32[S] | None
+
     if "lm_head_screen" not in params:
-        logits, greedy = matmul_and_argmax(last, lm_head, real_seqs)  # f32[S, V], i32[S] | None
-        return logits, greedy, new_caches
+        return *exact(last), new_caches
 
     from jaxcb import native
 
-    def screened(h: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def screened(h: jax.Array) -> tuple[jax.Array, jax.Array]:  # the same tokens
         return native.matmul_argmax_screened_f32(
             h, lm_head["avx512"], params["lm_head_screen"], real_seqs
         )
-
-    def exact(h: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return native.matmul_argmax_avx512_f32(h, lm_head["avx512"], real_seqs)
 
     logits, greedy = jax.lax.cond(need_logits, exact, screened, last)
     return logits, greedy, new_caches
