@@ -3,9 +3,10 @@ matmuls over weights packed once at load time: bfloat16 on AMX tiles (CPUs with 
 AVX512-BF16 dot products (vdpbf16ps: AMD Zen 4 and later, Intel Cooper Lake and later), and
 float32 with AVX-512 FMAs.
 
-The source ships with the package and is compiled on first use with the system's C++
-compiler into the jaxcb cache directory (keyed by the source, jaxlib version and compiler
-flags), then registered with jax as FFI targets for the CPU platform. If no compiler is
+The sources (attention.cc, matmul.cc, common.h) ship with the package and are compiled on
+first use with the system's C++ compiler into one library in the jaxcb cache directory (keyed
+by the sources, jaxlib version, compiler flags and CPU), then registered with jax as FFI
+targets for the CPU platform. If no compiler is
 available, `available()` is False and the engine uses the pure-XLA path instead.
 """
 
@@ -29,7 +30,9 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("ragged_paged_attention.cc")
+_HERE = Path(__file__).parent
+SOURCES = [_HERE / "attention.cc", _HERE / "matmul.cc"]
+HEADERS = [_HERE / "common.h"]
 FLAGS = [
     "-O3",
     "-march=native",
@@ -77,7 +80,10 @@ def _library_path() -> Path:
     from jaxcb.models.default_model import cache_dir
 
     key = hashlib.sha256(
-        SOURCE.read_bytes() + jax.__version__.encode() + " ".join(FLAGS).encode() + _cpu_signature()
+        b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+        + jax.__version__.encode()
+        + " ".join(FLAGS).encode()
+        + _cpu_signature()
     ).hexdigest()[:16]
     return cache_dir() / "native" / f"jaxcb_cpu_kernels-{key}.so"
 
@@ -89,11 +95,12 @@ def _build(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
+        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(out)]
         logger.info("compiling jaxcb's native CPU kernels: %s", " ".join(cmd))
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
-            raise NativeBuildError(f"compiling {SOURCE.name} failed:\n{result.stderr[-4000:]}")
+            names = ", ".join(p.name for p in SOURCES)
+            raise NativeBuildError(f"compiling {names} failed:\n{result.stderr[-4000:]}")
         os.replace(out, target)  # atomic: concurrent builders are fine
 
 

@@ -1,0 +1,621 @@
+// Matmuls over weights packed once at load time, as XLA FFI handlers for XLA's CPU backend:
+// bf16 on AMX tiles, bf16 with AVX512-BF16 dot products, f32 with AVX-512 FMAs (SiLU * up
+// fused into the gate/up matmul's epilogue, an LM head's greedy argmax taken from its
+// accumulators), and the screened greedy argmax of a float32 LM head. The weight layouts are
+// written by pack_bf16 / pack_f32 / pack_argmax_screen in __init__.py.
+
+#include "common.h"
+
+namespace {
+
+// ---- bf16 matmul on AMX tiles ----------------------------------------------------------
+//
+// out[M, N] (f32) = a[M, K] (bf16) x w[K, N] (bf16), with w packed once at load time into
+// the tile layout the AMX B operand wants (pack_amx in __init__.py): [N/16, K/32, 16, 32],
+// block (n, k) holding rows k*32 .. k*32+31 and columns n*16 .. n*16+15 as 16 rows of
+// (even row, odd row) pairs per column. XLA's own bf16 dots reach about half the AMX peak
+// on the narrow batches of decode steps; here each thread streams its own columns of w once
+// and keeps four 16x16 accumulator tiles (32 rows x 32 columns) busy.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+bool AmxEnabled() {  // Linux hands out AMX state only on request, once per process
+  static const bool enabled = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return enabled;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: accumulators C[i][j] (rows i, columns j of the 32 x 32 block); 4-5: a rows;
+// 6-7: w columns. All 16 rows x 64 bytes.
+void LoadTileConfig() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Columns [16 * nb0, 16 * (nb0 + nbs)) of out, nbs in {1, 2}, for rows [m_begin, m_end)
+// (32-row blocks; `a` is zero-padded to whole blocks and rows past m are dropped).
+void MatmulColumns(const uint16_t* a, int64_t m, int64_t m_begin, int64_t m_end, int64_t k,
+                   const uint16_t* w, int64_t n, int64_t nb0, int64_t nbs, float* out) {
+  const int64_t kb_count = k / 32;
+  const uint16_t* w0 = w + nb0 * kb_count * 512;
+  const uint16_t* w1 = w0 + kb_count * 512;
+  alignas(64) float tail[32 * 32];
+  constexpr int64_t kAhead = 4;  // k-blocks of w requested ahead of use (they stream from DRAM)
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += 32) {
+    const bool lower = m0 + 16 < m;  // rows 16..31 of the block hold any real row
+    const bool first = m0 == m_begin;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint16_t* a0 = a + m0 * k;
+    const uint16_t* a1 = a0 + 16 * k;
+    for (int64_t kb = 0; kb < kb_count; ++kb) {
+      if (first && kb + kAhead < kb_count) {
+        for (int line = 0; line < 1024; line += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(w0 + (kb + kAhead) * 512) + line,
+                       _MM_HINT_T0);
+          if (nbs == 2) {
+            _mm_prefetch(reinterpret_cast<const char*>(w1 + (kb + kAhead) * 512) + line,
+                         _MM_HINT_T0);
+          }
+        }
+      }
+      _tile_loadd(4, a0 + kb * 32, k * 2);
+      _tile_loadd(6, w0 + kb * 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if (lower) {
+        _tile_loadd(5, a1 + kb * 32, k * 2);
+        _tile_dpbf16ps(2, 5, 6);
+      }
+      if (nbs == 2) {
+        _tile_loadd(7, w1 + kb * 512, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        if (lower) _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    const bool whole = m0 + 32 <= m;
+    float* dst = whole ? out + m0 * n + nb0 * 16 : tail;
+    const int64_t ld = whole ? n : 32;
+    _tile_stored(0, dst, ld * 4);
+    if (nbs == 2) _tile_stored(1, dst + 16, ld * 4);
+    if (lower) {
+      _tile_stored(2, dst + 16 * ld, ld * 4);
+      if (nbs == 2) _tile_stored(3, dst + 16 * ld + 16, ld * 4);
+    }
+    if (!whole) {
+      for (int64_t r = 0; m0 + r < m; ++r) {
+        std::memcpy(out + (m0 + r) * n + nb0 * 16, tail + r * 32, nbs * 16 * sizeof(float));
+      }
+    }
+  }
+}
+
+ffi::Error MatmulAmxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a,
+                         ffi::Buffer<ffi::BF16> w, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  auto ad = a.dimensions();
+  auto wd = w.dimensions();
+  if (ad.size() != 2 || wd.size() != 4 || wd[2] != 16 || wd[3] != 32 || wd[1] * 32 != ad[1]) {
+    return ffi::Error::InvalidArgument("a must be [M, K] and w [N/16, K/32, 16, 32]");
+  }
+  if (!AmxEnabled()) return ffi::Error::Internal("the kernel refused AMX state (arch_prctl)");
+  const int64_t m = ad[0], k = ad[1], n = wd[0] * 16, n_blocks = wd[0];
+  if (m == 0) return ffi::Error::Success();
+  const int64_t m_pad = (m + 31) / 32 * 32;
+  const uint16_t* a_data = reinterpret_cast<const uint16_t*>(a.typed_data());
+  thread_local std::vector<uint16_t> padded;  // reused: this runs every step
+  if (m_pad != m) {  // rows of zeros up to a whole 32-row block
+    padded.assign(m_pad * k, 0);
+    std::memcpy(padded.data(), a_data, m * k * sizeof(uint16_t));
+    a_data = padded.data();
+  }
+  const uint16_t* w_data = reinterpret_cast<const uint16_t*>(w.typed_data());
+  float* out_data = out->typed_data();
+  // Work items: pairs of 16-column blocks, in a few contiguous runs per thread.
+  const int64_t pairs = (n_blocks + 1) / 2;
+  const int64_t items = std::min<int64_t>(pairs, 8 * (pool.num_threads() + 1));
+  ParallelFor(pool, items, [&](int64_t item) {
+    const int64_t p0 = pairs * item / items, p1 = pairs * (item + 1) / items;
+    LoadTileConfig();
+    // Rows in chunks whose slice of `a` stays in L2 while the columns stream past it.
+    const int64_t chunk = std::max<int64_t>(32, (256 * 1024 / (k * 2)) / 32 * 32);
+    for (int64_t mc = 0; mc < m_pad; mc += chunk) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t nb0 = 2 * p;
+        MatmulColumns(a_data, m, mc, std::min(mc + chunk, m_pad), k, w_data, n, nb0,
+                      std::min<int64_t>(2, n_blocks - nb0), out_data);
+      }
+    }
+    _tile_release();
+  });
+  return ffi::Error::Success();
+}
+#endif  // AMX
+
+
+// ---- AVX-512 matmuls over packed weights: bf16 (vdpbf16ps) and f32 (FMA) -------------
+//
+// out[M, N] (f32) = a[M, K] x w[K, N], w packed once at load time in 16-column blocks that
+// run contiguous along K, so that each 4-byte step of K is one 64-byte vector of w:
+// - bf16 (pack_bf16, the AMX layout): a step is a k-pair (rows 2p, 2p+1), the vector holds
+//   (even row, odd row) for each of the 16 columns, which vdpbf16ps takes against a
+//   broadcast pair of a (CPUs with AVX512-BF16 but no AMX: AMD Zen 4 and later);
+// - f32 (pack_f32, [N/16, K, 16]): a step is one row k, FMA against a broadcast of a[m, k].
+// A micro-tile keeps kMr x kNr accumulators (rows x 16-column blocks) in registers; XLA's
+// own dots lose a third of that on the narrow batches of decode steps.
+#if defined(__AVX512F__)
+constexpr int kPackedMr = 6, kPackedNr = 4;
+
+// silu(g) * u on 16 lanes: g * sigmoid(g), sigmoid from e = exp(-|g|) <= 1.
+inline __m512 Swiglu512(__m512 g, __m512 u) {
+  const __m512 abs = _mm512_abs_ps(g);
+  const __m512 e = Exp512(_mm512_sub_ps(_mm512_setzero_ps(), abs));
+  const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, abs, _CMP_EQ_OQ), e,
+                                          _mm512_set1_ps(1.0f));  // g >= 0: 1, else e
+  const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+  return _mm512_mul_ps(_mm512_mul_ps(g, sig), u);
+}
+
+// Running (max, first column holding it) of the rows of a tile, over the columns seen so far:
+// the greedy token of an LM head's rows, taken from the accumulators on the way out.
+struct RowArgmax {
+  float* val;      // [rows of the tile]
+  int32_t* idx;    // [rows of the tile]
+  int64_t col0;    // the tile's first output column
+};
+
+// Micro-tile of MR rows x NR 16-column blocks. Plain: blocks j at w + j * w_stride, written
+// as f32 to out (row stride n; non-temporal if `stream`), and folded into `argmax` if given.
+// kSwiglu: blocks j < NR/2 are gate columns, j >= NR/2 the matching up columns at up_offset
+// bytes further; silu(gate) * up (NR/2 blocks) is written to out in the weights' dtype (bf16
+// feeds the next matmul as it is).
+template <bool kBf16, bool kSwiglu, int MR, int NR>
+void PackedMicroTile(const char* a, int64_t a_stride, int64_t steps, const char* w,
+                     int64_t w_stride, int64_t up_offset, void* out, int64_t n,
+                     const char* prefetch, int64_t prefetch_bytes, bool stream,
+                     const RowArgmax* argmax) {
+  for (int64_t off = 0; off < prefetch_bytes; off += 64) {
+    _mm_prefetch(prefetch + off, _MM_HINT_T1);
+    if (kSwiglu) _mm_prefetch(prefetch + up_offset + off, _MM_HINT_T1);
+  }
+  const char* wj[NR];
+  for (int j = 0; j < NR; ++j) {
+    wj[j] = kSwiglu && j >= NR / 2 ? w + up_offset + (j - NR / 2) * w_stride : w + j * w_stride;
+  }
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < steps; ++p) {
+    __m512i b[NR];
+    for (int j = 0; j < NR; ++j) b[j] = _mm512_loadu_si512(wj[j] + p * 64);
+    for (int i = 0; i < MR; ++i) {
+      int32_t bits;
+      std::memcpy(&bits, a + i * a_stride + p * 4, sizeof(bits));
+      const __m512i av = _mm512_set1_epi32(bits);
+      for (int j = 0; j < NR; ++j) {
+        if constexpr (kBf16) {
+#if defined(__AVX512BF16__)
+          acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)av, (__m512bh)b[j]);
+#endif
+        } else {
+          acc[i][j] = _mm512_fmadd_ps(_mm512_castsi512_ps(av), _mm512_castsi512_ps(b[j]),
+                                      acc[i][j]);
+        }
+      }
+    }
+  }
+  if constexpr (!kSwiglu) {
+    float* o = static_cast<float*>(out);
+    if (stream) {
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) _mm512_stream_ps(o + i * n + 16 * j, acc[i][j]);
+    } else {
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) _mm512_storeu_ps(o + i * n + 16 * j, acc[i][j]);
+    }
+    if (argmax != nullptr) {
+      for (int i = 0; i < MR; ++i) {
+        __m512 mx = acc[i][0];
+        for (int j = 1; j < NR; ++j) mx = _mm512_max_ps(mx, acc[i][j]);
+        const float best = _mm512_reduce_max_ps(mx);
+        if (best > argmax->val[i]) {  // strictly: an earlier column keeps a tie
+          const __m512 target = _mm512_set1_ps(best);
+          for (int j = 0; j < NR; ++j) {
+            const __mmask16 hit = _mm512_cmp_ps_mask(acc[i][j], target, _CMP_EQ_OQ);
+            if (hit) {
+              argmax->idx[i] = static_cast<int32_t>(argmax->col0 + 16 * j + __builtin_ctz(hit));
+              break;
+            }
+          }
+          argmax->val[i] = best;
+        }
+      }
+    }
+  } else {
+    for (int i = 0; i < MR; ++i) {
+      for (int j = 0; j < NR / 2; ++j) {
+        const __m512 v = Swiglu512(acc[i][j], acc[i][j + NR / 2]);
+        if constexpr (kBf16) {
+#if defined(__AVX512BF16__)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i * n) +
+                                  j,
+                              (__m256i)_mm512_cvtneps_pbh(v));
+#endif
+        } else {
+          _mm512_storeu_ps(static_cast<float*>(out) + i * n + 16 * j, v);
+        }
+      }
+    }
+  }
+}
+
+template <bool kBf16, bool kSwiglu, int NR, typename... Args>
+void PackedRowsTile(int64_t rows, Args... args) {
+  switch (rows) {
+    case 6: return PackedMicroTile<kBf16, kSwiglu, 6, NR>(args...);
+    case 5: return PackedMicroTile<kBf16, kSwiglu, 5, NR>(args...);
+    case 4: return PackedMicroTile<kBf16, kSwiglu, 4, NR>(args...);
+    case 3: return PackedMicroTile<kBf16, kSwiglu, 3, NR>(args...);
+    case 2: return PackedMicroTile<kBf16, kSwiglu, 2, NR>(args...);
+    default: return PackedMicroTile<kBf16, kSwiglu, 1, NR>(args...);
+  }
+}
+
+template <bool kBf16, bool kSwiglu, typename... Args>
+void PackedTile(int64_t rows, int64_t blocks, Args... args) {
+  if (blocks == 4) return PackedRowsTile<kBf16, kSwiglu, 4>(rows, args...);
+  if (blocks == 2) return PackedRowsTile<kBf16, kSwiglu, 2>(rows, args...);
+  if constexpr (!kSwiglu) {  // fused: gate and up blocks come in pairs
+    if (blocks == 3) return PackedRowsTile<kBf16, kSwiglu, 3>(rows, args...);
+    return PackedRowsTile<kBf16, kSwiglu, 1>(rows, args...);
+  }
+}
+
+// a: [M, K] of 2-byte (bf16) or 4-byte (f32) elements; w: its packed blocks, n_blocks of
+// them. kSwiglu: w is [K, 2 * I] (gate columns, then up), out [M, I] = silu(gate) * up.
+// best_val / best_idx ([M, slots], or null): per row and work item, the largest output and
+// its first column (items cover increasing column ranges; unused slots keep -inf).
+template <bool kBf16, bool kSwiglu>
+void PackedMatmul(ffi::ThreadPool& pool, const char* a, const char* w, void* out, int64_t m,
+                  int64_t k, int64_t n_blocks, float* best_val = nullptr,
+                  int32_t* best_idx = nullptr, int64_t slots = 0) {
+  constexpr int64_t kElem = kBf16 ? 2 : 4;
+  constexpr int64_t kOutElem = kSwiglu ? kElem : 4;
+  const int64_t a_stride = k * kElem, steps = k * kElem / 4;
+  const int64_t w_stride = steps * 64;  // bytes of one 16-column block of w
+  // Output blocks: with kSwiglu, each pairs a gate block with its up block.
+  const int64_t out_blocks = kSwiglu ? n_blocks / 2 : n_blocks, n = out_blocks * 16;
+  const int64_t up_offset = kSwiglu ? out_blocks * w_stride : 0;
+  constexpr int64_t kGroup = kSwiglu ? kPackedNr / 2 : kPackedNr;  // output blocks per tile
+  // Work items: groups of output blocks, in a few contiguous runs per thread; a group's
+  // slice of w (K x 64 columns) stays in L2 while the rows of a pass over it.
+  const int64_t groups = (out_blocks + kGroup - 1) / kGroup;
+  int64_t items = std::min<int64_t>(groups, 8 * (pool.num_threads() + 1));
+  if (best_val != nullptr) {
+    items = std::min(items, slots);
+    std::fill(best_val, best_val + m * slots, -std::numeric_limits<float>::infinity());
+    std::fill(best_idx, best_idx + m * slots, 0);
+  }
+  // Rows in chunks whose slice of a stays in L2 too (prefill's long batches).
+  const int64_t chunk =
+      std::max<int64_t>(kPackedMr, (256 * 1024 / a_stride) / kPackedMr * kPackedMr);
+  char* out_bytes = static_cast<char*>(out);
+  // An output of several MB (the LM head's logits: 16 MB at 128 rows) is written with
+  // non-temporal stores: it leaves the cache by the time it is read anyway, and ordinary
+  // stores would first read every line from DRAM (LM head + argmax 12.3-12.7 -> 11.2-11.4 ms).
+  const bool stream = !kSwiglu && m * n * 4 >= (8 << 20) &&
+                      reinterpret_cast<uintptr_t>(out) % 64 == 0;
+  ParallelFor(pool, items, [&](int64_t item) {
+    const int64_t g0 = groups * item / items, g1 = groups * (item + 1) / items;
+    std::vector<float> row_val;
+    std::vector<int32_t> row_idx;
+    if (best_val != nullptr) {
+      row_val.assign(m, -std::numeric_limits<float>::infinity());
+      row_idx.assign(m, 0);
+    }
+    for (int64_t mc = 0; mc < m; mc += chunk) {
+      const int64_t mc_end = std::min(mc + chunk, m);
+      const int64_t tiles = (mc_end - mc + kPackedMr - 1) / kPackedMr;
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t ob0 = g * kGroup, blocks = std::min<int64_t>(kGroup, out_blocks - ob0);
+        // The next group's slice of w is requested into L2 in equal parts by this group's
+        // row tiles (it streams from DRAM: the weights of a whole model do not fit in L3).
+        const int64_t next_bytes =
+            g + 1 < g1 ? std::min<int64_t>(kGroup, out_blocks - ob0 - kGroup) * w_stride : 0;
+        const int64_t part = (next_bytes / tiles + 63) / 64 * 64;
+        const char* next = w + (ob0 + kGroup) * w_stride;
+        for (int64_t m0 = mc, t = 0; m0 < mc_end; m0 += kPackedMr, ++t) {
+          const int64_t from = std::min(t * part, next_bytes);
+          const RowArgmax argmax{row_val.data() + m0, row_idx.data() + m0, ob0 * 16};
+          PackedTile<kBf16, kSwiglu>(
+              std::min<int64_t>(kPackedMr, mc_end - m0), kSwiglu ? 2 * blocks : blocks,
+              a + m0 * a_stride, a_stride, steps, w + ob0 * w_stride, w_stride, up_offset,
+              static_cast<void*>(out_bytes + (m0 * n + ob0 * 16) * kOutElem), n, next + from,
+              std::min(part, next_bytes - from), stream,
+              best_val != nullptr ? &argmax : nullptr);
+        }
+      }
+    }
+    if (stream) _mm_sfence();
+    if (best_val != nullptr) {
+      for (int64_t r = 0; r < m; ++r) {
+        best_val[r * slots + item] = row_val[r];
+        best_idx[r * slots + item] = row_idx[r];
+      }
+    }
+  });
+}
+
+// a is [M, K]; w is packed from a [K, N] weight (pack_bf16 / pack_f32 layout).
+template <bool kBf16, typename Dims>
+bool PackedShapesOk(const Dims& ad, const Dims& wd) {
+  const bool w_ok = kBf16 ? (wd.size() == 4 && wd[2] == 16 && wd[3] == 32)
+                          : (wd.size() == 3 && wd[2] == 16);
+  return ad.size() == 2 && w_ok && wd[1] * (kBf16 ? 32 : 1) == ad[1];
+}
+
+// The rows of a that are real: `rows` holds the count (the rest of the bucket is padding);
+// out of range means all. Padding rows of the result are zeros: they cost no arithmetic.
+template <typename Dims>
+int64_t RealRows(const Dims& ad, ffi::Buffer<ffi::S32>& rows) {
+  const int64_t m = ad[0];
+  if (rows.element_count() < 1) return m;
+  const int64_t r = rows.typed_data()[0];
+  return r < 0 || r > m ? m : r;
+}
+
+// Rows [m, rows) of a [rows, ...] result are zeros.
+inline void ZeroRowsFrom(ffi::AnyBuffer& out, int64_t rows, int64_t m) {
+  const int64_t row_bytes = out.size_bytes() / std::max<int64_t>(rows, 1);
+  std::memset(static_cast<char*>(out.untyped_data()) + m * row_bytes, 0, (rows - m) * row_bytes);
+}
+
+template <ffi::DataType T, bool kSwiglu>
+ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<T> a, ffi::Buffer<T> w,
+                            ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> out) {
+  constexpr bool kBf16 = T == ffi::DataType::BF16;
+  auto ad = a.dimensions();
+  auto wd = w.dimensions();
+  if (!PackedShapesOk<kBf16>(ad, wd)) {
+    return ffi::Error::InvalidArgument(kBf16 ? "a must be [M, K] and w [N/16, K/32, 16, 32]"
+                                             : "a must be [M, K] and w [N/16, K, 16]");
+  }
+  if (kSwiglu && wd[0] % 2) {
+    return ffi::Error::InvalidArgument("swiglu: w must hold as many up blocks as gate blocks");
+  }
+  const int64_t m = RealRows(ad, rows);
+  ZeroRowsFrom(*out, ad[0], m);
+  if (m == 0) return ffi::Error::Success();
+  PackedMatmul<kBf16, kSwiglu>(pool, reinterpret_cast<const char*>(a.typed_data()),
+                               reinterpret_cast<const char*>(w.typed_data()),
+                               out->untyped_data(), m, ad[1], wd[0]);
+  return ffi::Error::Success();
+}
+
+// The plain matmul that also returns, per row, the max and first argmax of each work item's
+// columns ([M, slots] each; the caller reduces over slots). Padding rows: zeros, and every
+// slot -inf at column 0.
+template <ffi::DataType T>
+ffi::Error MatmulArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<T> a, ffi::Buffer<T> w,
+                            ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::Buffer<ffi::F32>> best_val,
+                            ffi::Result<ffi::Buffer<ffi::S32>> best_idx) {
+  constexpr bool kBf16 = T == ffi::DataType::BF16;
+  auto ad = a.dimensions();
+  auto wd = w.dimensions();
+  auto bd = best_val->dimensions();
+  if (!PackedShapesOk<kBf16>(ad, wd)) {
+    return ffi::Error::InvalidArgument(kBf16 ? "a must be [M, K] and w [N/16, K/32, 16, 32]"
+                                             : "a must be [M, K] and w [N/16, K, 16]");
+  }
+  if (bd.size() != 2 || bd[0] != ad[0] || bd[1] < 1) {
+    return ffi::Error::InvalidArgument("best_val / best_idx must be [M, slots]");
+  }
+  const int64_t m = RealRows(ad, rows), slots = bd[1];
+  ZeroRowsFrom(*out, ad[0], m);
+  std::fill(best_val->typed_data() + m * slots, best_val->typed_data() + ad[0] * slots,
+            -std::numeric_limits<float>::infinity());
+  std::fill(best_idx->typed_data() + m * slots, best_idx->typed_data() + ad[0] * slots, 0);
+  if (m == 0) return ffi::Error::Success();
+  PackedMatmul<kBf16, false>(pool, reinterpret_cast<const char*>(a.typed_data()),
+                             reinterpret_cast<const char*>(w.typed_data()), out->untyped_data(),
+                             m, ad[1], wd[0], best_val->typed_data(), best_idx->typed_data(),
+                             slots);
+  return ffi::Error::Success();
+}
+
+#if defined(__AVX512BF16__)
+// The greedy token of each row of a[M, K] x w[K, N] in float32: exactly the argmax of the
+// logits MatmulArgmaxImpl<F32> computes (first column on ties), for about the cost of a bf16
+// matmul. The rows are multiplied once in bf16 (w_screen: w rounded to bf16, pack_bf16
+// layout); every output then lies within a bound of its float32 value,
+//   |bf16 result - f32 result| <= ||a~|| ||w~_j - w_j|| + ||a~ - a|| ||w_j|| + rounding,
+// a~ and w~ the bf16 roundings (col_stats holds ||w_j|| and ||w~_j - w_j||, rounded up). Only
+// the columns whose upper bound reaches the row's best lower bound can hold the argmax
+// (usually one or two of 32000); their 16-column blocks are recomputed in float32, with the
+// FMA sequence of the float32 kernel, so the values compared are bit for bit that kernel's.
+// out gets the bf16-product logits (what a caller reading them sees: a screen, not logits).
+ffi::Error MatmulArgmaxScreenedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
+                                    ffi::Buffer<ffi::BF16> w_screen, ffi::Buffer<ffi::F32> w,
+                                    ffi::Buffer<ffi::F32> col_stats,
+                                    ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> out,
+                                    ffi::Result<ffi::Buffer<ffi::S32>> ids) {
+  auto ad = a.dimensions();
+  auto sd = w_screen.dimensions();
+  auto wd = w.dimensions();
+  auto cd = col_stats.dimensions();
+  if (!PackedShapesOk<true>(ad, sd) || !PackedShapesOk<false>(ad, wd) || sd[0] != wd[0]) {
+    return ffi::Error::InvalidArgument(
+        "a must be [M, K], w_screen [N/16, K/32, 16, 32] and w [N/16, K, 16]");
+  }
+  if (cd.size() != 2 || cd[0] != 2 || cd[1] != wd[0] * 16) {
+    return ffi::Error::InvalidArgument("col_stats must be [2, N]");
+  }
+  const int64_t m = RealRows(ad, rows), k = ad[1], n_blocks = wd[0], n = n_blocks * 16;
+  ZeroRowsFrom(*out, ad[0], m);
+  int32_t* id_data = ids->typed_data();
+  std::fill(id_data + m, id_data + ad[0], 0);
+  if (m == 0) return ffi::Error::Success();
+
+  // a in bf16, and each row's share of the bound.
+  thread_local std::vector<uint16_t> a_bf16;
+  thread_local std::vector<float> row_a, row_b;
+  thread_local std::vector<char> exhaustive;
+  a_bf16.resize(m * k);
+  row_a.resize(m);
+  row_b.resize(m);
+  exhaustive.assign(m, 0);
+  const float* a_data = a.typed_data();
+  // Rounding of the two float32 sums (Higham's gamma_K) plus a margin that covers the float
+  // arithmetic of the bound itself; bf16 dot products flush subnormals (a K * 2^-126 term).
+  const double gamma = k * 0x1p-24 / (1 - k * 0x1p-24) + 0x1p-20, inflate = 1 + 0x1p-10;
+  for (int64_t i = 0; i < m; ++i) {
+    double s_screen = 0, s_diff = 0, s_exact = 0;
+    for (int64_t kk = 0; kk < k; ++kk) {
+      const float x = a_data[i * k + kk];
+      const uint16_t xb = F32ToBf16(x);
+      const double xt = Bf16ToF32(xb);
+      a_bf16[i * k + kk] = xb;
+      s_screen += xt * xt;
+      s_diff += (xt - x) * (xt - x);
+      s_exact += static_cast<double>(x) * x;
+    }
+    const double n_screen = std::sqrt(s_screen), n_exact = std::sqrt(s_exact);
+    row_a[i] = static_cast<float>(n_screen * (1 + gamma) * inflate);
+    row_b[i] = static_cast<float>(
+        (std::sqrt(s_diff) + gamma * (n_screen + n_exact) + k * 0x1p-95) * inflate);
+    // Inf or NaN (or a bound past float's range): every column is a candidate.
+    exhaustive[i] = !std::isfinite(row_a[i]) || !std::isfinite(row_b[i]);
+  }
+
+  float* screen = static_cast<float*>(out->untyped_data());
+  PackedMatmul<true, false>(pool, reinterpret_cast<const char*>(a_bf16.data()),
+                            reinterpret_cast<const char*>(w_screen.typed_data()), screen, m, k,
+                            n_blocks);
+
+  const float *w_data = w.typed_data(), *col_n = col_stats.typed_data(), *col_r = col_n + n;
+  // (The thread-local vectors by pointer: in a worker thread their names are its own.)
+  const float *a_bound = row_a.data(), *b_bound = row_b.data();
+  const char* scan_all = exhaustive.data();
+  ParallelFor(pool, m, [&](int64_t i) {
+    const __m512 ra = _mm512_set1_ps(a_bound[i]), rb = _mm512_set1_ps(b_bound[i]);
+    const float* row = screen + i * n;
+    auto bound = [&](int64_t c) {  // of columns c .. c + 15
+      return _mm512_fmadd_ps(ra, _mm512_loadu_ps(col_r + c),
+                             _mm512_mul_ps(rb, _mm512_loadu_ps(col_n + c)));
+    };
+    // The row's largest lower bound: its argmax in float32 is at least this.
+    __m512 lo = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t c = 0; c < n; c += 16) {
+      lo = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(row + c), bound(c)), lo);  // drops NaN
+    }
+    const __m512 floor = _mm512_set1_ps(_mm512_reduce_max_ps(lo));
+    const float* x = a_data + i * k;
+    float best = -std::numeric_limits<float>::infinity();
+    int32_t best_col = 0;
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      const int64_t c = b * 16;
+      const __m512 upper = _mm512_add_ps(_mm512_loadu_ps(row + c), bound(c));
+      const __mmask16 cand =
+          scan_all[i] ? __mmask16(0xffff) : _mm512_cmp_ps_mask(upper, floor, _CMP_GE_OQ);
+      if (!cand) continue;
+      // The block in float32, as PackedMicroTile<false, ...> sums it: one FMA chain per column.
+      const float* wb = w_data + b * k * 16;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t kk = 0; kk < k; ++kk) {
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(x[kk]), _mm512_loadu_ps(wb + kk * 16), acc);
+      }
+      alignas(64) float exact[16];
+      _mm512_store_ps(exact, acc);
+      for (int lane = 0; lane < 16; ++lane) {
+        if (((cand >> lane) & 1) && exact[lane] > best) {  // strictly: the first column wins a tie
+          best = exact[lane];
+          best_col = static_cast<int32_t>(c + lane);
+        }
+      }
+    }
+    id_data[i] = best_col;
+  });
+  return ffi::Error::Success();
+}
+#endif  // __AVX512BF16__
+#endif  // __AVX512F__
+
+}  // namespace
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbMatmulAmx, MatmulAmxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // a [M, K]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w packed
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]
+
+extern "C" int JaxcbAmxAvailable() { return AmxEnabled() ? 1 : 0; }
+#else
+extern "C" int JaxcbAmxAvailable() { return 0; }
+#endif
+
+#if defined(__AVX512F__)
+#define JAXCB_PACKED_MATMUL(name, T, swiglu)                                            \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (MatmulPackedImpl<ffi::DataType::T, swiglu>),   \
+                                ffi::Ffi::Bind()                                        \
+                                    .Ctx<ffi::ThreadPool>()                             \
+                                    .Arg<ffi::Buffer<ffi::DataType::T>>() /* a [M, K] */ \
+                                    .Arg<ffi::Buffer<ffi::DataType::T>>() /* w packed */ \
+                                    .Arg<ffi::Buffer<ffi::S32>>() /* real rows [1] */    \
+                                    .Ret<ffi::AnyBuffer>());
+
+// -> f32 [M, N], f32 [M, slots], i32 [M, slots]
+#define JAXCB_MATMUL_ARGMAX(name, T)                                                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (MatmulArgmaxImpl<ffi::DataType::T>),             \
+                                ffi::Ffi::Bind()                                        \
+                                    .Ctx<ffi::ThreadPool>()                             \
+                                    .Arg<ffi::Buffer<ffi::DataType::T>>() /* a [M, K] */ \
+                                    .Arg<ffi::Buffer<ffi::DataType::T>>() /* w packed */ \
+                                    .Arg<ffi::Buffer<ffi::S32>>() /* real rows [1] */    \
+                                    .Ret<ffi::AnyBuffer>()                              \
+                                    .Ret<ffi::Buffer<ffi::F32>>()                       \
+                                    .Ret<ffi::Buffer<ffi::S32>>());
+
+JAXCB_PACKED_MATMUL(JaxcbMatmulF32Avx512, F32, false)    // -> f32 [M, N]
+JAXCB_PACKED_MATMUL(JaxcbSwigluF32Avx512, F32, true)     // -> f32 [M, N / 2]
+JAXCB_MATMUL_ARGMAX(JaxcbMatmulArgmaxF32Avx512, F32)
+extern "C" int JaxcbAvx512Available() { return 1; }
+#else
+extern "C" int JaxcbAvx512Available() { return 0; }
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+JAXCB_PACKED_MATMUL(JaxcbMatmulBf16Avx512, BF16, false)  // -> f32 [M, N]
+JAXCB_PACKED_MATMUL(JaxcbSwigluBf16Avx512, BF16, true)   // -> bf16 [M, N / 2]
+JAXCB_MATMUL_ARGMAX(JaxcbMatmulArgmaxBf16Avx512, BF16)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbMatmulArgmaxScreenedF32, MatmulArgmaxScreenedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // a [M, K]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_screen (pack_bf16)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w (pack_f32)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // col_stats [2, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // real rows [1]
+                                  .Ret<ffi::AnyBuffer>()          // f32 [M, N] (the screen)
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // i32 [M]
+extern "C" int JaxcbAvx512Bf16Available() { return 1; }
+#else
+extern "C" int JaxcbAvx512Bf16Available() { return 0; }
+#endif
