@@ -1,13 +1,13 @@
 """Native CPU kernels (C++, XLA FFI): ragged paged attention, the in-place KV write, and
 matmuls over weights packed once at load time: bfloat16 on AMX tiles (CPUs with AMX) or with
 AVX512-BF16 dot products (vdpbf16ps: AMD Zen 4 and later, Intel Cooper Lake and later), and
-float32 with AVX-512 FMAs.
+float32 with AVX-512 FMAs, whose LM head can also find greedy tokens through a bf16 screen.
 
 The sources (attention.cc, matmul.cc, common.h) ship with the package and are compiled on
 first use with the system's C++ compiler into one library in the jaxcb cache directory (keyed
 by the sources, jaxlib version, compiler flags and CPU), then registered with jax as FFI
-targets for the CPU platform. If no compiler is
-available, `available()` is False and the engine uses the pure-XLA path instead.
+targets for the CPU platform. If no compiler is available, `available()` is False and the
+engine uses the pure-XLA path instead.
 """
 
 from __future__ import annotations
