@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import random_prompts
 
 from jaxcb import LLM, SamplingParams, native
 
@@ -132,8 +133,7 @@ def test_engine_gives_the_same_tokens_with_and_without_the_screen():
     plain = LLM(greedy_screen=False, **config)
     assert "lm_head_screen" in screened.engine.runner.params
     assert "lm_head_screen" not in plain.engine.runner.params
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, 300, size=int(rng.integers(3, 40))).tolist() for _ in range(12)]
+    prompts = random_prompts(12, seed=0, max_len=40, vocab=300)
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     mixed = [
         greedy,
