@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from jaxcb.models.default_model import cache_dir
+from jaxcb.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxcb.paths import cache_dir
+
 logger = logging.getLogger(__name__)
 
 NAME = "jaxcb-tiny-random-llama-v1"
@@ -49,14 +51,6 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-
-
-def cache_dir() -> Path:
-    """$JAXCB_CACHE_DIR, else $XDG_CACHE_HOME/jaxcb, else ~/.cache/jaxcb."""
-    if os.environ.get("JAXCB_CACHE_DIR"):
-        return Path(os.environ["JAXCB_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "jaxcb"
 
 
 def default_model_dir() -> Path:

@@ -1,432 +1,67 @@
-"""Native CPU kernels (C++, XLA FFI): ragged paged attention, the in-place KV write, and
-matmuls over weights packed once at load time: bfloat16 on AMX tiles (CPUs with AMX) or with
-AVX512-BF16 dot products (vdpbf16ps: AMD Zen 4 and later, Intel Cooper Lake and later), and
-float32 with AVX-512 FMAs, whose LM head can also find greedy tokens through a bf16 screen.
+"""jaxcb's native CPU kernels (C++ through XLA FFI): ragged paged attention, the in-place KV
+write, and matmuls over weights packed once at load time (AMX, AVX512-BF16, AVX-512 f32).
 
-The sources (attention.cc, matmul.cc, common.h) ship with the package and are compiled on
-first use with the system's C++ compiler into one library in the jaxcb cache directory (keyed
-by the sources, jaxlib version, compiler flags and CPU), then registered with jax as FFI
-targets for the CPU platform. If no compiler is available, `available()` is False and the
-engine uses the pure-XLA path instead.
+    build.py   compile the sources (attention.cc, matmul.cc, common.h) on first use into one
+               library in the jaxcb cache directory, load it, register its FFI targets, and
+               say which kernels this CPU can run
+    ops.py     the kernels as jax functions, the weight packing, the PACKED_MATMULS table
+
+This package imports nothing from jaxcb but the cache directory (jaxcb.paths): the attention
+choice and the model code call into it, never the other way round.
 """
 
-from __future__ import annotations
+from jaxcb.native.build import (
+    NativeBuildError,
+    amx_available,
+    argmax_screen_available,
+    available,
+    avx512_available,
+    avx512_bf16_available,
+)
+from jaxcb.native.ops import (
+    ARGMAX_SLOTS,
+    PACKED_MATMULS,
+    PackedMatmul,
+    can_pack_bf16,
+    can_pack_f32,
+    matmul_amx,
+    matmul_argmax_avx512_bf16,
+    matmul_argmax_avx512_f32,
+    matmul_argmax_screened_f32,
+    matmul_avx512_bf16,
+    matmul_avx512_f32,
+    pack_argmax_screen,
+    pack_bf16,
+    pack_f32,
+    ragged_paged_attention_native,
+    swiglu_avx512_bf16,
+    swiglu_avx512_f32,
+    write_kv_native,
+)
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any, NamedTuple
-
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-logger = logging.getLogger(__name__)
-
-_HERE = Path(__file__).parent
-SOURCES = [_HERE / "attention.cc", _HERE / "matmul.cc"]
-HEADERS = [_HERE / "common.h"]
-FLAGS = [
-    "-O3",
-    "-march=native",
-    "-fopenmp-simd",
-    "-std=c++17",
-    "-shared",
-    "-fPIC",
-    "-fno-math-errno",
+__all__ = [
+    "ARGMAX_SLOTS",
+    "PACKED_MATMULS",
+    "NativeBuildError",
+    "PackedMatmul",
+    "amx_available",
+    "argmax_screen_available",
+    "available",
+    "avx512_available",
+    "avx512_bf16_available",
+    "can_pack_bf16",
+    "can_pack_f32",
+    "matmul_amx",
+    "matmul_argmax_avx512_bf16",
+    "matmul_argmax_avx512_f32",
+    "matmul_argmax_screened_f32",
+    "matmul_avx512_bf16",
+    "matmul_avx512_f32",
+    "pack_argmax_screen",
+    "pack_bf16",
+    "pack_f32",
+    "ragged_paged_attention_native",
+    "swiglu_avx512_bf16",
+    "swiglu_avx512_f32",
+    "write_kv_native",
 ]
-ATTENTION_TARGET = "jaxcb_ragged_paged_attention"
-KV_WRITE_TARGET = "jaxcb_kv_write"
-MATMUL_AMX_TARGET = "jaxcb_matmul_amx"
-MATMUL_AVX512_BF16_TARGET = "jaxcb_matmul_avx512_bf16"
-MATMUL_AVX512_F32_TARGET = "jaxcb_matmul_avx512_f32"
-SWIGLU_AVX512_BF16_TARGET = "jaxcb_swiglu_avx512_bf16"
-SWIGLU_AVX512_F32_TARGET = "jaxcb_swiglu_avx512_f32"
-MATMUL_ARGMAX_AVX512_BF16_TARGET = "jaxcb_matmul_argmax_avx512_bf16"
-MATMUL_ARGMAX_AVX512_F32_TARGET = "jaxcb_matmul_argmax_avx512_f32"
-MATMUL_ARGMAX_SCREENED_F32_TARGET = "jaxcb_matmul_argmax_screened_f32"
-
-
-class NativeBuildError(RuntimeError):
-    pass
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
-
-
-def _cpu_signature() -> bytes:
-    """What -march=native depends on: a library built for one CPU may not run on another
-    (a cache directory shared between machines)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        import platform
-
-        return platform.processor().encode()
-    return "\n".join(
-        sorted({ln for ln in lines if ln.startswith(("flags", "model name"))})
-    ).encode()
-
-
-def _library_path() -> Path:
-    from jaxcb.models.default_model import cache_dir
-
-    key = hashlib.sha256(
-        b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-        + jax.__version__.encode()
-        + " ".join(FLAGS).encode()
-        + _cpu_signature()
-    ).hexdigest()[:16]
-    return cache_dir() / "native" / f"jaxcb_cpu_kernels-{key}.so"
-
-
-def _build(target: Path) -> None:
-    compiler = _compiler()
-    if compiler is None:
-        raise NativeBuildError("no C++ compiler found (set CXX, or install g++)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(out)]
-        logger.info("compiling jaxcb's native CPU kernels: %s", " ".join(cmd))
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            names = ", ".join(p.name for p in SOURCES)
-            raise NativeBuildError(f"compiling {names} failed:\n{result.stderr[-4000:]}")
-        os.replace(out, target)  # atomic: concurrent builders are fine
-
-
-@functools.cache
-def _load() -> bool:
-    path = _library_path()
-    if not path.is_file():
-        _build(path)
-    lib = ctypes.cdll.LoadLibrary(str(path))
-    targets = [
-        (ATTENTION_TARGET, lib.JaxcbRaggedPagedAttention),
-        (KV_WRITE_TARGET, lib.JaxcbKvWrite),
-    ]
-    _AMX[0] = bool(lib.JaxcbAmxAvailable())  # built with AMX and granted by the kernel
-    if _AMX[0]:
-        targets.append((MATMUL_AMX_TARGET, lib.JaxcbMatmulAmx))
-    _AVX512_BF16[0] = bool(lib.JaxcbAvx512Bf16Available())  # built with -mavx512bf16
-    if _AVX512_BF16[0]:
-        targets.append((MATMUL_AVX512_BF16_TARGET, lib.JaxcbMatmulBf16Avx512))
-        targets.append((SWIGLU_AVX512_BF16_TARGET, lib.JaxcbSwigluBf16Avx512))
-        targets.append((MATMUL_ARGMAX_AVX512_BF16_TARGET, lib.JaxcbMatmulArgmaxBf16Avx512))
-        targets.append((MATMUL_ARGMAX_SCREENED_F32_TARGET, lib.JaxcbMatmulArgmaxScreenedF32))
-    _AVX512[0] = bool(lib.JaxcbAvx512Available())  # built with -mavx512f
-    if _AVX512[0]:
-        targets.append((MATMUL_AVX512_F32_TARGET, lib.JaxcbMatmulF32Avx512))
-        targets.append((SWIGLU_AVX512_F32_TARGET, lib.JaxcbSwigluF32Avx512))
-        targets.append((MATMUL_ARGMAX_AVX512_F32_TARGET, lib.JaxcbMatmulArgmaxF32Avx512))
-    for name, symbol in targets:
-        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
-    return True
-
-
-_AMX = [False]
-_AVX512_BF16 = [False]
-_AVX512 = [False]
-
-
-def available() -> bool:
-    """Whether the kernels are built (building them now if needed) and registered."""
-    try:
-        return _load()
-    except (NativeBuildError, OSError) as exc:
-        logger.warning("native CPU kernels unavailable, using the XLA path: %s", exc)
-        return False
-
-
-def ragged_paged_attention_native(
-    q: jax.Array,  # [T, num_q_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
-    kv_lens: jax.Array,  # i32[S]
-    page_indices: jax.Array,  # i32[S, pages_per_seq]
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[1]
-    *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-) -> jax.Array:  # [T, num_q_heads, head_dim]
-    """Ragged paged attention on CPU (same contract as the jnp reference)."""
-    _load()
-    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(
-        q,
-        k_pages,
-        v_pages,
-        kv_lens.astype(jnp.int32),
-        page_indices.astype(jnp.int32),
-        cu_q_lens.astype(jnp.int32),
-        num_seqs.astype(jnp.int32),
-        sm_scale=np.float32(sm_scale),
-        sliding_window=np.int64(sliding_window or 0),
-        soft_cap=np.float32(soft_cap or 0.0),
-    )
-
-
-def write_kv_native(
-    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
-    k: jax.Array,  # [T, num_kv_heads, head_dim]
-    v: jax.Array,  # [T, num_kv_heads, head_dim]
-    slot_mapping: jax.Array,  # i32[T]
-) -> tuple[jax.Array, jax.Array]:
-    """In-place KV page write on CPU, for float32 and bfloat16 pools alike."""
-    _load()
-    shapes = (
-        jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-        jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
-    )
-    call = jax.ffi.ffi_call(KV_WRITE_TARGET, shapes, input_output_aliases={0: 0, 1: 1})
-    return call(k_pages, v_pages, k, v, slot_mapping.astype(jnp.int32))
-
-
-def amx_available() -> bool:
-    """Whether `matmul_amx` can run: the kernels built, this CPU has AMX (bf16 tiles), and
-    the operating system granted the process its tile state."""
-    return available() and _AMX[0]
-
-
-def avx512_bf16_available() -> bool:
-    """Whether `matmul_avx512_bf16` can run: the kernels built for a CPU with AVX512-BF16."""
-    return available() and _AVX512_BF16[0]
-
-
-def avx512_available() -> bool:
-    """Whether `matmul_avx512_f32` can run: the kernels built for a CPU with AVX-512."""
-    return available() and _AVX512[0]
-
-
-def can_pack_bf16(shape: tuple[int, ...]) -> bool:
-    """Whether a [K, N] weight fits the packed layout: K a multiple of 32, N of 16."""
-    return len(shape) == 2 and shape[0] % 32 == 0 and shape[1] % 16 == 0
-
-
-def pack_bf16(w: np.ndarray) -> np.ndarray:
-    """A [K, N] bfloat16 weight in the packed layout both matmul kernels read (the AMX
-    B-operand layout), [N/16, K/32, 16, 32]: block (n, k) holds rows 32k .. 32k+31 and columns
-    16n .. 16n+15 as 16 rows of 16 (even row, odd row) pairs, one 1 KiB tile; blocks of a
-    column run contiguous along K, so k-pair p of a column block is the 64 bytes at p * 32."""
-    k, n = w.shape
-    if not can_pack_bf16(w.shape):
-        raise ValueError(f"cannot pack a [{k}, {n}] weight: K must divide by 32 and N by 16")
-    blocks = np.asarray(w).reshape(k // 32, 16, 2, n // 16, 16)  # [kb, r, parity, nb, c]
-    return np.ascontiguousarray(blocks.transpose(3, 0, 1, 4, 2)).reshape(n // 16, k // 32, 16, 32)
-
-
-def can_pack_f32(shape: tuple[int, ...]) -> bool:
-    """Whether a [K, N] weight fits `pack_f32`: N a multiple of 16."""
-    return len(shape) == 2 and shape[1] % 16 == 0
-
-
-def pack_f32(w: np.ndarray) -> np.ndarray:
-    """A [K, N] float32 weight as [N/16, K, 16]: 16-column blocks, each contiguous along K
-    (row k of a block is one 64-byte vector)."""
-    k, n = w.shape
-    if not can_pack_f32(w.shape):
-        raise ValueError(f"cannot pack a [{k}, {n}] weight: N must divide by 16")
-    return np.ascontiguousarray(np.asarray(w).reshape(k, n // 16, 16).transpose(1, 0, 2))
-
-
-def _real_rows(x: jax.Array, rows: jax.Array | int | None) -> jax.Array:
-    """i32[1]: how many leading rows of x are real (all of them if None); the AVX-512
-    kernels compute only those and write zeros to the rest (a bucket's padding)."""
-    if rows is None:
-        return jnp.full((1,), x.shape[0], jnp.int32)
-    return jnp.reshape(jnp.asarray(rows, jnp.int32), (1,))
-
-
-def _packed_matmul(target: str, x: jax.Array, w_packed: jax.Array, *extra: jax.Array) -> jax.Array:
-    _load()
-    n = w_packed.shape[0] * 16
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    return call(x.astype(w_packed.dtype), w_packed, *extra)
-
-
-def matmul_amx(x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:  # f32[M, N]
-    """x [M, K] @ w [K, N] on AMX tiles, w from `pack_bf16`: bfloat16 inputs, float32
-    accumulation and result (like `jnp.dot(x.astype(bf16), w, preferred_element_type=f32)`).
-    Computes every row (`rows` is accepted for the common signature and ignored)."""
-    return _packed_matmul(MATMUL_AMX_TARGET, x, w_packed)
-
-
-def matmul_avx512_bf16(x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:
-    """`matmul_amx`'s contract (f32[M, N]) with AVX512-BF16 dot products (vdpbf16ps) instead
-    of tiles. `rows` (i32 scalar or [1], default M): only the first `rows` rows of x are real;
-    the others are not computed and come out zero."""
-    return _packed_matmul(MATMUL_AVX512_BF16_TARGET, x, w_packed, _real_rows(x, rows))
-
-
-def matmul_avx512_f32(x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:
-    """x [M, K] @ w [K, N] in float32 with AVX-512 FMAs, w from `pack_f32` (f32[M, N]);
-    `rows` as for `matmul_avx512_bf16`."""
-    return _packed_matmul(MATMUL_AVX512_F32_TARGET, x, w_packed, _real_rows(x, rows))
-
-
-#: Work-item slots of the argmax matmuls' partial results (the kernel uses at most this many
-#: items; more than enough to keep a few cores busy on an LM head).
-ARGMAX_SLOTS = 64
-
-
-def _packed_matmul_argmax(
-    target: str, x: jax.Array, w_packed: jax.Array, rows: Any
-) -> tuple[jax.Array, jax.Array]:
-    _load()
-    m, n = x.shape[0], w_packed.shape[0] * 16
-    call = jax.ffi.ffi_call(
-        target,
-        (
-            jax.ShapeDtypeStruct((m, n), jnp.float32),
-            jax.ShapeDtypeStruct((m, ARGMAX_SLOTS), jnp.float32),
-            jax.ShapeDtypeStruct((m, ARGMAX_SLOTS), jnp.int32),
-        ),
-    )
-    out, best_val, best_idx = call(x.astype(w_packed.dtype), w_packed, _real_rows(x, rows))
-    # Slots cover increasing column ranges: the first slot holding the row's max holds its
-    # first argmax, as jnp.argmax would pick it.
-    slot = jnp.argmax(best_val, axis=1)
-    return out, jnp.take_along_axis(best_idx, slot[:, None], axis=1)[:, 0]
-
-
-def matmul_argmax_avx512_bf16(
-    x: jax.Array, w_packed: jax.Array, rows: Any = None
-) -> tuple[jax.Array, jax.Array]:  # (f32[M, N], i32[M])
-    """`matmul_avx512_bf16`, plus the argmax of each output row (first index on ties) taken
-    from the accumulators on the way out: an LM head's greedy tokens without another pass
-    over its [M, vocab] logits. Padding rows (past `rows`) get token 0."""
-    return _packed_matmul_argmax(MATMUL_ARGMAX_AVX512_BF16_TARGET, x, w_packed, rows)
-
-
-def matmul_argmax_avx512_f32(
-    x: jax.Array, w_packed: jax.Array, rows: Any = None
-) -> tuple[jax.Array, jax.Array]:  # (f32[M, N], i32[M])
-    """`matmul_argmax_avx512_bf16` for `matmul_avx512_f32`."""
-    return _packed_matmul_argmax(MATMUL_ARGMAX_AVX512_F32_TARGET, x, w_packed, rows)
-
-
-def pack_argmax_screen(w: np.ndarray) -> dict[str, np.ndarray]:
-    """What `matmul_argmax_screened_f32` needs besides `pack_f32(w)` for a [K, N] float32
-    weight: w rounded to bfloat16 in the `pack_bf16` layout, and f32[2, N] column statistics,
-    ||w_j|| and ||bf16(w_j) - w_j|| (2-norms, rounded up), the column factors of the bound on
-    how far a bf16 product can be from the float32 one."""
-    w = np.asarray(w, np.float32)
-    if w.ndim != 2 or not can_pack_bf16(w.shape):
-        raise ValueError(f"cannot screen a {list(w.shape)} weight: K must divide by 32, N by 16")
-    screen = w.astype(jnp.bfloat16)
-    w64 = w.astype(np.float64)
-    norms = np.sqrt(np.einsum("kn,kn->n", w64, w64))
-    diff = screen.astype(np.float64) - w64
-    errors = np.sqrt(np.einsum("kn,kn->n", diff, diff))
-    # Rounded up to float32 (and never 0: the bound also covers subnormals flushed to zero).
-    stats = np.stack([np.maximum(norms, 2.0**-30), errors]) * (1 + 2.0**-20)
-    return {
-        "avx512_bf16": pack_bf16(screen),
-        "screen_stats": np.nextafter(stats.astype(np.float32), np.inf),
-    }
-
-
-def argmax_screen_available() -> bool:
-    """Whether `matmul_argmax_screened_f32` can run (AVX-512 and AVX512-BF16)."""
-    return avx512_available() and avx512_bf16_available()
-
-
-def matmul_argmax_screened_f32(
-    x: jax.Array,  # f32[M, K]
-    w_packed: jax.Array,  # pack_f32(w)
-    screen: dict[str, jax.Array],  # pack_argmax_screen(w)
-    rows: Any = None,
-) -> tuple[jax.Array, jax.Array]:  # (f32[M, N], i32[M])
-    """The greedy tokens of `matmul_argmax_avx512_f32(x, w_packed, rows)`, bit for bit (first
-    index on ties), for about the cost of a bf16 matmul: x @ w in bf16, then only the few
-    columns whose error bound lets them hold a row's maximum recomputed in float32. The first
-    result is the bf16 products, not float32 logits: for callers that need only the tokens."""
-    _load()
-    m, n = x.shape[0], w_packed.shape[0] * 16
-    call = jax.ffi.ffi_call(
-        MATMUL_ARGMAX_SCREENED_F32_TARGET,
-        (jax.ShapeDtypeStruct((m, n), jnp.float32), jax.ShapeDtypeStruct((m,), jnp.int32)),
-    )
-    return call(
-        x.astype(jnp.float32),
-        screen["avx512_bf16"],
-        w_packed,
-        screen["screen_stats"],
-        _real_rows(x, rows),
-    )
-
-
-def _packed_swiglu(target: str, x: jax.Array, w_packed: jax.Array, rows: Any) -> jax.Array:
-    _load()
-    if w_packed.shape[0] % 2:
-        raise ValueError(f"swiglu needs a [K, 2 * I] weight, I a multiple of 16: {w_packed.shape}")
-    i = w_packed.shape[0] * 8
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], i), w_packed.dtype))
-    return call(x.astype(w_packed.dtype), w_packed, _real_rows(x, rows))
-
-
-def swiglu_avx512_bf16(x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:
-    """silu(gate) * up for gate_up = x @ w, w [K, 2 * I] (gate columns, then up) from
-    `pack_bf16`: the matmul of `matmul_avx512_bf16` with the activation in its epilogue,
-    written in bfloat16 (the input of the down projection), bf16[M, I]; `rows` as there."""
-    return _packed_swiglu(SWIGLU_AVX512_BF16_TARGET, x, w_packed, rows)
-
-
-def swiglu_avx512_f32(x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:
-    """`swiglu_avx512_bf16` in float32 (f32[M, I]), w from `pack_f32`."""
-    return _packed_swiglu(SWIGLU_AVX512_F32_TARGET, x, w_packed, rows)
-
-
-class PackedMatmul(NamedTuple):
-    # (x, packed weight, real rows=None) -> f32 result; every kernel takes the real-row count
-    # of x (the rest is a bucket's padding), the AVX-512 ones skip the padding rows.
-    kernel: Callable[..., jax.Array]
-    available: Callable[[], bool]  # whether this machine can run it
-    dtype: Any  # the weights' dtype it takes
-    can_pack: Callable[[tuple[int, ...]], bool]
-    pack: Callable[[np.ndarray], np.ndarray]
-    isa: str  # what the CPU must have, for errors
-    # (x, packed [K, 2 * I] gate_up weight, rows=None) -> silu(gate) * up, or None (not fused)
-    swiglu: Callable[..., jax.Array] | None = None
-    # (x, packed weight, rows=None) -> (x @ w, argmax of each row), or None
-    argmax: Callable[..., tuple[jax.Array, jax.Array]] | None = None
-
-
-#: kernels.matmul name -> its kernel, in the order "auto" prefers them
-PACKED_MATMULS = {
-    "amx": PackedMatmul(
-        matmul_amx, amx_available, jnp.bfloat16, can_pack_bf16, pack_bf16, "AMX (bf16 tiles)"
-    ),
-    "avx512_bf16": PackedMatmul(
-        matmul_avx512_bf16,
-        avx512_bf16_available,
-        jnp.bfloat16,
-        can_pack_bf16,
-        pack_bf16,
-        "AVX512-BF16",
-        swiglu_avx512_bf16,
-        matmul_argmax_avx512_bf16,
-    ),
-    "avx512": PackedMatmul(
-        matmul_avx512_f32,
-        avx512_available,
-        jnp.float32,
-        can_pack_f32,
-        pack_f32,
-        "AVX-512",
-        swiglu_avx512_f32,
-        matmul_argmax_avx512_f32,
-    ),
-}

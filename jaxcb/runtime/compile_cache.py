@@ -8,6 +8,8 @@ from pathlib import Path
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
+from jaxcb.paths import cache_dir
+
 logger = logging.getLogger(__name__)
 
 STEP_ENTRY_PREFIX = "jit_step-"  # cache files of the step function
@@ -27,15 +29,19 @@ def configure(setting: str) -> Path | None:
             compilation_cache.reset_cache()
         return None
     if setting == "auto":
-        if configured:
-            path = Path(configured)
-        else:
-            from jaxcb.models.default_model import cache_dir
-
-            path = cache_dir() / "xla"
+        path = Path(configured) if configured else cache_dir() / "xla"
     else:
         path = Path(setting).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        logger.warning(
+            "the compilation cache directory %s cannot be created (%s): compiling without a "
+            "persistent cache; set compilation_cache to a writable directory or 'off'",
+            path,
+            exc.strerror or type(exc).__name__,
+        )
+        return None
     if configured != str(path) or jax.config.jax_persistent_cache_min_compile_time_secs != 0:
         jax.config.update("jax_compilation_cache_dir", str(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -135,7 +135,7 @@ def test_engine_falls_back_to_xla_without_a_compiler(monkeypatch):
     def no_compiler():
         raise native.NativeBuildError("no C++ compiler found")
 
-    monkeypatch.setattr(native, "_load", no_compiler)
+    monkeypatch.setattr(native.build, "load", no_compiler)
     assert attention.resolve_backend("auto", platform="cpu") == "xla"
     with pytest.raises(ValueError, match="C\\+\\+ compiler"):
         attention.get_attention_backend("native", platform="cpu")
