@@ -16,7 +16,7 @@ import typing
 from types import UnionType
 from typing import Any
 
-from jaxcb.config import _SECTIONS, EngineConfig, field_type, flat_fields
+from jaxcb.config import SECTIONS, EngineConfig, field_type, flat_fields
 
 _HELP_OVERRIDES = {
     "model": "Hugging Face model directory (config.json + *.safetensors); default: the "
@@ -29,7 +29,7 @@ _HELP_OVERRIDES = {
 def _field_comments() -> dict[str, str]:
     """The trailing `# comment` of each field in config.py, used as --help text."""
     comments: dict[str, str] = {}
-    for cls in (EngineConfig, *_SECTIONS.values()):
+    for cls in (EngineConfig, *SECTIONS.values()):
         for line in inspect.getsource(cls).splitlines():
             m = re.match(r"\s+(\w+): [^=]+=.*#\s*(.+)$", line)
             if m:
@@ -55,7 +55,7 @@ def add_engine_args(parser: argparse.ArgumentParser, taken: set[str] = frozenset
     for name, (section, f) in flat_fields().items():
         if name in taken:
             raise ValueError(f"config field {name!r} clashes with another flag")
-        owner = _SECTIONS[section] if section else EngineConfig
+        owner = SECTIONS[section] if section else EngineConfig
         hint = _unwrap_optional(field_type(f, owner))
         default = f.default if f.default is not dataclasses.MISSING else None
         where = f"{section}.{name}" if section else name
