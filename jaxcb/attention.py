@@ -20,27 +20,26 @@ import logging
 
 import jax
 
-from jaxcb.models.llama import AttentionBackend
+from jaxcb import native
+from jaxcb.config import ATTENTION_BACKENDS
+from jaxcb.models.base import AttentionBackend
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 
 logger = logging.getLogger(__name__)
 
 ACCELERATORS = ("tpu", "gpu", "cuda", "rocm")
-CHOICES = ("auto", "native", "xla", "pallas", "pallas-tpu", "pallas-gpu")
 
 
 def resolve_backend(name: str, platform: str | None = None) -> str:
     """The concrete backend: "native", "xla", "pallas-tpu" or "pallas-gpu"."""
     platform = platform or jax.default_backend()
-    if name not in CHOICES:
-        raise ValueError(f"unknown attention backend {name!r}; valid: {', '.join(CHOICES)}")
-    if name == "auto":
-        if platform in ACCELERATORS:
-            name = "pallas"
-        else:
-            from jaxcb import native
-
-            name = "native" if native.available() else "xla"
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {name!r}; valid: {', '.join(ATTENTION_BACKENDS)}"
+        )
+    if name == "auto":  # (native.available() builds the library: only ask on CPUs)
+        name = "pallas" if platform in ACCELERATORS else _cpu_default()
     if name == "pallas":
         name = "pallas-tpu" if platform == "tpu" else "pallas-gpu"
     if name == "native" and platform in ACCELERATORS:
@@ -51,21 +50,21 @@ def resolve_backend(name: str, platform: str | None = None) -> str:
     return name
 
 
+def _cpu_default() -> str:
+    return "native" if native.available() else "xla"
+
+
 def get_attention_backend(name: str, platform: str | None = None) -> AttentionBackend:
     platform = platform or jax.default_backend()
     backend = resolve_backend(name, platform)
     if backend == "xla":
         return AttentionBackend("xla", ragged_paged_attention_xla)
     if backend == "native":
-        from jaxcb import native
-
         if not native.available():
             raise ValueError("attention='native' needs a C++ compiler (g++ or $CXX)")
         return AttentionBackend(
             "native", native.ragged_paged_attention_native, native.write_kv_native
         )
-    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-
     interpret = platform not in ACCELERATORS
     if interpret:
         logger.warning(

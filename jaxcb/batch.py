@@ -319,7 +319,7 @@ def run_batch(
     source = JsonlSource(input_path)
     prepare = Prepare(
         _own_tokenizer(engine),
-        engine.spec.vocab_size,
+        engine.info.vocab_size,
         dict(defaults or {}),
         base_seed,
         done_ids,
@@ -423,5 +423,5 @@ def _own_tokenizer(engine: Any) -> Any:
         return None
     from jaxcb.models.loader import load_tokenizer
 
-    path = engine.config.tokenizer or engine.model_path
+    path = engine.config.tokenizer or engine.info.model_path
     return load_tokenizer(Path(path))

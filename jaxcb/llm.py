@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxcb.config import EngineConfig
-from jaxcb.engine.replicated import make_engine
 from jaxcb.outputs import RequestOutput
+from jaxcb.runtime.setup import build_engine
 from jaxcb.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -38,7 +38,7 @@ class LLM:
             engine_config = EngineConfig.from_yaml(config, **overrides)
         else:
             engine_config = EngineConfig.from_dict(None, **overrides)
-        self.engine = make_engine(engine_config)  # data_parallel_size > 1: replicas
+        self.engine = build_engine(engine_config)  # data_parallel_size > 1: replicas
         self.config = engine_config
 
     @property

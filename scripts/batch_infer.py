@@ -22,7 +22,7 @@ from pathlib import Path
 
 from jaxcb.batch import run_batch
 from jaxcb.cli import add_engine_args, engine_config_from_args
-from jaxcb.engine.replicated import make_engine
+from jaxcb.runtime.setup import build_engine
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--input {args.input} is not a file")
     try:
         config = engine_config_from_args(args)
-        engine = make_engine(config, compile_progress=not args.no_progress and sys.stderr.isatty())
+        engine = build_engine(config, compile_progress=not args.no_progress and sys.stderr.isatty())
     except ValueError as exc:
         parser.exit(2, f"batch_infer.py: error: {exc}\n")
     max_in_flight = args.max_in_flight or (

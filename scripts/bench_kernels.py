@@ -24,6 +24,7 @@ import pathlib
 import statistics
 import sys
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -132,22 +133,9 @@ def time_fn(fn, inputs, iters: int, warmup: int) -> tuple[float, jax.Array]:
     return statistics.median(times), out
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    platform = jax.default_backend()
-    kernel_backend = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(platform)
-    grid = DEFAULT_GRID["cpu" if kernel_backend is None else "accelerator"]
-    num_seqs_list = [int(x) for x in (args.num_seqs or grid["num_seqs"]).split(",")]
-    kv_lens = [int(x) for x in (args.kv_lens or grid["kv_lens"]).split(",")]
-    args.prefill_chunk = args.prefill_chunk or grid["prefill_chunk"]
-
-    device = jax.devices()[0]
-    print(f"device: {device.device_kind} ({platform}), jax {jax.__version__}, dtype {args.dtype}")
-    if kernel_backend is None:
-        print(
-            "No GPU/TPU: the Pallas kernels run here only in interpret mode, which checks "
-            "correctness and is not worth timing. Timing the CPU paths (xla, native) instead."
-        )
+def attention_impls(args: argparse.Namespace, kernel_backend: str | None) -> dict[str, Any]:
+    """The jitted implementations to time, by name: the reference, then the backend's kernel
+    (GPU/TPU) or the engine's CPU paths ("xla", and "native" where it is built)."""
     attention = dict(
         sm_scale=args.head_dim**-0.5, sliding_window=args.sliding_window, soft_cap=args.soft_cap
     )
@@ -168,6 +156,64 @@ def main(argv: list[str] | None = None) -> int:
             impls["native"] = jax.jit(
                 functools.partial(native.ragged_paged_attention_native, **attention)
             )
+    return impls
+
+
+def bench_point(
+    args: argparse.Namespace,
+    impls: dict[str, Any],
+    mix: str,
+    num_seqs: int,
+    kv_len: int,
+    key: jax.Array,
+) -> list[dict[str, Any]]:
+    """Time every implementation on one (mix, num_seqs, kv_len) point; print and return a
+    record per implementation."""
+    inputs, num_tokens, nbytes, flops = make_inputs(args, mix, num_seqs, kv_len, key)
+    results = {name: time_fn(fn, inputs, args.iters, args.warmup) for name, fn in impls.items()}
+    ref_seconds, ref_out = results["reference"]
+    records = []
+    for name, (seconds, out) in results.items():
+        err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref_out.astype(jnp.float32))))
+        record = dict(
+            mix=mix,
+            num_seqs=num_seqs,
+            num_tokens=num_tokens,
+            kv_len=kv_len,
+            impl=name,
+            ms=seconds * 1e3,
+            gb_per_s=nbytes / seconds / 1e9,
+            tflop_per_s=flops / seconds / 1e12,
+            speedup_vs_reference=ref_seconds / seconds,
+            max_abs_err=err,
+        )
+        records.append(record)
+        print(
+            f"{mix:<8}{num_seqs:>6}{num_tokens:>7}{kv_len:>8}  {name:<10}"
+            f"{record['ms']:>9.3f}{record['gb_per_s']:>9.2f}"
+            f"{record['tflop_per_s']:>9.4f}{record['speedup_vs_reference']:>9.2f}"
+            f"{err:>10.2e}"
+        )
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    platform = jax.default_backend()
+    kernel_backend = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(platform)
+    grid = DEFAULT_GRID["cpu" if kernel_backend is None else "accelerator"]
+    num_seqs_list = [int(x) for x in (args.num_seqs or grid["num_seqs"]).split(",")]
+    kv_lens = [int(x) for x in (args.kv_lens or grid["kv_lens"]).split(",")]
+    args.prefill_chunk = args.prefill_chunk or grid["prefill_chunk"]
+
+    device = jax.devices()[0]
+    print(f"device: {device.device_kind} ({platform}), jax {jax.__version__}, dtype {args.dtype}")
+    if kernel_backend is None:
+        print(
+            "No GPU/TPU: the Pallas kernels run here only in interpret mode, which checks "
+            "correctness and is not worth timing. Timing the CPU paths (xla, native) instead."
+        )
+    impls = attention_impls(args, kernel_backend)
 
     header = f"{'mix':<8}{'seqs':>6}{'q_tok':>7}{'kv_len':>8}  {'impl':<10}{'ms':>9}"
     header += f"{'GB/s':>9}{'TFLOP/s':>9}{'speedup':>9}{'max_err':>10}"
@@ -179,34 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         for num_seqs in num_seqs_list:
             for kv_len in kv_lens:
                 key, sub = jax.random.split(key)
-                inputs, num_tokens, nbytes, flops = make_inputs(args, mix, num_seqs, kv_len, sub)
-                results = {
-                    name: time_fn(fn, inputs, args.iters, args.warmup) for name, fn in impls.items()
-                }
-                ref_seconds, ref_out = results["reference"]
-                for name, (seconds, out) in results.items():
-                    err = float(
-                        jnp.max(jnp.abs(out.astype(jnp.float32) - ref_out.astype(jnp.float32)))
-                    )
-                    record = dict(
-                        mix=mix,
-                        num_seqs=num_seqs,
-                        num_tokens=num_tokens,
-                        kv_len=kv_len,
-                        impl=name,
-                        ms=seconds * 1e3,
-                        gb_per_s=nbytes / seconds / 1e9,
-                        tflop_per_s=flops / seconds / 1e12,
-                        speedup_vs_reference=ref_seconds / seconds,
-                        max_abs_err=err,
-                    )
-                    records.append(record)
-                    print(
-                        f"{mix:<8}{num_seqs:>6}{num_tokens:>7}{kv_len:>8}  {name:<10}"
-                        f"{record['ms']:>9.3f}{record['gb_per_s']:>9.2f}"
-                        f"{record['tflop_per_s']:>9.4f}{record['speedup_vs_reference']:>9.2f}"
-                        f"{err:>10.2e}"
-                    )
+                records += bench_point(args, impls, mix, num_seqs, kv_len, sub)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = dict(

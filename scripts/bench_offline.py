@@ -43,7 +43,8 @@ ratios of one run, not absolute numbers across runs.
 --prefix-caching both runs jaxcb twice, taking turns: `jaxcb` with the prefix cache and
 `jaxcb-no-prefix-cache` without, and reports the mean TTFT and tok/s ratios of the two.
 
-A system is a class in jaxcb/bench/systems.py registered in its SYSTEMS table.
+A system is a class in jaxcb/bench/ registered in the SYSTEMS table of jaxcb/bench/systems.py;
+the report is printed by jaxcb/bench/offline_report.py.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -71,19 +71,39 @@ from jaxcb.bench.cli import (
     load_model_and_workload,
     make_log,
 )
+from jaxcb.bench.offline_report import (
+    NO_PREFIX_CACHE,
+    compare_prefix_caching,
+    cross_check,
+    paired_ratios,
+    print_report,
+    summarize,
+)
 from jaxcb.bench.roofline import measure_matmul_peak, model_matmul_shapes, workload_flops
 from jaxcb.bench.systems import SYSTEMS, BenchContext, environment
 from jaxcb.bench.trace import save_trace
 from jaxcb.config import EngineConfig
+from jaxcb.models.registry import num_params
 
 log = make_log()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked; --systems becomes a list in turn order."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_workload_args(parser, default_workload="offline-mixed")
+    add_system_args(parser)
+    add_output_args(parser)
+    add_config_overrides(parser)
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    return args
+
+
+def add_system_args(parser: argparse.ArgumentParser) -> None:
+    """Which systems run, how many timed passes each, and the HF and vLLM systems' knobs."""
     parser.add_argument(
         "--systems",
         help=f"comma list, in turn order, from {list(SYSTEMS)} (default: all; vllm only "
@@ -126,6 +146,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["tuned", "default"],
         help="tuned: VLLM_CPU_OMP_THREADS_BIND=0-1 + the venv's libiomp5.so (%(default)s)",
     )
+
+
+def add_output_args(parser: argparse.ArgumentParser) -> None:
+    """jaxcb's prefix cache, the roofline, and where the JSON record and step trace go."""
     parser.add_argument(
         "--prefix-caching",
         choices=["on", "off", "both"],
@@ -142,8 +166,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         help="write jaxcb's step trace of its last pass here (JSON; scripts/plot_trace.py)",
     )
-    add_config_overrides(parser)
-    args = parser.parse_args(argv)
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Turn --systems into a list and reject flag combinations that cannot run."""
     if args.systems is None:
         args.systems = [n for n in SYSTEMS if n != "vllm" or args.vllm_python]
     else:
@@ -159,15 +185,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--trace records jaxcb's steps: add jaxcb to --systems")
     if min(args.repeats, args.hf_repeats, args.hf_static_batch_size) < 1:
         parser.error("--repeats, --hf-repeats and --hf-static-batch-size must be >= 1")
-    return args
 
 
 def jaxcb_overrides(args: argparse.Namespace, needed_len: int) -> dict[str, Any]:
     """Flat config overrides from the flags, plus a max_model_len that fits the workload."""
     return config_overrides(args, needed_len, log)
-
-
-NO_PREFIX_CACHE = "jaxcb-no-prefix-cache"
 
 
 def prefix_caching_systems(args: argparse.Namespace, ctx: BenchContext) -> dict[str, Any]:
@@ -177,137 +199,6 @@ def prefix_caching_systems(args: argparse.Namespace, ctx: BenchContext) -> dict[
     overrides = {**ctx.jaxcb_overrides, "enable_prefix_caching": False}
     log(f"building {NO_PREFIX_CACHE} ...")
     return {NO_PREFIX_CACHE: SYSTEMS["jaxcb"](dataclasses.replace(ctx, jaxcb_overrides=overrides))}
-
-
-def compare_prefix_caching(passes: dict[str, list[dict]], workload) -> dict[str, float] | None:
-    """Medians of jaxcb with and without the prefix cache, and their ratios, printed."""
-    if NO_PREFIX_CACHE not in passes:
-        return None
-    on, off = passes["jaxcb"], passes[NO_PREFIX_CACHE]
-    out = {}
-    for key in ("mean_ttft_s", "wall_s"):
-        out[f"{key}_on"] = statistics.median(p[key] for p in on)
-        out[f"{key}_off"] = statistics.median(p[key] for p in off)
-    out["ttft_reduction"] = out["mean_ttft_s_off"] / out["mean_ttft_s_on"]
-    out["tok_s_ratio"] = out["wall_s_off"] / out["wall_s_on"]  # same tokens: 1 / wall time
-    print(
-        f"prefix caching on vs off: mean TTFT {out['mean_ttft_s_on']:.2f}s vs "
-        f"{out['mean_ttft_s_off']:.2f}s ({out['ttft_reduction']:.1f}x lower); output tok/s "
-        f"{workload.output_tokens / out['wall_s_on']:,.0f} vs "
-        f"{workload.output_tokens / out['wall_s_off']:,.0f} ({out['tok_s_ratio']:.2f}x)"
-    )
-    return out
-
-
-def summarize(name: str, passes: list[dict], workload, flops: float, peak: float | None) -> dict:
-    """Medians of one system's passes."""
-    wall = statistics.median(p["wall_s"] for p in passes)
-    out = dict(
-        system=name,
-        passes=len(passes),
-        wall_s=wall,
-        wall_s_all=[p["wall_s"] for p in passes],
-        output_tok_s=workload.output_tokens / wall,
-        total_tok_s=(workload.output_tokens + workload.prompt_tokens) / wall,
-        useful_gflop_s=flops / wall / 1e9,
-    )
-    out["mfu"] = out["useful_gflop_s"] / peak if peak else None
-    return out
-
-
-def paired_ratios(rows: list[dict]) -> None:
-    """Add `paired_x` to each row: the median over rounds of (its pass time / jaxcb's pass time
-    in the same round). Passes of one round ran back to back, so a neighbour's load shifts
-    both alike: steadier than the ratio of medians when the load swings."""
-    base = next((r for r in rows if r["system"] == "jaxcb"), None)
-    for r in rows:
-        pairs = list(zip(r["wall_s_all"], base["wall_s_all"], strict=False)) if base else []
-        r["paired_x"] = statistics.median(a / b for a, b in pairs) if pairs else None
-
-
-def agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, float]:
-    """How closely two systems' greedy tokens agree, request by request."""
-    same = sum(a == b for a, b in zip(reference, other, strict=True))
-    prefix = []
-    for a, b in zip(reference, other, strict=True):
-        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
-        prefix.append(n / max(len(a), 1))
-    return dict(
-        identical_fraction=same / len(reference), mean_prefix_fraction=statistics.mean(prefix)
-    )
-
-
-def print_report(rows: list[dict], infos: dict, last: dict, workload, peak) -> None:
-    base = next((r for r in rows if r["system"] == "jaxcb"), None)
-    print(
-        f"\n{workload.name}: {len(workload.requests)} requests, {workload.prompt_tokens:,} "
-        f"prompt + {workload.output_tokens:,} output tokens"
-    )
-    head = f"{'system':<11}{'passes':>7}{'wall s':>9}{'out tok/s':>11}{'total tok/s':>13}"
-    head += f"{'jaxcb x':>9}{'paired x':>10}{'GFLOP/s':>9}{'MFU':>7}"
-    print(head + "\n" + "-" * len(head))
-    for r in rows:
-        ratio = f"{base['output_tok_s'] / r['output_tok_s']:.2f}" if base else "-"
-        paired = f"{r['paired_x']:.2f}" if r.get("paired_x") is not None else "-"
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-        print(
-            f"{r['system']:<11}{r['passes']:>7}{r['wall_s']:>9.1f}{r['output_tok_s']:>11,.0f}"
-            f"{r['total_tok_s']:>13,.0f}{ratio:>9}{paired:>10}{r['useful_gflop_s']:>9.1f}{mfu:>7}"
-        )
-    print(
-        "(jaxcb x = jaxcb's output tok/s over the row's, from the medians; paired x = the "
-        "median over rounds of the row's pass time over jaxcb's in the same round; GFLOP/s "
-        "counts useful work only)"
-    )
-    if peak:
-        print(f"matmul peak on the model's shapes (best of before/after): {peak:.0f} GFLOP/s")
-    if "jaxcb" in last:
-        e, cache = last["jaxcb"].extra, infos["jaxcb"].get("compile_cache") or {}
-        cached = (
-            f" ({cache['buckets_from_cache']} of "
-            f"{cache['buckets_from_cache'] + cache['buckets_compiled']} buckets loaded from the "
-            "compilation cache)"
-            if cache.get("buckets_from_cache")
-            else ""
-        )
-        print(
-            f"jaxcb: compile {infos['jaxcb']['compile_seconds']:.1f}s{cached}, padding fraction "
-            f"{e['padding_fraction']:.3f}, steps {e['steps']}, preemptions {e['preemptions']}, "
-            f"host {e['host_seconds']:.2f}s vs device {e['device_seconds']:.2f}s, "
-            f"buckets {e['bucket_histogram']}, batching "
-            f"{infos['jaxcb']['config']['scheduler'].get('batching', 'continuous')}"
-        )
-    if "vllm" in infos:
-        v = infos["vllm"]
-        print(
-            f"vllm: {v['version']}, binding {v['binding']}, load {v['load_seconds']:.0f}s "
-            f"(untimed), {v['python']}"
-        )
-    if "hf-static" in last:
-        raw = last["hf-static"].extra["raw_generated_tokens"]
-        print(
-            f"hf-static: {raw:,} tokens generated for {workload.output_tokens:,} useful "
-            f"({1 - workload.output_tokens / raw:.1%} wasted on batch padding)"
-        )
-
-
-def cross_check(last: dict) -> dict[str, dict[str, float]]:
-    """Greedy token agreement of every system with jaxcb, printed (a report, not a test)."""
-    if "jaxcb" not in last:
-        return {}
-    agree = {}
-    for name in (n for n in last if n != "jaxcb"):
-        agree[name] = agreement(last["jaxcb"].token_ids, last[name].token_ids)
-        print(
-            f"greedy agreement jaxcb vs {name}: {agree[name]['identical_fraction']:.1%} of "
-            f"requests identical, mean matching prefix {agree[name]['mean_prefix_fraction']:.1%}"
-        )
-    distinct = statistics.mean(len(set(t)) / len(t) for t in last["jaxcb"].token_ids)
-    print(
-        f"(distinct tokens per jaxcb output: {distinct:.0%} of its length on average; "
-        "random weights tend to repeat tokens, which makes agreement easier)"
-    )
-    return agree
 
 
 def make_context(args: argparse.Namespace, model_dir: Path, workload) -> BenchContext:
@@ -417,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         record = dict(
             args=args_record(args),
-            model=dict(dir=str(model_dir), params=spec.num_params()),
+            model=dict(dir=str(model_dir), params=num_params(spec)),
             workload=workload.summary(),
             useful_flops=flops,
             roofline=roofline,

@@ -44,6 +44,7 @@ from jaxcb.bench.cli import (
     make_log,
 )
 from jaxcb.bench.systems import BenchContext, JaxcbSystem, environment
+from jaxcb.bench.workloads import Workload
 from jaxcb.config import EngineConfig, flat_fields
 
 log = make_log()
@@ -139,7 +140,7 @@ def recommend(rows: list[dict[str, Any]], tolerance: float) -> tuple[dict[str, A
     return pick, why
 
 
-def print_table(rows: list[dict[str, Any]], workload) -> None:
+def print_table(rows: list[dict[str, Any]], workload: Workload) -> None:
     print(
         f"\n{workload.name}: {len(workload.requests)} requests, {workload.prompt_tokens:,} "
         f"prompt + {workload.output_tokens:,} output tokens, all arriving at once"
@@ -160,21 +161,15 @@ def print_table(rows: list[dict[str, Any]], workload) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    model_dir, _, workload = load_model_and_workload(args)
-    # The preset's buckets are replaced by each set's (and must not clash with the flags).
-    overrides = config_overrides(args, workload.max_seq_len, log, base=dict(token_buckets=None))
-    if "compilation_cache" in flat_fields() and args.cfg_compilation_cache is None:
-        overrides["compilation_cache"] = "off"  # measure compiling, not a cache hit
-    largest = EngineConfig.from_yaml(args.config, **overrides).scheduler.max_num_batched_tokens
-    try:
-        sets = {name: bucket_set(name, largest, args.smallest) for name in args.sets}
-    except ValueError as exc:
-        print(f"sweep_buckets.py: error: {exc}", file=sys.stderr)
-        return 2
-    log(f"model {model_dir}; workload {workload.name}; sets {sets}")
-
+def run_sets(
+    args: argparse.Namespace,
+    sets: dict[str, tuple[int, ...]],
+    overrides: dict[str, Any],
+    model_dir: Path,
+    workload: Workload,
+) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+    """Build a jaxcb engine per bucket set, then time --repeats passes of each, the sets
+    taking turns; returns each set's `info()` and its passes' records."""
     systems: dict[str, JaxcbSystem] = {}
     passes: dict[str, list[dict]] = {n: [] for n in sets}
     try:
@@ -202,7 +197,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for system in systems.values():
             system.close()
+    return infos, passes
 
+
+def set_rows(
+    sets: dict[str, tuple[int, ...]],
+    infos: dict[str, dict[str, Any]],
+    passes: dict[str, list[dict[str, Any]]],
+    workload: Workload,
+) -> list[dict[str, Any]]:
+    """One row per set: its compile seconds, padding, steps, and median throughput/latency."""
     # A bucket shared by two sets compiles once per process (jax keeps the executable), so
     # the second set would look free: a set's compile time is the sum of its buckets' first,
     # real compilations.
@@ -226,6 +230,26 @@ def main(argv: list[str] | None = None) -> int:
                 mean_itl_ms=1e3 * statistics.median(p["mean_itl_s"] for p in passes[name]),
             )
         )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_dir, _, workload = load_model_and_workload(args)
+    # The preset's buckets are replaced by each set's (and must not clash with the flags).
+    overrides = config_overrides(args, workload.max_seq_len, log, base=dict(token_buckets=None))
+    if "compilation_cache" in flat_fields() and args.cfg_compilation_cache is None:
+        overrides["compilation_cache"] = "off"  # measure compiling, not a cache hit
+    largest = EngineConfig.from_yaml(args.config, **overrides).scheduler.max_num_batched_tokens
+    try:
+        sets = {name: bucket_set(name, largest, args.smallest) for name in args.sets}
+    except ValueError as exc:
+        print(f"sweep_buckets.py: error: {exc}", file=sys.stderr)
+        return 2
+    log(f"model {model_dir}; workload {workload.name}; sets {sets}")
+
+    infos, passes = run_sets(args, sets, overrides, model_dir, workload)
+    rows = set_rows(sets, infos, passes, workload)
     print_table(rows, workload)
     pick, why = recommend(rows, args.tolerance)
     print(f"recommended: {why}")

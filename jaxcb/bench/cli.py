@@ -98,7 +98,7 @@ def config_overrides(
 def load_model_and_workload(args: argparse.Namespace) -> tuple[Path, Any, Workload]:
     """The model dir (bench-57m unless --model), its ModelSpec, and the drawn workload."""
     from jaxcb.bench.models import bench_model_dir
-    from jaxcb.models.weights import read_hf_config, spec_from_hf_config
+    from jaxcb.models.loader import read_hf_config, spec_from_hf_config
 
     model_dir = Path(args.model or bench_model_dir("bench-57m"))
     spec = spec_from_hf_config(read_hf_config(model_dir))

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from jaxcb.bench.workloads import Workload
-from jaxcb.models.llama import ModelSpec
+from jaxcb.models.base import ModelSpec
 
 
 def workload_flops(spec: ModelSpec, workload: Workload) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """Step traces: what every engine step held, recorded from a real run, saved as JSON.
 
-`LLMEngine.step_trace` (set to a list) receives one entry per step: the bucket (token slots
-the step ran), the chunks in it as (request id, tokens, "prefill" | "decode"), the real
+An engine keeps a `StepRecord` of every step while `record_steps()` is on: the bucket (token
+slots the step ran), the chunks in it as (request id, tokens, "prefill" | "decode"), the real
 tokens, the padded-batch baselines' batch padding, KV pages in use after the step, and the
 requests preempted. This module records such a list around any piece of work, saves it with
 what a reader needs to interpret it (buckets, pool size, batching mode, model), and loads it
@@ -29,31 +29,31 @@ def _engine(llm_or_engine: Any) -> Any:
 
 @contextlib.contextmanager
 def recording(llm_or_engine: Any) -> Iterator[list[dict[str, Any]]]:
-    """Record the steps run inside the block into the yielded list (an `LLM` or an
-    `LLMEngine`); whatever trace the engine had before is restored afterwards."""
+    """Record the steps run inside the block (of an `LLM` or an engine); the yielded list
+    holds them, as JSON-ready dicts, once the block is over."""
     engine = _engine(llm_or_engine)
-    saved = engine.step_trace
     steps: list[dict[str, Any]] = []
-    engine.step_trace = steps
+    engine.record_steps(True)
     try:
         yield steps
     finally:
-        engine.step_trace = saved
+        steps.extend(record.to_dict() for record in engine.pop_step_records())
+        engine.record_steps(False)
 
 
 def trace_meta(llm_or_engine: Any, **extra: Any) -> dict[str, Any]:
     """What a reader of the trace needs: buckets, KV pool size, batching mode, model."""
     engine = _engine(llm_or_engine)
-    sched = engine.config.scheduler
+    sched, info = engine.config.scheduler, engine.info
     return dict(
-        model=str(engine.model_path),
+        model=info.model_path,
         dtype=engine.config.dtype,
         batching=sched.batching,
-        buckets=sorted({b.num_tokens for b in engine.buckets}),
+        buckets=info.token_buckets,
         max_num_seqs=sched.max_num_seqs,
         max_num_batched_tokens=sched.max_num_batched_tokens,
-        kv_pages_total=engine.num_pages,
-        page_size=engine.page_size,
+        kv_pages_total=info.num_pages,
+        page_size=info.page_size,
         **extra,
     )
 

@@ -1,4 +1,4 @@
-"""vLLM's offline `LLM.generate`, driven pass by pass by jaxcb's benchmark (bench/systems.py).
+"""vLLM's offline `LLM.generate`, driven pass by pass by jaxcb's benchmark (bench/vllm_system.py).
 
 This file runs in vLLM's own virtual environment, as a subprocess: it imports vllm and the
 standard library only, never jaxcb (which is not installed there). jaxcb never depends on vllm.

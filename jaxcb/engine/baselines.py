@@ -1,8 +1,9 @@
 """Batching baselines: static and dynamic batching of padded batches, on jaxcb's own engine.
 
 They exist to be compared with the real scheduler (`scheduler.batching`: continuous | static
-| dynamic; `scripts/compare_batching.py`). Each has the `Scheduler`'s public interface, so
-`LLMEngine` runs them unchanged; `make_scheduler` picks one from the config.
+| dynamic; `scripts/compare_batching.py`). Both are `BaseScheduler`s (scheduler.py), as the
+continuous `Scheduler` is, so `LLMEngine` runs them unchanged; `make_scheduler` picks one from
+the config.
 
 Both model a *padded batch*: a rectangle of `rows x width` token slots in which every row is one
 request, and every slot a real token does not fill is padding that still costs compute. The
@@ -32,82 +33,46 @@ Pure Python, no jax.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable
+from typing import Any
 
 from jaxcb.config import BATCHING_MODES
-from jaxcb.engine.page_pool import PagePool
-from jaxcb.engine.policies import SchedulingPolicy, make_policy
 from jaxcb.engine.request import Request, RequestStatus
-from jaxcb.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from jaxcb.engine.scheduler import BaseScheduler, ScheduledChunk, Scheduler, SchedulerOutput
 
 
 def make_scheduler(
     batching: str,
     *,
-    page_pool: PagePool,
-    page_size: int,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    policy: str | SchedulingPolicy = "fcfs",
     enable_prefix_caching: bool = False,
     long_prefill_token_threshold: int = 0,
     watermark_pages: int = 0,
-) -> Scheduler | StaticBatchScheduler | DynamicBatchScheduler:
-    """The scheduler for `batching`: the real (continuous) one, or a padded-batch baseline."""
+    **base: Any,  # BaseScheduler's: page_pool, page_size, max_num_seqs, ...
+) -> BaseScheduler:
+    """The scheduler for `batching`: the real (continuous) one, or a padded-batch baseline
+    (to which prefix caching, the prefill threshold and the watermark do not apply)."""
     if batching == "continuous":
         return Scheduler(
-            page_pool=page_pool,
-            page_size=page_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            policy=policy,
             enable_prefix_caching=enable_prefix_caching,
             long_prefill_token_threshold=long_prefill_token_threshold,
             watermark_pages=watermark_pages,
+            **base,
         )
     classes = {"static": StaticBatchScheduler, "dynamic": DynamicBatchScheduler}
     if batching not in classes:
         raise ValueError(f"batching must be one of {list(BATCHING_MODES)}, got {batching!r}")
-    return classes[batching](
-        page_pool=page_pool,
-        page_size=page_size,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        policy=policy,
-    )
+    return classes[batching](**base)
 
 
-class _PaddedBatchScheduler:
-    """What static and dynamic batching share: the queue, page reservation, the padded
-    prefill of a group of requests, and padded decode steps. Subclasses decide admission and
-    how many rows the batch has."""
+class _PaddedBatchScheduler(BaseScheduler):
+    """What static and dynamic batching share: page reservation, the padded prefill of a
+    group of requests, and padded decode steps. Subclasses decide admission and how many rows
+    the batch has."""
 
     batching = ""
 
-    def __init__(
-        self,
-        *,
-        page_pool: PagePool,
-        page_size: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        policy: str | SchedulingPolicy = "fcfs",
-    ) -> None:
-        if max_num_batched_tokens < max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({max_num_seqs}) so every row of the batch fits in a step"
-            )
-        self.pool = page_pool
-        self.page_size = page_size
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.policy = make_policy(policy) if isinstance(policy, str) else policy
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order
-        self.num_preemptions = 0  # always 0: admission reserves whole sequences
-        self.num_steps = 0
+    def __init__(self, **base: Any) -> None:  # BaseScheduler's arguments
+        super().__init__(**base)
+        # num_preemptions stays 0: admission reserves whole sequences
         self.num_padding_tokens = 0  # batch padding so far (not the bucket's rounding)
         # The group being prefilled: its members, the padded prompt width, the columns done
         # so far, and the column each member's first token sits in (left padding).
@@ -115,41 +80,13 @@ class _PaddedBatchScheduler:
         self._group_width = 0
         self._column = 0
         self._first_column: dict[int, int] = {}  # id(request) -> column
-        self._num_arrivals = 0
 
-    # ---- the Scheduler interface --------------------------------------------------------
-
-    def add(self, request: Request) -> None:
-        request.status = RequestStatus.WAITING
-        if request.arrival_seq < 0:
-            request.arrival_seq = self._num_arrivals
-            request.arrival_step = self.num_steps
-            self._num_arrivals += 1
-        self.policy.enqueue(self.waiting, request, preempted=False)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
-    def finish(self, request: Request) -> None:
-        """Release a finished (or aborted) request's pages; it leaves every queue."""
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-            self.pool.free(reversed(request.page_ids))
-            request.page_ids = []
-            if request in self._group:
-                self._group.remove(request)
-                if not self._group:
-                    self._end_group()
-        elif request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
-        request.status = RequestStatus.FINISHED
-
-    def owners(self) -> Iterable[list[int]]:
-        return [r.page_ids for r in self.running]
-
-    def reset_prefix_cache(self) -> int:
-        return self.pool.reset_prefix_cache()  # nothing is ever cached here: 0
+    def _release(self, request: Request) -> None:
+        super()._release(request)
+        if request in self._group:
+            self._group.remove(request)
+            if not self._group:
+                self._end_group()
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -243,8 +180,8 @@ class StaticBatchScheduler(_PaddedBatchScheduler):
 
     batching = "static"
 
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, **base: Any) -> None:
+        super().__init__(**base)
         self._batch_rows = 0
 
     def _admit(self) -> None:

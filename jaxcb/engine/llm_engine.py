@@ -3,6 +3,10 @@
 `step()` is: schedule (host) → pack into the smallest bucket → run the compiled step (device)
 → append sampled tokens, detokenize, check stops, free finished requests' pages (host).
 
+The engine is handed a ready runner (runtime/setup.py builds it: mesh, params, KV pool,
+compiled buckets) and the model's tokenizer and EOS ids; it builds the host side itself (the
+page pool, the scheduler) and never imports jax, the models or the kernels.
+
 Fault isolation: an exception while handling one request's new token (detokenizer, stop
 strings, output building) fails that request alone — finish_reason "error", the message in
 `RequestOutput.error`, its pages freed — and every other request goes on. An exception from
@@ -17,195 +21,85 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from jaxcb.config import EngineConfig
 from jaxcb.engine.baselines import make_scheduler
-from jaxcb.engine.buckets import default_token_buckets, make_buckets, pick_bucket
+from jaxcb.engine.buckets import pick_bucket
 from jaxcb.engine.detokenizer import IncrementalDetokenizer
+from jaxcb.engine.groups import RequestGroup
+from jaxcb.engine.interface import (
+    Engine,
+    EngineInfo,
+    KVUsage,
+    Runner,
+    StepRecord,
+    StepResult,
+)
 from jaxcb.engine.page_pool import PagePool
 from jaxcb.engine.policies import make_policy
 from jaxcb.engine.request import Request
-from jaxcb.engine.scheduler import SchedulerOutput
-from jaxcb.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxcb.engine.scheduler import BaseScheduler, SchedulerOutput
+from jaxcb.engine.validation import check_params, check_prompt_length, encode_prompt
+from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-MAX_TOP_LOGPROBS = 20  # as in the OpenAI API
 SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n samples
 
 
-@dataclass
-class _Group:
-    """The n samples of one user request."""
+def build_scheduler(config: EngineConfig, pool: PagePool) -> BaseScheduler:
+    """The scheduler the config asks for (continuous, or a padded-batch baseline)."""
+    cache, sched = config.cache, config.scheduler
+    watermark_pages = sched.watermark_pages(pool.num_pages)
+    if watermark_pages >= pool.num_pages:
+        raise ValueError(
+            f"watermark={sched.watermark} keeps {watermark_pages} pages free, but the pool "
+            f"has only {pool.num_pages}"
+        )
+    return make_scheduler(
+        sched.batching,
+        page_pool=pool,
+        page_size=cache.page_size,
+        max_num_seqs=sched.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        policy=make_policy(sched.scheduling_policy, srpf_aging=sched.srpf_aging),
+        enable_prefix_caching=cache.enable_prefix_caching,
+        long_prefill_token_threshold=sched.long_prefill_token_threshold,
+        watermark_pages=watermark_pages,
+    )
 
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[Request]
-    detokenizers: list[IncrementalDetokenizer]
-    final_only: bool = False  # step() reports it once, when finished (offline generate)
-    broken: bool = False  # building its output failed: texts are no longer available
 
-    @property
-    def finished(self) -> bool:
-        return all(c.finished for c in self.children)
-
-
-class LLMEngine:
+class LLMEngine(Engine):
     def __init__(
         self,
-        config: EngineConfig | None = None,
+        config: EngineConfig,
         *,
-        compile_progress: bool = False,
-        devices: Sequence[Any] | None = None,  # this replica's devices (engine/replicated.py)
-    ):
-        import functools
-
-        import jax
-        import jax.numpy as jnp
-
-        from jaxcb.attention import get_attention_backend
-        from jaxcb.models.loader import load_model
-        from jaxcb.runtime import sharding
-        from jaxcb.runtime.kv_cache import page_bytes, resolve_kv_cache_dtype, resolve_num_pages
-        from jaxcb.runtime.runner import ModelRunner
-        from pallas_kernels.ragged_paged_attention import pages_per_seq
-
-        self.config = config = config or EngineConfig()
-        t0 = time.perf_counter()
-        dtype = jnp.dtype(config.dtype)
-        # One device, or tensor_parallel_size devices the model and KV pages are sharded over.
-        self.mesh = mesh = sharding.engine_mesh(config.parallel, devices)
-        model = load_model(
-            config.model,
-            tokenizer_path=config.tokenizer,
-            dtype=dtype,
-            shardings=functools.partial(sharding.model_param_shardings, mesh=mesh, dtype=dtype),
-        )
-        self.model_path, self.spec, self.tokenizer = model.path, model.spec, model.tokenizer
-        self.eos_token_ids = frozenset(model.eos_token_ids)
-        load_seconds = time.perf_counter() - t0
-        self.load_seconds, self.model_format = load_seconds, model.format
-
-        spec = self.spec
-        max_model_len = config.max_model_len or spec.max_position_embeddings
-        if max_model_len > spec.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={max_model_len} is larger than the model's "
-                f"max_position_embeddings={spec.max_position_embeddings}"
-            )
-        self.max_model_len = max_model_len
-        cache, sched = config.cache, config.scheduler
-        self.page_size = cache.page_size
-        self.pages_per_seq = pages_per_seq(max_model_len, cache.page_size)
-        attention = get_attention_backend(config.kernels.attention)
-        self.attention_backend = attention.name
-        from jaxcb.runtime.runner import matmul_backend
-
-        self.matmul_backend = matmul_backend(
-            config.kernels.matmul,
-            dtype=dtype,
-            tensor_parallel_size=sharding.tensor_parallel_size(mesh),
-        )
-        kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, dtype, attention.name)
-        self.kv_cache_dtype = str(kv_dtype)
-        num_pages = resolve_num_pages(
-            cache,
-            spec,
-            itemsize=kv_dtype.itemsize,
-            max_model_len=max_model_len,
-            max_num_seqs=sched.max_num_seqs,
-            params_bytes=sum(
-                x.nbytes
-                for x in jax.tree_util.tree_leaves(model.params)
-                if not isinstance(x, jax.Array)  # orbax restores onto the devices directly
-            ),
-            tensor_parallel_size=config.parallel.tensor_parallel_size,
-            device=mesh.devices.flat[0],
-        )
-        self.num_pages = num_pages
-        self.kv_cache_bytes = num_pages * page_bytes(spec, cache.page_size, kv_dtype.itemsize)
-        token_buckets = sched.token_buckets or default_token_buckets(sched.max_num_batched_tokens)
-        self.buckets = make_buckets(token_buckets, sched.max_num_seqs, sched.seq_buckets)
-
-        self.pool = PagePool(num_pages)
-        watermark_pages = sched.watermark_pages(num_pages)
-        if watermark_pages >= num_pages:
-            raise ValueError(
-                f"watermark={sched.watermark} keeps {watermark_pages} pages free, but the pool "
-                f"has only {num_pages}"
-            )
-        self.scheduler = make_scheduler(  # batching: continuous, or a padded-batch baseline
-            sched.batching,
-            page_pool=self.pool,
-            page_size=cache.page_size,
-            max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            policy=make_policy(sched.scheduling_policy, srpf_aging=sched.srpf_aging),
-            enable_prefix_caching=cache.enable_prefix_caching,
-            long_prefill_token_threshold=sched.long_prefill_token_threshold,
-            watermark_pages=watermark_pages,
-        )
+        runner: Runner,
+        info: EngineInfo,
+        tokenizer: Any | None,
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        """`runner` and `info` from the composition root (runtime/setup.py); `tokenizer`:
+        a transformers tokenizer, or None (token-id prompts only)."""
+        self.config = config
+        self.info = info
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.limits = config.limits
-        self.runner = ModelRunner(
-            spec,
-            model.params,
-            kv_cache_dtype=kv_dtype,
-            num_pages=num_pages,
-            page_size=cache.page_size,
-            pages_per_seq=self.pages_per_seq,
-            max_model_len=max_model_len,
-            attention=attention,
-            num_top_logprobs=MAX_TOP_LOGPROBS,
-            mesh=mesh,
-            pack_matmuls=None if self.matmul_backend == "xla" else self.matmul_backend,
-            greedy_screen=config.kernels.greedy_screen,
-        )
-        from jaxcb.runtime import compile_cache
-
-        cache_path = compile_cache.configure(config.compilation_cache)
-        entries_before = compile_cache.count_step_entries(cache_path)
-        self.compile_seconds = self.runner.compile(self.buckets, progress=compile_progress)
-        fresh = compile_cache.count_step_entries(cache_path) - entries_before
-        self.compile_cache = {
-            "dir": str(cache_path) if cache_path else None,
-            "buckets_compiled": fresh if cache_path else len(self.buckets),
-            "buckets_from_cache": len(self.buckets) - fresh if cache_path else 0,
-        }
-        logger.info(
-            "engine ready: %s (%s%s), dtype %s, %d %s KV pages x %d tokens (%.1f MiB), "
-            "buckets %s, attention %s, matmul %s, on %s, load %.1fs, compile %.1fs (%d of %d "
-            "buckets from the compilation cache)",
-            model.path,
-            spec.architecture,
-            ", RANDOM WEIGHTS" if model.is_default else "",
-            config.dtype,
-            num_pages,
-            self.kv_cache_dtype,
-            cache.page_size,
-            self.kv_cache_bytes / 2**20,
-            sorted({b.num_tokens for b in self.buckets}),
-            self.attention_backend,
-            self.matmul_backend,
-            jax.default_backend(),
-            load_seconds,
-            self.compile_seconds,
-            self.compile_cache["buckets_from_cache"],
-            len(self.buckets),
-        )
-
+        self.pool = PagePool(info.num_pages)
+        self.scheduler = build_scheduler(config, self.pool)
         self._rng = np.random.default_rng(config.seed)
-        self._groups: dict[str, _Group] = {}
-        self._request_group: dict[int, _Group] = {}  # id(child) -> group
+        self._groups: dict[str, RequestGroup] = {}
+        self._request_group: dict[int, RequestGroup] = {}  # id(child) -> group
         self._ids = itertools.count()
         self._stats = Counter()
         self._bucket_hist: Counter[int] = Counter()
-        self.step_trace: list[dict[str, Any]] | None = None  # set to [] to record steps
+        self._records: list[StepRecord] | None = None  # record_steps() turns it on
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -229,38 +123,22 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        room = max(1, self.max_model_len - len(prompt_ids))
-        cap = self.limits.max_output_tokens or room
-        max_tokens = min(params.max_tokens or cap, cap, room)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        children, detoks = [], []
-        for j in range(params.n):
-            if params.seed is not None:
-                seed = (params.seed + j * SEED_STRIDE) % (1 << 64)
-            else:
-                seed = int(self._rng.integers(0, 1 << 63))
-            children.append(
-                Request(
-                    request_id=request_id if params.n == 1 else f"{request_id}-{j}",
-                    prompt_token_ids=prompt_ids,
-                    params=params,
-                    seed=seed,
-                    max_tokens=max_tokens,
-                    eos_token_ids=self.eos_token_ids,
-                    arrival_time=arrival,
-                    priority=priority,
-                )
+        children = [
+            self._new_child(request_id, prompt_ids, params, j, arrival, priority)
+            for j in range(params.n)
+        ]
+        detoks = [
+            IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
             )
-            detoks.append(
-                IncrementalDetokenizer(
-                    self.tokenizer,
-                    prompt_ids,
-                    skip_special_tokens=params.skip_special_tokens,
-                    stop=params.stop,
-                    include_stop_str_in_output=params.include_stop_str_in_output,
-                )
-            )
-        group = _Group(request_id, prompt_text, prompt_ids, children, detoks, final_only)
+            for _ in children
+        ]
+        group = RequestGroup(request_id, prompt_text, prompt_ids, children, detoks, final_only)
         self._groups[request_id] = group
         for child in children:
             self._request_group[id(child)] = group
@@ -269,68 +147,42 @@ class LLMEngine:
         self._stats["prompt_tokens"] += len(prompt_ids) * params.n
         return request_id
 
+    def _new_child(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        j: int,
+        arrival: float,
+        priority: int,
+    ) -> Request:
+        """Sample j of n: its own id, seed and output budget."""
+        room = max(1, self.max_model_len - len(prompt_ids))
+        cap = self.limits.max_output_tokens or room
+        if params.seed is not None:
+            seed = (params.seed + j * SEED_STRIDE) % (1 << 64)
+        else:
+            seed = int(self._rng.integers(0, 1 << 63))
+        return Request(
+            request_id=request_id if params.n == 1 else f"{request_id}-{j}",
+            prompt_token_ids=prompt_ids,
+            params=params,
+            seed=seed,
+            max_tokens=min(params.max_tokens or cap, cap, room),
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=arrival,
+            priority=priority,
+        )
+
     def validate_request(
         self, prompt: str | Sequence[int], params: SamplingParams, *, priority: int = 0
     ) -> tuple[str | None, list[int]]:
         """Check a prompt and its parameters against the model and the limits; returns
         (prompt text or None, prompt token ids). Raises ValueError naming the problem."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
-        params.validate()
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        policy = self.config.scheduler.scheduling_policy
-        if priority != 0 and policy != "priority":
-            raise ValueError(
-                f"priority={priority} needs scheduling_policy='priority' (this engine uses "
-                f"{policy!r})"
-            )
-        limits = self.limits
-        if params.n > limits.max_n:
-            raise ValueError(f"SamplingParams.n must be <= max_n={limits.max_n}, got {params.n}")
-        cap = limits.max_output_tokens
-        if cap is not None and params.max_tokens is not None and params.max_tokens > cap:
-            raise ValueError(
-                f"SamplingParams.max_tokens must be <= max_output_tokens={cap}, "
-                f"got {params.max_tokens}"
-            )
-        if params.logprobs is not None and params.logprobs > MAX_TOP_LOGPROBS:
-            raise ValueError(
-                f"SamplingParams.logprobs must be <= {MAX_TOP_LOGPROBS}, got {params.logprobs}"
-            )
-        prompt_text, prompt_ids = self._tokenize(prompt)
-        if len(prompt_ids) > self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens, longer than max_model_len="
-                f"{self.max_model_len}"
-            )
-        if limits.max_prompt_len is not None and len(prompt_ids) > limits.max_prompt_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens, more than max_prompt_len="
-                f"{limits.max_prompt_len}"
-            )
+        check_params(params, priority, self.config)
+        prompt_text, prompt_ids = encode_prompt(prompt, self.tokenizer, self.info.vocab_size)
+        check_prompt_length(len(prompt_ids), self.max_model_len, self.limits)
         return prompt_text, prompt_ids
-
-    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as token id lists")
-            ids = list(self.tokenizer(prompt)["input_ids"])
-            text = prompt
-        elif isinstance(prompt, Sequence | np.ndarray):
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
-            if bad or not all(isinstance(t, int | np.integer) for t in prompt):
-                raise ValueError(
-                    f"prompt token ids must be integers in [0, {self.spec.vocab_size}); "
-                    f"got {bad[:5]}"
-                )
-            text = None
-        else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt)}")
-        if not ids:
-            raise ValueError("prompt is empty")
-        return text, ids
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages. Unknown or finished ids are ignored."""
@@ -365,42 +217,39 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        from jaxcb.runtime.step_input import pack_step_input
-
-        num_tokens = sched.num_tokens
         # A padded-batch baseline's padding is run too (engine/baselines.py); 0 otherwise.
-        bucket = pick_bucket(self.buckets, num_tokens + sched.num_padding_tokens, len(sched.chunks))
-        inp = pack_step_input(
-            sched,
-            bucket,
-            page_size=self.page_size,
-            pages_per_seq=self.pages_per_seq,
-            max_model_len=self.max_model_len,
-            num_top_logprobs=MAX_TOP_LOGPROBS,
+        bucket = pick_bucket(
+            self.info.buckets, sched.num_tokens + sched.num_padding_tokens, len(sched.chunks)
         )
+        prepared = self.runner.prepare(sched, bucket)
         t1 = time.perf_counter()
-        result = self.runner.execute(bucket, inp)
+        result = self.runner.execute(bucket, prepared)
         t2 = time.perf_counter()
         self.scheduler.update_after_step(sched)
         outputs = self._process_results(sched, result)
         t3 = time.perf_counter()
-
-        self._stats["steps"] += 1
-        self._stats["tokens_scheduled"] += num_tokens
-        self._stats["token_slots"] += bucket.num_tokens
-        self._stats["preemptions"] += len(sched.preempted)
-        self._stats["prefix_queries"] += sched.num_prefix_query_tokens
-        self._stats["prefix_hits"] += sched.num_prefix_hit_tokens
-        self._bucket_hist[bucket.num_tokens] += 1
-        self._stats["host_seconds"] += (t1 - t0) + (t3 - t2)
-        self._stats["device_seconds"] += t2 - t1
-        if self.step_trace is not None:
-            self.step_trace.append(self._trace_entry(sched, bucket.num_tokens))
+        self._count_step(sched, bucket.num_tokens, host=(t1 - t0) + (t3 - t2), device=t2 - t1)
         return outputs
 
-    def _process_results(self, sched: SchedulerOutput, result: Any) -> list[RequestOutput]:
+    def _count_step(
+        self, sched: SchedulerOutput, bucket_tokens: int, *, host: float, device: float
+    ) -> None:
+        s = self._stats
+        s["steps"] += 1
+        s["tokens_scheduled"] += sched.num_tokens
+        s["token_slots"] += bucket_tokens
+        s["preemptions"] += len(sched.preempted)
+        s["prefix_queries"] += sched.num_prefix_query_tokens
+        s["prefix_hits"] += sched.num_prefix_hit_tokens
+        s["host_seconds"] += host
+        s["device_seconds"] += device
+        self._bucket_hist[bucket_tokens] += 1
+        if self._records is not None:
+            self._records.append(StepRecord.of(sched, bucket_tokens, self.pool.num_used))
+
+    def _process_results(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         now = time.monotonic()
-        touched: dict[str, _Group] = {}
+        touched: dict[str, RequestGroup] = {}
         for s, chunk in enumerate(sched.chunks):
             req = chunk.request
             if req.metrics.first_scheduled_time is None:
@@ -415,7 +264,9 @@ class LLMEngine:
                 self._fail_request(req, exc, now)
         return [self._output(g, now) for g in touched.values() if g.finished or not g.final_only]
 
-    def _append_sample(self, req: Request, group: _Group, result: Any, s: int, now: float) -> None:
+    def _append_sample(
+        self, req: Request, group: RequestGroup, result: StepResult, s: int, now: float
+    ) -> None:
         """The token sampled for row s: append it, detokenize, check every stop condition."""
         token = int(result.token_ids[s])
         req.append_token(token)
@@ -434,7 +285,7 @@ class LLMEngine:
             req.metrics.first_token_time = now
         req.metrics.last_token_time = now
         self._stats["generated_tokens"] += 1
-        detok = group.detokenizers[group.children.index(req)]
+        detok = group.detokenizer(req)
         stop_str = detok.add_token(token)
         if stop_str is None:
             req.check_stop_tokens(self.max_model_len)
@@ -455,11 +306,11 @@ class LLMEngine:
         self.scheduler.finish(req)
         self._stats["failed"] += 1
 
-    def _output(self, group: _Group, now: float) -> RequestOutput:
+    def _output(self, group: RequestGroup, now: float) -> RequestOutput:
         """The group's output; a finished group is forgotten. If building it fails, the
         group's unfinished requests fail (and its texts are dropped) rather than the loop."""
         try:
-            out = self._make_output(group)
+            out = group.output()
         except Exception as exc:
             for child in group.children:
                 if not child.finished:
@@ -467,80 +318,33 @@ class LLMEngine:
                 elif child.error is None:
                     child.error = f"{type(exc).__name__}: {exc}"
             group.broken = True
-            out = self._make_output(group)
+            out = group.output()
         if group.finished:
             self._groups.pop(group.request_id, None)
             for child in group.children:
                 self._request_group.pop(id(child), None)
         return out
 
-    def _make_output(self, group: _Group) -> RequestOutput:
-        outs = []
-        for j, (req, detok) in enumerate(zip(group.children, group.detokenizers, strict=True)):
-            want = req.params.logprobs is not None
-            outs.append(
-                CompletionOutput(
-                    index=j,
-                    text="" if group.broken else detok.visible_text(req.finished),
-                    token_ids=list(req.output_token_ids),
-                    finish_reason=req.finish_reason,
-                    stop_reason=req.stop_reason,
-                    logprobs=list(req.output_logprobs) if want else None,
-                    top_logprobs=list(req.output_top_logprobs) if want else None,
-                )
-            )
-        first = group.children[0].metrics
-        metrics = RequestMetrics(
-            arrival_time=first.arrival_time,
-            first_scheduled_time=first.first_scheduled_time,
-            first_token_time=min(
-                (c.metrics.first_token_time for c in group.children if c.metrics.first_token_time),
-                default=None,
-            ),
-            last_token_time=max(
-                (c.metrics.last_token_time for c in group.children if c.metrics.last_token_time),
-                default=None,
-            ),
-            finished_time=first.finished_time if group.finished else None,
-            num_preemptions=sum(c.metrics.num_preemptions for c in group.children),
-        )
-        if group.finished:
-            metrics.finished_time = max(c.metrics.finished_time or 0.0 for c in group.children)
-        errors = list(dict.fromkeys(c.error for c in group.children if c.error))
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=outs,
-            finished=group.finished,
-            metrics=metrics,
-            error="; ".join(errors) or None,
-            num_cached_tokens=group.children[0].num_cached_tokens or 0,
-        )
-
     # ---- introspection ------------------------------------------------------------------
 
-    def _trace_entry(self, sched: SchedulerOutput, bucket_tokens: int) -> dict[str, Any]:
-        return {
-            "bucket": bucket_tokens,
-            "chunks": [
-                (
-                    c.request.request_id,
-                    c.num_tokens,
-                    # from the chunk alone: the request has moved on by now
-                    "decode"
-                    if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens
-                    else "prefill",
-                )
-                for c in sched.chunks
-            ],
-            "num_tokens": sched.num_tokens,
-            "batch_padding": sched.num_padding_tokens,
-            "pages_used": self.pool.num_used,
-            "preempted": [r.request_id for r in sched.preempted],
-            "prefix_queries": sched.num_prefix_query_tokens,
-            "prefix_hits": sched.num_prefix_hit_tokens,
-        }
+    def record_steps(self, on: bool = True) -> None:
+        self._records = [] if on else None
+
+    def pop_step_records(self) -> list[StepRecord]:
+        records = self._records or []
+        if self._records is not None:
+            self._records = []
+        return records
+
+    def kv_usage(self) -> KVUsage:
+        pool = self.pool
+        return KVUsage(
+            num_pages=pool.num_pages,
+            num_used=pool.num_used,
+            num_cached=pool.num_cached,
+            peak_used=pool.peak_used,
+            num_evictions=pool.num_evictions,
+        )
 
     def check_page_invariant(self) -> None:
         self.pool.check_invariant(self.scheduler.owners())
@@ -548,11 +352,7 @@ class LLMEngine:
     def check_health(self) -> None:
         """Raise RuntimeError if the engine cannot run further steps: a failed step consumed
         its donated KV buffers, or the page accounting is broken."""
-        import jax
-
-        leaves = jax.tree_util.tree_leaves(self.runner.state)
-        if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in leaves):
-            raise RuntimeError("the device KV cache was lost in a failed step")
+        self.runner.check_health()
         try:
             self.check_page_invariant()
         except RuntimeError as exc:
@@ -563,8 +363,8 @@ class LLMEngine:
         return self.scheduler.reset_prefix_cache()
 
     def stats(self) -> dict[str, Any]:
-        s = self._stats
-        slots = s["token_slots"]
+        s, info, kv = self._stats, self.info, self.kv_usage()
+        slots, queries = s["token_slots"], s["prefix_queries"]
         return {
             "steps": s["steps"],
             "requests": s["requests"],
@@ -573,21 +373,19 @@ class LLMEngine:
             "generated_tokens": s["generated_tokens"],
             "bucket_histogram": dict(sorted(self._bucket_hist.items())),
             "padding_fraction": (slots - s["tokens_scheduled"]) / slots if slots else 0.0,
-            "compile_seconds": self.compile_seconds,
-            "compile_cache": dict(self.compile_cache),
-            "compile_seconds_per_bucket": dict(self.runner.compile_seconds),
+            "compile_seconds": info.compile_seconds,
+            "compile_cache": dict(info.compile_cache),
+            "compile_seconds_per_bucket": dict(info.compile_seconds_per_bucket),
             "preemptions": s["preemptions"],
             "failed": s["failed"],
-            "prefix_queries": s["prefix_queries"],
+            "prefix_queries": queries,
             "prefix_hits": s["prefix_hits"],
-            "prefix_hit_rate": s["prefix_hits"] / s["prefix_queries"]
-            if s["prefix_queries"]
-            else 0.0,
-            "kv_pages_total": self.num_pages,
-            "kv_pages_used": self.pool.num_used,
-            "kv_pages_peak": self.pool.peak_used,
-            "kv_pages_cached": self.pool.num_cached,
-            "kv_pages_evicted": self.pool.num_evictions,
+            "prefix_hit_rate": s["prefix_hits"] / queries if queries else 0.0,
+            "kv_pages_total": kv.num_pages,
+            "kv_pages_used": kv.num_used,
+            "kv_pages_peak": kv.peak_used,
+            "kv_pages_cached": kv.num_cached,
+            "kv_pages_evicted": kv.num_evictions,
             "host_seconds": s["host_seconds"],
             "device_seconds": s["device_seconds"],
             "num_running": self.num_running,

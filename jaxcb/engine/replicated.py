@@ -1,9 +1,9 @@
-"""Data parallelism: independent engine replicas behind the LLMEngine interface.
+"""Data parallelism: independent engine replicas behind the one Engine interface.
 
-`make_engine(config)` is what `LLM` and the server build: one `LLMEngine` when
-`data_parallel_size` is 1, else a `ReplicatedEngine` of that many, each on its own row of the
-(data, tensor) device mesh (runtime/sharding.py), with its own KV pool, scheduler and
-compiled buckets. Nothing is shared between replicas but the request stream:
+`runtime.setup.build_engine(config)` builds one `LLMEngine` when `data_parallel_size` is 1,
+else a `ReplicatedEngine` of that many, each on its own row of the (data, tensor) device mesh,
+with its own KV pool, scheduler and compiled buckets. Nothing is shared between replicas but
+the request stream:
 
 - `add_request` sends a request to the least-loaded replica: fewest unfinished sequences
   (waiting + running), then fewest KV pages in use, then the lowest index;
@@ -13,10 +13,12 @@ compiled buckets. Nothing is shared between replicas but the request stream:
 - request ids are unique across replicas; `abort_request` finds the owner.
 
 Across hosts, run one job per host (or slice) instead: each process drives its own devices.
+Host side: this module only routes; it imports no jax.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections import Counter
@@ -25,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jaxcb.config import EngineConfig
+from jaxcb.engine.interface import Engine, EngineInfo, KVUsage, StepRecord
 from jaxcb.engine.llm_engine import LLMEngine
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
@@ -32,96 +35,37 @@ from jaxcb.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def make_engine(
-    config: EngineConfig | None = None, *, compile_progress: bool = False
-) -> LLMEngine | ReplicatedEngine:
-    """One engine, or `data_parallel_size` replicas behind the same interface."""
-    config = config or EngineConfig()
-    if config.parallel.data_parallel_size == 1:
-        return LLMEngine(config, compile_progress=compile_progress)
-    return ReplicatedEngine(config, compile_progress=compile_progress)
+def combined_info(infos: Sequence[EngineInfo]) -> EngineInfo:
+    """The replicas' facts as one engine's: the model and buckets of the first, the KV pool,
+    load and compile figures summed."""
+    first = infos[0]
+    cache = first.compile_cache
+    return dataclasses.replace(
+        first,
+        num_pages=sum(i.num_pages for i in infos),
+        kv_cache_bytes=sum(i.kv_cache_bytes for i in infos),
+        load_seconds=sum(i.load_seconds for i in infos),
+        compile_seconds=sum(i.compile_seconds for i in infos),
+        compile_cache={
+            "dir": cache.get("dir"),
+            "buckets_compiled": sum(i.compile_cache["buckets_compiled"] for i in infos),
+            "buckets_from_cache": sum(i.compile_cache["buckets_from_cache"] for i in infos),
+        },
+    )
 
 
-class _PoolTotals:
-    """The page-pool figures the server and stats read, summed over replicas."""
-
-    def __init__(self, replicas: Sequence[LLMEngine]) -> None:
-        self._replicas = replicas
-
-    _SUMMED = ("num_pages", "num_used", "num_free", "num_cached", "num_evictable")
-    _SUMMED += ("peak_used", "num_evictions")  # peaks of different moments: an upper bound
-
-    def __getattr__(self, name: str) -> int:
-        if name not in self._SUMMED:
-            raise AttributeError(name)
-        return sum(getattr(r.pool, name) for r in self._replicas)
-
-    @property
-    def usage(self) -> float:
-        return self.num_used / self.num_pages
-
-
-class ReplicatedEngine:
+class ReplicatedEngine(Engine):
     """`data_parallel_size` LLMEngines; see the module docstring."""
 
-    def __init__(self, config: EngineConfig, *, compile_progress: bool = False) -> None:
-        import jax
-
-        from jaxcb.runtime import sharding
-
-        parallel = config.parallel
-        sharding.setup_distributed(parallel)
-        if jax.process_count() > 1:
-            raise ValueError(
-                f"data_parallel_size={parallel.data_parallel_size} over "
-                f"{jax.process_count()} processes: replicas are driven by one process; run one "
-                "job per host with data_parallel_size counting that host's replicas"
-            )
-        mesh = sharding.device_mesh(parallel.data_parallel_size, parallel.tensor_parallel_size)
+    def __init__(self, config: EngineConfig, replicas: Sequence[LLMEngine]) -> None:
+        if not replicas:
+            raise ValueError("a replicated engine needs at least one replica")
         self.config = config
-        self.mesh = mesh
-        self.replicas: list[LLMEngine] = []
-        for i, replica_mesh in enumerate(sharding.replica_meshes(mesh)):
-            # Distinct seeds: unseeded requests on two replicas must not draw alike.
-            replica_config = config.replace(seed=config.seed + i)
-            self.replicas.append(
-                LLMEngine(
-                    replica_config,
-                    compile_progress=compile_progress,
-                    devices=list(replica_mesh.devices.flat),
-                )
-            )
-            logger.info("data-parallel replica %d on %s", i, list(replica_mesh.devices.flat))
-        first = self.replicas[0]
-        for name in (
-            "spec",
-            "tokenizer",
-            "eos_token_ids",
-            "model_path",
-            "max_model_len",
-            "page_size",
-            "pages_per_seq",
-            "buckets",
-            "attention_backend",
-            "matmul_backend",
-            "kv_cache_dtype",
-            "limits",
-            "model_format",
-        ):
-            setattr(self, name, getattr(first, name))
-        self.load_seconds = sum(r.load_seconds for r in self.replicas)
-        self.num_pages = sum(r.num_pages for r in self.replicas)
-        self.kv_cache_bytes = sum(r.kv_cache_bytes for r in self.replicas)
-        self.compile_seconds = sum(r.compile_seconds for r in self.replicas)
-        self.compile_cache = {
-            "dir": first.compile_cache["dir"],
-            "buckets_compiled": sum(r.compile_cache["buckets_compiled"] for r in self.replicas),
-            "buckets_from_cache": sum(r.compile_cache["buckets_from_cache"] for r in self.replicas),
-        }
-        self.pool = _PoolTotals(self.replicas)
+        self.replicas = list(replicas)
+        self.info = combined_info([r.info for r in self.replicas])
+        self.tokenizer = self.replicas[0].tokenizer
         self._owner: dict[str, int] = {}  # request id -> replica index, until it finishes
         self._ids = itertools.count()
-        self._step_trace: list[dict[str, Any]] | None = None
         self._executor = ThreadPoolExecutor(
             max_workers=len(self.replicas), thread_name_prefix="jaxcb-replica"
         )
@@ -203,26 +147,27 @@ class ReplicatedEngine:
         for out in outputs:
             if out.finished:
                 self._owner.pop(out.request_id, None)
-        if self._step_trace is not None:
-            for i, replica in enumerate(self.replicas):
-                for entry in replica.step_trace or ():
-                    self._step_trace.append({**entry, "replica": i})
-                if replica.step_trace:
-                    replica.step_trace.clear()
         return outputs
 
-    @property
-    def step_trace(self) -> list[dict[str, Any]] | None:
-        """Per-step records of every replica (each tagged with "replica"); None: off."""
-        return self._step_trace
-
-    @step_trace.setter
-    def step_trace(self, value: list[dict[str, Any]] | None) -> None:
-        self._step_trace = value
-        for replica in self.replicas:
-            replica.step_trace = None if value is None else []
-
     # ---- introspection ------------------------------------------------------------------
+
+    def record_steps(self, on: bool = True) -> None:
+        for replica in self.replicas:
+            replica.record_steps(on)
+
+    def pop_step_records(self) -> list[StepRecord]:
+        """Every replica's records, each tagged with its replica index."""
+        return [
+            dataclasses.replace(record, replica=i)
+            for i, replica in enumerate(self.replicas)
+            for record in replica.pop_step_records()
+        ]
+
+    def kv_usage(self) -> KVUsage:
+        usages = [r.kv_usage() for r in self.replicas]
+        return KVUsage(
+            *(sum(getattr(u, f.name) for u in usages) for f in dataclasses.fields(KVUsage))
+        )
 
     def check_page_invariant(self) -> None:
         for replica in self.replicas:
@@ -256,7 +201,7 @@ class ReplicatedEngine:
         total["padding_fraction"] = (slots - scheduled) / slots if slots else 0.0
         queries, hits = total.get("prefix_queries", 0), total.get("prefix_hits", 0)
         total["prefix_hit_rate"] = hits / queries if queries else 0.0
-        total["compile_cache"] = dict(self.compile_cache)
+        total["compile_cache"] = dict(self.info.compile_cache)
         total["compile_seconds_per_bucket"] = per_replica[0]["compile_seconds_per_bucket"]
         total["data_parallel_size"] = len(self.replicas)
         total["replicas"] = per_replica

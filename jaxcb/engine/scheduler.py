@@ -24,9 +24,11 @@ Pure Python: no jax, no device. The engine calls `schedule()`, runs the step, th
 
 from __future__ import annotations
 
+import abc
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxcb.engine.page_pool import PagePool, hash_page
 from jaxcb.engine.policies import SchedulingPolicy, make_policy
@@ -72,7 +74,13 @@ class SchedulerOutput:
         return not self.chunks
 
 
-class Scheduler:
+class BaseScheduler(abc.ABC):
+    """What LLMEngine drives, whatever the batching: requests join with `add`, each step is
+    `schedule()` then (after the device ran it) `update_after_step()`, and `finish()` takes a
+    finished or aborted request out, freeing its pages. The continuous scheduler below and
+    the padded-batch baselines (baselines.py) implement `schedule` and `update_after_step`;
+    the queues and the page bookkeeping are shared here."""
+
     def __init__(
         self,
         *,
@@ -81,41 +89,30 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         policy: str | SchedulingPolicy = "fcfs",
-        enable_prefix_caching: bool = False,
-        long_prefill_token_threshold: int = 0,
-        watermark_pages: int = 0,
     ) -> None:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({max_num_seqs}) so every running request can decode each step"
             )
-        if long_prefill_token_threshold < 0:
-            raise ValueError(
-                f"long_prefill_token_threshold must be >= 0 (0: no cap), "
-                f"got {long_prefill_token_threshold}"
-            )
-        if not 0 <= watermark_pages < page_pool.num_pages:
-            raise ValueError(
-                f"watermark_pages must be in [0, {page_pool.num_pages}), got {watermark_pages}"
-            )
         self.pool = page_pool
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
-        self.enable_prefix_caching = enable_prefix_caching
-        self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
-        self.watermark_pages = watermark_pages
         self.waiting: deque[Request] = deque()  # in the policy's order: the head goes next
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
         self.num_steps = 0  # schedule() calls: the clock of arrival_step and srpf aging
-        self.prefix_queries = 0  # tokens looked up in the prefix cache at admissions
-        self.prefix_hits = 0  # of which found cached
         self._num_arrivals = 0
 
-    # ---- queue management ---------------------------------------------------------------
+    @abc.abstractmethod
+    def schedule(self) -> SchedulerOutput:
+        """Decide one step."""
+
+    @abc.abstractmethod
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        """The step ran: the fed tokens' K/V are now in the cache."""
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -141,6 +138,47 @@ class Scheduler:
     def owners(self) -> Iterable[list[int]]:
         """Page lists of every request holding pages (for the pool invariant)."""
         return [r.page_ids for r in self.running]
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached page nobody holds (benchmarks use it between passes)."""
+        return self.pool.reset_prefix_cache()
+
+    def _release(self, request: Request) -> None:
+        # Tail first: cached pages released later are evicted later, and a sequence's head
+        # pages are the ones other requests are likeliest to share.
+        self.pool.free(reversed(request.page_ids))
+        request.page_ids = []
+
+
+class Scheduler(BaseScheduler):
+    """The continuous (iteration-level) scheduler; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        enable_prefix_caching: bool = False,
+        long_prefill_token_threshold: int = 0,
+        watermark_pages: int = 0,
+        **base: Any,  # BaseScheduler's: page_pool, page_size, max_num_seqs, ...
+    ) -> None:
+        super().__init__(**base)
+        page_pool = self.pool
+        if long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 0 (0: no cap), "
+                f"got {long_prefill_token_threshold}"
+            )
+        if not 0 <= watermark_pages < page_pool.num_pages:
+            raise ValueError(
+                f"watermark_pages must be in [0, {page_pool.num_pages}), got {watermark_pages}"
+            )
+        self.enable_prefix_caching = enable_prefix_caching
+        self.long_prefill_token_threshold = (
+            long_prefill_token_threshold or self.max_num_batched_tokens
+        )
+        self.watermark_pages = watermark_pages
+        self.prefix_queries = 0  # tokens looked up in the prefix cache at admissions
+        self.prefix_hits = 0  # of which found cached
 
     # ---- one step -----------------------------------------------------------------------
 
@@ -197,10 +235,6 @@ class Scheduler:
             request.num_computed_tokens = chunk.end
             if self.enable_prefix_caching:
                 self._register_full_pages(request)
-
-    def reset_prefix_cache(self) -> int:
-        """Drop every cached page nobody holds (benchmarks use it between passes)."""
-        return self.pool.reset_prefix_cache()
 
     # ---- prefix caching -----------------------------------------------------------------
 
@@ -280,10 +314,7 @@ class Scheduler:
             request.num_cached_tokens = request.num_computed_tokens
 
     def _release(self, request: Request) -> None:
-        # Tail first: cached pages released later are evicted later, and a sequence's head
-        # pages are the ones other requests are likeliest to share.
-        self.pool.free(reversed(request.page_ids))
-        request.page_ids = []
+        super()._release(request)
         request.num_hashed_pages = 0
 
     def _preempt(self, request: Request) -> None:

@@ -6,10 +6,11 @@
       generation_config.json  tokenizer files ...   copied from the source, when present
       params/                 orbax (OCDBT + tensorstore) checkpoint of the params pytree
 
-The params are stored already fused and transposed into the layout of models/llama.py, so
-loading does no host-side work: each device reads its own shard of each array straight into
-the target sharding (`restore_params` with a tensor-parallel mesh reads 1/N of the bytes per
-device, and on a multi-host mesh each host reads only what its devices hold).
+The params are stored already fused and transposed into their family's layout (its
+`param_infos`), so loading does no host-side work: each device reads its own shard of each
+array straight into the target sharding (`restore_params` with a tensor-parallel mesh reads
+1/N of the bytes per device, and on a multi-host mesh each host reads only what its devices
+hold).
 `scripts/convert_checkpoint.py` writes one; `LLM(path)` loads either format.
 """
 
@@ -21,14 +22,15 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from jaxcb.models.llama import ModelSpec, Params, abstract_params
+from jaxcb.models.base import ModelSpec, Params
+from jaxcb.models.registry import abstract_params
 from jaxcb.models.weights import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
 MARKER = "jaxcb_checkpoint.json"
 FORMAT = "jaxcb-orbax-params"
-VERSION = 1  # bump when the params layout of models/llama.py changes
+VERSION = 1  # bump when a family's params layout (its param_infos) changes
 PARAMS_DIR = "params"
 #: Model files copied beside the params: config, generation config, tokenizer, chat template.
 SIDE_FILES = (
@@ -62,7 +64,7 @@ def convert_hf_checkpoint(
     import ml_dtypes
     import numpy as np
 
-    from jaxcb.models.weights import load_params, read_hf_config, spec_from_hf_config
+    from jaxcb.models.loader import load_params, read_hf_config, spec_from_hf_config
 
     source = Path(source).expanduser()
     config = read_hf_config(source)

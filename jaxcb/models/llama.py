@@ -1,196 +1,204 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""The Llama family: Llama 2/3, Mistral, Qwen2 and Qwen3, over a paged KV cache.
 
 The forward pass takes a packed, ragged batch of tokens (prefill chunks and decode tokens of
 many requests on one axis), writes each layer's new K/V into the page pool, runs ragged paged
-attention, and returns logits only at the rows that are sampled.
+attention, and returns logits only at the rows that are sampled. The variants differ in
+three switches of the spec: q/k/v biases (Qwen2), RMSNorm of q and k per head (Qwen3), and
+sliding-window layers (Mistral; Qwen2/3 when the config enables them).
 
-Parameter pytree (plain dicts and lists; projections stored as [in, out]):
-
-    embed        [V, H]
-    layers[i]    attn_norm [H]; wqkv [H, Hkv, G + 2, D] (per KV head: its G query heads,
-                 then K, then V); bqkv [Hkv, G + 2, D] (Qwen2); q_norm, k_norm [D] (Qwen3);
-                 wo [Hq * D, H]; mlp_norm [H]; w_gate_up [H, 2, I]; w_down [I, H]
-    final_norm   [H]
-    lm_head      [H, V]   (absent when the embeddings are tied)
-    lm_head_screen        (optional, CPU) a bf16 copy of a float32 lm_head and its column
-                 statistics, for exact greedy tokens at bf16 cost (native.pack_argmax_screen)
-
-Grouping q/k/v per KV head makes one matmul for all three and lets tensor parallelism shard
-the KV-head axis without splitting a group.
-
-On CPUs the runner may replace the matmul weights (wqkv, wo, w_gate_up, w_down, lm_head,
-each viewed as [in, out]) by {kernel: packed} (jaxcb.native.PACKED_MATMULS: "amx" or
-"avx512_bf16" for bfloat16, "avx512" for float32); `matmul` sends those to that kernel.
+Parameters (`param_infos`; projections stored [in, out]): q/k/v are grouped per KV head,
+`wqkv [H, Hkv, G + 2, D]` (its G query heads, then K, then V), so one matmul computes all
+three and tensor parallelism shards the KV-head axis without splitting a group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxcb.models.layers import apply_rope, dense, rms_norm, rope_inv_freq, rope_tables
-from pallas_kernels.ragged_paged_attention import write_kv
+from jaxcb.models.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    KVCache,
+    ModelSpec,
+    ParamInfo,
+    Params,
+)
+from jaxcb.models.layers import apply_rope, rms_norm, rope_inv_freq, rope_tables
+from jaxcb.models.packed import embed_lookup, lm_head, matmul, packed_swiglu
+from jaxcb.models.weights import CheckpointTensors, ConfigFields, ModelLoadError, cast
 
-Params = dict[str, Any]
-KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k_pages, v_pages)
-
-SUPPORTED_ARCHITECTURES = {
+#: Hugging Face class -> variant
+VARIANTS = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+ARCHITECTURES = tuple(VARIANTS)
+MODEL_TYPES = {variant: arch for arch, variant in VARIANTS.items()}
+GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """The architecture facts the forward pass needs; hashable so it can be static in jit."""
+# ---- config -----------------------------------------------------------------------------
 
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: tuple[tuple[str, Any], ...] | None
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
-    sliding_windows: tuple[int | None, ...]  # per layer
-    max_position_embeddings: int
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
 
-    @property
-    def group_size(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
-
-    @property
-    def sm_scale(self) -> float:
-        return self.head_dim**-0.5
-
-    def inv_freq(self) -> jax.Array:
-        scaling = dict(self.rope_scaling) if self.rope_scaling else None
-        return jnp.asarray(rope_inv_freq(self.head_dim, self.rope_theta, scaling))
-
-    def num_params(self) -> int:
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        per_layer = (
-            h * (self.num_q_heads + 2 * self.num_kv_heads) * d
-            + self.num_q_heads * d * h
-            + 3 * h * i
-            + 2 * h
+def spec_from_hf_config(cfg: dict[str, Any], architecture: str) -> ModelSpec:
+    """Map a Hugging Face config.json of `architecture` onto the facts the forward needs."""
+    variant = VARIANTS[architecture]
+    f = ConfigFields(cfg)
+    if f.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"unsupported hidden_act {cfg['hidden_act']!r}; only 'silu'")
+    hidden = f.integer("hidden_size")
+    num_heads = f.integer("num_attention_heads")
+    num_layers = f.integer("num_hidden_layers")
+    num_kv_heads = f.integer("num_key_value_heads", num_heads)
+    for name, value in [("hidden_size", hidden), ("num_attention_heads", num_heads)]:
+        if value < 1:
+            raise ModelLoadError(f"config.json: {name} must be >= 1, got {value}")
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ModelLoadError(
+            f"num_attention_heads={num_heads} is not divisible by "
+            f"num_key_value_heads={num_kv_heads}"
         )
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + h
+    eos = f.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    rope_theta, scaling = _rope(cfg, f)
+    return ModelSpec(
+        family="llama",
+        architecture=architecture,
+        vocab_size=f.integer("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=f.integer("intermediate_size"),
+        num_layers=num_layers,
+        num_q_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=f.integer("head_dim", hidden // num_heads),
+        rms_norm_eps=f.number("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=f.flag("tie_word_embeddings", False),
+        qkv_bias=variant == "qwen2" or f.flag("attention_bias", False),
+        qk_norm=variant == "qwen3",
+        sliding_windows=_sliding_windows(f, variant, num_layers),
+        max_position_embeddings=f.integer("max_position_embeddings", 2048),
+        bos_token_id=f.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
 
 
-@dataclass(frozen=True)
-class AttentionMetadata:
-    """What ragged paged attention needs besides q and the pages (all from StepInput)."""
+def _rope(cfg: dict[str, Any], f: ConfigFields) -> tuple[float, tuple | None]:
+    """rope_theta and the scaling (as sorted items), from `rope_parameters` (transformers 5)
+    or `rope_theta` / `rope_scaling`."""
+    rope = dict(f.get("rope_parameters", {}))
+    theta = ConfigFields(rope, "config.json rope_parameters").number("rope_theta", None)
+    if theta is None:
+        theta = f.number("rope_theta", 10000.0)
+    scaling = f.get("rope_scaling") or rope
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        return theta, None
+    scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(
+            f"unsupported rope scaling {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
+        )
+    return theta, tuple(sorted(scaling.items()))
 
-    kv_lens: jax.Array  # i32[S]
-    page_indices: jax.Array  # i32[S, pages_per_seq]
-    cu_q_lens: jax.Array  # i32[S + 1]
-    num_seqs: jax.Array  # i32[1]
-    slot_mapping: jax.Array  # i32[T]
+
+def _sliding_windows(f: ConfigFields, variant: str, num_layers: int) -> tuple[int | None, ...]:
+    window = f.integer("sliding_window", 0)
+    if variant == "mistral":
+        return (window or None,) * num_layers
+    if variant in ("qwen2", "qwen3") and f.get("use_sliding_window") and window:
+        layer_types = f.get("layer_types")
+        if layer_types:
+            return tuple(window if t == "sliding_attention" else None for t in layer_types)
+        first_full = f.integer("max_window_layers", num_layers)
+        return tuple(window if i >= first_full else None for i in range(num_layers))
+    return (None,) * num_layers
 
 
-def abstract_params(spec: ModelSpec, dtype: Any) -> Params:
-    """The params pytree of `spec` as ShapeDtypeStructs (the layout in the module docstring):
-    what a checkpoint must hold, and the target of a restore."""
+# ---- parameters -------------------------------------------------------------------------
+
+
+def param_infos(spec: ModelSpec) -> Params:
+    """Every parameter's shape and logical axes (runtime/sharding.py maps them to the mesh)."""
     h, d, i, v = spec.hidden_size, spec.head_dim, spec.intermediate_size, spec.vocab_size
     hq, hkv, g = spec.num_q_heads, spec.num_kv_heads, spec.group_size
-
-    def shape(*dims: int) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(dims, jnp.dtype(dtype))
-
-    layers = []
-    for _ in range(spec.num_layers):
-        layer = {
-            "attn_norm": shape(h),
-            "wqkv": shape(h, hkv, g + 2, d),
-            "wo": shape(hq * d, h),
-            "mlp_norm": shape(h),
-            "w_gate_up": shape(h, 2, i),
-            "w_down": shape(i, h),
-        }
-        if spec.qkv_bias:
-            layer["bqkv"] = shape(hkv, g + 2, d)
-        if spec.qk_norm:
-            layer["q_norm"] = shape(d)
-            layer["k_norm"] = shape(d)
-        layers.append(layer)
-    params: Params = {"embed": shape(v, h), "layers": layers, "final_norm": shape(h)}
+    layer = {
+        "attn_norm": ParamInfo((h,), ("embed",)),
+        "wqkv": ParamInfo((h, hkv, g + 2, d), ("embed", "kv_heads", "qkv", "head_dim"), True),
+        # rows are head-major: a block of rows is a block of query heads
+        "wo": ParamInfo((hq * d, h), ("q_heads", "embed"), True),
+        "mlp_norm": ParamInfo((h,), ("embed",)),
+        "w_gate_up": ParamInfo((h, 2, i), ("embed", "gate_up", "mlp"), True),
+        "w_down": ParamInfo((i, h), ("mlp", "embed"), True),
+    }
+    if spec.qkv_bias:
+        layer["bqkv"] = ParamInfo((hkv, g + 2, d), ("kv_heads", "qkv", "head_dim"))
+    if spec.qk_norm:
+        layer["q_norm"] = ParamInfo((d,), ("head_dim",))
+        layer["k_norm"] = ParamInfo((d,), ("head_dim",))
+    params: Params = {
+        "embed": ParamInfo((v, h), ("vocab", "embed")),
+        "layers": [dict(layer) for _ in range(spec.num_layers)],
+        "final_norm": ParamInfo((h,), ("embed",)),
+    }
     if not spec.tie_word_embeddings:
-        params["lm_head"] = shape(h, v)
+        params["lm_head"] = ParamInfo((h, v), ("embed", "vocab"), True)
     return params
 
 
-AttentionFn = Callable[..., jax.Array]
+def params_from_hf(tensors: CheckpointTensors, spec: ModelSpec, dtype: Any) -> Params:
+    """The params pytree (host arrays of `dtype`) from a Hugging Face checkpoint's tensors:
+    q/k/v fused per KV head, gate/up stacked, projections transposed to [in, out]."""
+    h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    hq, hkv, g = spec.num_q_heads, spec.num_kv_heads, spec.group_size
+    take = tensors.take
+    layers = []
+    for n in range(spec.num_layers):
+        p = f"model.layers.{n}."
+        wq = take(p + "self_attn.q_proj.weight", (hq * d, h)).T.reshape(h, hkv, g, d)
+        wk = take(p + "self_attn.k_proj.weight", (hkv * d, h)).T.reshape(h, hkv, 1, d)
+        wv = take(p + "self_attn.v_proj.weight", (hkv * d, h)).T.reshape(h, hkv, 1, d)
+        gate = take(p + "mlp.gate_proj.weight", (i, h)).T
+        up = take(p + "mlp.up_proj.weight", (i, h)).T
+        layer = {
+            "attn_norm": take(p + "input_layernorm.weight", (h,)),
+            "wqkv": np.concatenate([wq, wk, wv], axis=2),  # [H, Hkv, G + 2, D]
+            "wo": take(p + "self_attn.o_proj.weight", (h, hq * d)).T,
+            "mlp_norm": take(p + "post_attention_layernorm.weight", (h,)),
+            "w_gate_up": np.stack([gate, up], axis=1),  # [H, 2, I]
+            "w_down": take(p + "mlp.down_proj.weight", (h, i)).T,
+        }
+        if spec.qkv_bias:
+            bq = take(p + "self_attn.q_proj.bias", (hq * d,)).reshape(hkv, g, d)
+            bk = take(p + "self_attn.k_proj.bias", (hkv * d,)).reshape(hkv, 1, d)
+            bv = take(p + "self_attn.v_proj.bias", (hkv * d,)).reshape(hkv, 1, d)
+            layer["bqkv"] = np.concatenate([bq, bk, bv], axis=1)  # [Hkv, G + 2, D]
+        if spec.qk_norm:
+            layer["q_norm"] = take(p + "self_attn.q_norm.weight", (d,))
+            layer["k_norm"] = take(p + "self_attn.k_norm.weight", (d,))
+        layers.append({k: cast(x, dtype) for k, x in layer.items()})
+
+    params: Params = {
+        "embed": cast(take("model.embed_tokens.weight", (spec.vocab_size, h)), dtype),
+        "layers": layers,
+        "final_norm": cast(take("model.norm.weight", (h,)), dtype),
+    }
+    if not spec.tie_word_embeddings:
+        params["lm_head"] = cast(take("lm_head.weight", (spec.vocab_size, h)).T, dtype)
+    else:
+        tensors.skip("lm_head.weight")  # some tied checkpoints store a copy anyway
+    return params
 
 
-def matmul(
-    x: jax.Array, w: jax.Array | dict[str, jax.Array], rows: jax.Array | None = None
-) -> jax.Array:
-    """x @ w for a [in, out] weight (float32 result), or a weight packed for a native
-    kernel ({"amx" | "avx512_bf16" | "avx512": packed}). `rows` (i32 scalar): how many
-    leading rows of x are real, the rest a bucket's padding; the native kernels skip the
-    padding and return zeros there, other paths compute it."""
-    if isinstance(w, dict):
-        from jaxcb import native
-
-        ((kernel, packed),) = w.items()
-        return native.PACKED_MATMULS[kernel].kernel(x, packed, rows)
-    return dense(x, w.reshape(w.shape[0], -1))
-
-
-def matmul_and_argmax(
-    x: jax.Array, w: jax.Array | dict[str, jax.Array], rows: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array | None]:
-    """`matmul(x, w, rows)` and, when the weight's native kernel takes it from its
-    accumulators on the way out, the argmax of each result row (i32, first index on ties);
-    else None."""
-    if isinstance(w, dict):
-        from jaxcb import native
-
-        ((kernel, packed),) = w.items()
-        argmax = native.PACKED_MATMULS[kernel].argmax
-        if argmax is not None:
-            return argmax(x, packed, rows)
-    return matmul(x, w, rows), None
-
-
-def packed_swiglu(w: jax.Array | dict[str, jax.Array]) -> Callable[..., jax.Array] | None:
-    """For a gate_up weight packed for a native kernel that fuses silu(gate) * up into its
-    epilogue: that fused kernel (x, packed) -> act; else None."""
-    if not isinstance(w, dict):
-        return None
-    from jaxcb import native
-
-    ((kernel, packed),) = w.items()
-    return native.PACKED_MATMULS[kernel].swiglu if packed.shape[0] % 2 == 0 else None
-
-
-@dataclass(frozen=True)
-class AttentionBackend:
-    """How a layer stores new K/V into the page pool and attends over it.
-
-    `attend` has the kernel-shaped signature of `ragged_paged_attention_reference`;
-    `write_kv` that of `pallas_kernels.ragged_paged_attention.write_kv`.
-    """
-
-    name: str
-    attend: AttentionFn
-    write_kv: Callable[..., tuple[jax.Array, jax.Array]] = write_kv
+# ---- forward ----------------------------------------------------------------------------
 
 
 def forward(
@@ -211,88 +219,83 @@ def forward(
 
     The native matmuls compute only the first `num_compute_tokens` token rows (the real ones,
     plus a batching baseline's padding, which is charged that way) and the first num_seqs
-    sampled rows; the rest of the bucket is padding and comes out zero.
-
-    With an `lm_head_screen` and `need_logits` false, the greedy tokens are exact but the
-    logits only their bf16 screen (see native.matmul_argmax_screened_f32)."""
-    num_tokens = input_ids.shape[0]
-    g, d = spec.group_size, spec.head_dim
-    # Rows of the token axis and of the sampled rows that count: the rest is the bucket's
-    # padding, which the native matmuls skip (a 150-token step in a 192 bucket, 5 sequences
-    # of a prefill step in 128 LM-head rows).
+    sampled rows; the rest of the bucket is padding and comes out zero (a 150-token step in a
+    192 bucket, 5 sequences of a prefill step in 128 LM-head rows)."""
     real_tokens = num_compute_tokens[0]
-    real_seqs = meta.num_seqs[0]
-    rope = rope_tables(positions, spec.inv_freq())
-    x = params["embed"][input_ids]  # [T, H]
-    if x.dtype == jnp.uint16:  # a bf16 table kept as raw bits (see ModelRunner): view rows
-        x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
+    scaling = dict(spec.rope_scaling) if spec.rope_scaling else None
+    inv_freq = jnp.asarray(rope_inv_freq(spec.head_dim, spec.rope_theta, scaling))
+    rope = rope_tables(positions, inv_freq)
     # The residual stream stays float32 whatever the weights' dtype; only matmul inputs and
     # the KV pages take the narrow dtype.
-    x = x.astype(jnp.float32)
+    x = embed_lookup(params["embed"], input_ids)  # [T, H]
     new_caches: KVCache = []
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
-        qkv = matmul(h, layer["wqkv"], real_tokens)  # [H, Hkv, G + 2, D] -> [T, Hkv * (G + 2) * D]
-        qkv = qkv.reshape(num_tokens, spec.num_kv_heads, g + 2, d)  # [T, Hkv, G + 2, D]
-        if "bqkv" in layer:
-            qkv = qkv + layer["bqkv"].astype(jnp.float32)
-        q = qkv[:, :, :g].reshape(num_tokens, spec.num_q_heads, d)  # [T, Hq, D]
-        k = qkv[:, :, g]  # [T, Hkv, D]
-        v = qkv[:, :, g + 1]  # [T, Hkv, D]
-        if spec.qk_norm:
-            q = rms_norm(q, layer["q_norm"], spec.rms_norm_eps)
-            k = rms_norm(k, layer["k_norm"], spec.rms_norm_eps)
-        q = apply_rope(q, rope)
-        k = apply_rope(k, rope)
-
-        k_pages, v_pages = attention.write_kv(*kv_caches[i], k, v, meta.slot_mapping)
-        new_caches.append((k_pages, v_pages))
-        attn = attention.attend(
-            q.astype(k_pages.dtype),
-            k_pages,
-            v_pages,
-            meta.kv_lens,
-            meta.page_indices,
-            meta.cu_q_lens,
-            meta.num_seqs,
-            sm_scale=spec.sm_scale,
-            sliding_window=spec.sliding_windows[i],
-        )  # [T, Hq, D]
-        x = x + matmul(attn.reshape(num_tokens, -1), layer["wo"], real_tokens)
-
-        h = rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
-        w = layer["w_gate_up"]  # [H, 2, I]
-        swiglu = packed_swiglu(w)
-        if swiglu is not None:  # the activation in the matmul's epilogue
-            act = swiglu(h, *w.values(), real_tokens)
-        else:
-            if isinstance(w, dict):  # packed as [H, 2 * I]
-                gate_up = matmul(h, w, real_tokens).reshape(num_tokens, 2, -1)
-            else:
-                # Gate and up in one matmul, without merging (2, I) into one axis: tensor
-                # parallelism shards I, and a merged 2 * I axis would not be sharded evenly
-                # (XLA would gather w).
-                gate_up = jnp.einsum(
-                    "th,hci->tci", h.astype(w.dtype), w, preferred_element_type=jnp.float32
-                )  # [T, 2, I]
-            act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
-        x = x + matmul(act, layer["w_down"], real_tokens)
-
-    last = rms_norm(x[logits_indices], params["final_norm"], spec.rms_norm_eps)  # [S, H]
-    lm_head = params["lm_head"] if "lm_head" in params else params["embed"].T
-
-    def exact(h: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-        return matmul_and_argmax(h, lm_head, real_seqs)  # f32[S, V], i32[S] | None
-
-    if "lm_head_screen" not in params:
-        return *exact(last), new_caches
-
-    from jaxcb import native
-
-    def screened(h: jax.Array) -> tuple[jax.Array, jax.Array]:  # the same tokens
-        return native.matmul_argmax_screened_f32(
-            h, lm_head["avx512"], params["lm_head_screen"], real_seqs
+        attn, caches = _attention(
+            layer, h, rope, kv_caches[i], meta, spec, attention, i, real_tokens
         )
-
-    logits, greedy = jax.lax.cond(need_logits, exact, screened, last)
+        new_caches.append(caches)
+        x = x + matmul(attn, layer["wo"], real_tokens)
+        x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps), real_tokens)
+    last = rms_norm(x[logits_indices], params["final_norm"], spec.rms_norm_eps)  # [S, H]
+    logits, greedy = lm_head(params, last, meta.num_seqs[0], need_logits)
     return logits, greedy, new_caches
+
+
+def _attention(
+    layer: Params,
+    h: jax.Array,  # f32[T, H]: the normed residual
+    rope: tuple[jax.Array, jax.Array],
+    caches: tuple[jax.Array, jax.Array],
+    meta: AttentionMetadata,
+    spec: ModelSpec,
+    attention: AttentionBackend,
+    index: int,
+    real_tokens: jax.Array,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """The layer's attention output [T, Hq * D] (before wo) and its updated KV pages."""
+    num_tokens, g, d = h.shape[0], spec.group_size, spec.head_dim
+    qkv = matmul(h, layer["wqkv"], real_tokens)  # [T, Hkv * (G + 2) * D]
+    qkv = qkv.reshape(num_tokens, spec.num_kv_heads, g + 2, d)  # [T, Hkv, G + 2, D]
+    if "bqkv" in layer:
+        qkv = qkv + layer["bqkv"].astype(jnp.float32)
+    q = qkv[:, :, :g].reshape(num_tokens, spec.num_q_heads, d)  # [T, Hq, D]
+    k = qkv[:, :, g]  # [T, Hkv, D]
+    v = qkv[:, :, g + 1]  # [T, Hkv, D]
+    if spec.qk_norm:
+        q = rms_norm(q, layer["q_norm"], spec.rms_norm_eps)
+        k = rms_norm(k, layer["k_norm"], spec.rms_norm_eps)
+    q = apply_rope(q, rope)
+    k = apply_rope(k, rope)
+    k_pages, v_pages = attention.write_kv(*caches, k, v, meta.slot_mapping)
+    out = attention.attend(
+        q.astype(k_pages.dtype),
+        k_pages,
+        v_pages,
+        meta.kv_lens,
+        meta.page_indices,
+        meta.cu_q_lens,
+        meta.num_seqs,
+        sm_scale=spec.sm_scale,
+        sliding_window=spec.sliding_windows[index],
+    )  # [T, Hq, D]
+    return out.reshape(num_tokens, -1), (k_pages, v_pages)
+
+
+def _mlp(layer: Params, h: jax.Array, real_tokens: jax.Array) -> jax.Array:
+    """down(silu(gate(h)) * up(h)) for the normed residual h [T, H]."""
+    w = layer["w_gate_up"]  # [H, 2, I]
+    swiglu = packed_swiglu(w)
+    if swiglu is not None:  # the activation in the matmul's epilogue
+        act = swiglu(h, *w.values(), real_tokens)
+    elif isinstance(w, dict):  # packed as [H, 2 * I]
+        gate_up = matmul(h, w, real_tokens).reshape(h.shape[0], 2, -1)
+        act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
+    else:
+        # Gate and up in one matmul, without merging (2, I) into one axis: tensor parallelism
+        # shards I, and a merged 2 * I axis would not be sharded evenly (XLA would gather w).
+        gate_up = jnp.einsum(
+            "th,hci->tci", h.astype(w.dtype), w, preferred_element_type=jnp.float32
+        )  # [T, 2, I]
+        act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
+    return matmul(act, layer["w_down"], real_tokens)

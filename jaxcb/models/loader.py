@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jaxcb.models.llama import ModelSpec, Params
-from jaxcb.models.weights import ModelLoadError, load_params, read_hf_config, spec_from_hf_config
+from jaxcb.models import registry
+from jaxcb.models.base import ModelSpec, Params
+from jaxcb.models.registry import spec_from_hf_config
+from jaxcb.models.weights import CheckpointTensors, ModelLoadError, read_hf_config, read_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,15 @@ def load_model(
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     return LoadedModel(path, spec, params, tokenizer, tuple(sorted(eos)), is_default, fmt)
+
+
+def load_params(model_dir: str | Path, spec: ModelSpec, dtype: Any) -> Params:
+    """Read, check, fuse and cast a Hugging Face checkpoint's tensors into the params pytree
+    of `spec`'s family (host numpy arrays)."""
+    tensors = CheckpointTensors(read_safetensors(model_dir), model_dir)
+    params = registry.family(spec).params_from_hf(tensors, spec, dtype)
+    tensors.warn_unused()
+    return params
 
 
 def load_tokenizer(path: Path) -> Any | None:

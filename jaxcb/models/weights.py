@@ -1,27 +1,27 @@
-"""Load a Hugging Face model directory (config.json + safetensors) into a params pytree.
+"""Hugging Face checkpoint files: config.json with typed field reads, and safetensors tensors.
 
-Supports single-file checkpoints and sharded ones (`model.safetensors.index.json`), stored
-in float32, float16 or bfloat16, converted to the engine dtype. Every failure names the file
-or tensor at fault.
+Single-file checkpoints and sharded ones (`model.safetensors.index.json`), stored in float32,
+float16 or bfloat16, are memory-mapped, not read. What a family makes of them (its weight
+names, its config mapping) lives in the family's file; this module knows only the formats.
+Every failure is a ModelLoadError naming the file, the field or the tensor at fault.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from jaxcb.models.llama import SUPPORTED_ARCHITECTURES, ModelSpec, Params
-
 logger = logging.getLogger(__name__)
 
 
 class ModelLoadError(ValueError):
-    """The model directory cannot be loaded (missing file, unsupported model, bad tensor)."""
+    """The model cannot be loaded (missing file, unsupported model, bad field or tensor)."""
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -37,87 +37,59 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
         raise ModelLoadError(f"{config_path} is not valid JSON: {exc}") from exc
 
 
-def spec_from_hf_config(cfg: dict[str, Any]) -> ModelSpec:
-    """Map a Hugging Face config.json onto the facts the forward pass needs."""
-    architectures = cfg.get("architectures") or []
-    if not architectures:  # configs saved without a model class: go by model_type
-        by_type = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
-        architectures = [by_type.get(cfg.get("model_type"), cfg.get("model_type"))]
-    supported = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
-    if not supported:
-        raise ModelLoadError(
-            f"unsupported architecture {', '.join(map(str, architectures))!r}; "
-            f"jaxcb supports {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
-    family = SUPPORTED_ARCHITECTURES[supported[0]]
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"unsupported hidden_act {cfg['hidden_act']!r}; only 'silu'")
-    try:
-        hidden = int(cfg["hidden_size"])
-        num_heads = int(cfg["num_attention_heads"])
-        num_layers = int(cfg["num_hidden_layers"])
-        spec_args = dict(
-            vocab_size=int(cfg["vocab_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        )
-    except KeyError as exc:
-        raise ModelLoadError(f"config.json lacks required field {exc.args[0]!r}") from None
-    num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
-    if num_heads % num_kv_heads:
-        raise ModelLoadError(
-            f"num_attention_heads={num_heads} is not divisible by "
-            f"num_key_value_heads={num_kv_heads}"
-        )
-    head_dim = int(cfg.get("head_dim") or hidden // num_heads)
-
-    rope = dict(cfg.get("rope_parameters") or {})
-    rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling = cfg.get("rope_scaling") or rope
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
-    if scaling:
-        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-        rope_type = scaling.get("rope_type", scaling.get("type"))
-        if rope_type not in ("linear", "llama3"):
-            raise ModelLoadError(
-                f"unsupported rope scaling {rope_type!r}; supported: default, linear, llama3"
-            )
-
-    windows = _sliding_windows(cfg, family, num_layers)
-    eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    return ModelSpec(
-        architecture=supported[0],
-        hidden_size=hidden,
-        num_layers=num_layers,
-        num_q_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        rope_theta=rope_theta,
-        rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=family == "qwen3",
-        sliding_windows=windows,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-        **spec_args,
-    )
+_REQUIRED = object()
 
 
-def _sliding_windows(cfg: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, ...]:
-    window = cfg.get("sliding_window")
-    if family == "mistral":
-        return (int(window) if window else None,) * num_layers
-    if family in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and window:
-        layer_types = cfg.get("layer_types")
-        if layer_types:
-            return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
-        first_full = int(cfg.get("max_window_layers", num_layers))
-        return tuple(int(window) if i >= first_full else None for i in range(num_layers))
-    return (None,) * num_layers
+class ConfigFields:
+    """Typed reads of a config mapping: a missing field, or one of the wrong type, is a
+    ModelLoadError naming the file and the field ("config.json: hidden_size must be an
+    integer, got 'big'"), not a bare int() error."""
+
+    def __init__(self, cfg: Mapping[str, Any], source: str = "config.json") -> None:
+        self.cfg = cfg
+        self.source = source
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.cfg.get(key)
+        return default if value is None else value
+
+    def integer(self, key: str, default: Any = _REQUIRED) -> int:
+        value = self._value(key, default)
+        if value is None:
+            return value
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise self._wrong(key, "an integer", value)
+        return value
+
+    def number(self, key: str, default: Any = _REQUIRED) -> float:
+        value = self._value(key, default)
+        if value is None:
+            return value
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise self._wrong(key, "a number", value)
+        return float(value)
+
+    def flag(self, key: str, default: Any = _REQUIRED) -> bool:
+        value = self._value(key, default)
+        if value is None:
+            return value
+        if not isinstance(value, bool):
+            raise self._wrong(key, "true or false", value)
+        return value
+
+    def _value(self, key: str, default: Any) -> Any:
+        """The field's value; a missing (or null) field is `default`, or an error."""
+        value = self.cfg.get(key)
+        if value is None:
+            if default is _REQUIRED:
+                raise ModelLoadError(f"{self.source} lacks required field {key!r}")
+            return default
+        return value
+
+    def _wrong(self, key: str, kind: str, value: Any) -> ModelLoadError:
+        return ModelLoadError(f"{self.source}: {key} must be {kind}, got {value!r}")
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -192,69 +164,37 @@ def read_safetensors(model_dir: str | Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def load_params(model_dir: str | Path, spec: ModelSpec, dtype: Any) -> Params:
-    """Read, check, fuse and cast the checkpoint's tensors into the params pytree (numpy)."""
-    tensors = read_safetensors(model_dir)
-    used: set[str] = set()
-    h, d = spec.hidden_size, spec.head_dim
-    hq, hkv, g = spec.num_q_heads, spec.num_kv_heads, spec.group_size
+class CheckpointTensors:
+    """A checkpoint's tensors by name, for a family's `params_from_hf`: `take` checks each
+    tensor's shape against the config, and the tensors nobody took are reported once."""
 
-    def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in tensors:
-            raise ModelLoadError(f"checkpoint in {model_dir} lacks tensor {name!r}")
-        t = tensors[name]
+    def __init__(self, tensors: Mapping[str, np.ndarray], source: str | Path) -> None:
+        self.tensors = tensors
+        self.source = source
+        self.used: set[str] = set()
+
+    def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.tensors:
+            raise ModelLoadError(f"checkpoint in {self.source} lacks tensor {name!r}")
+        t = self.tensors[name]
         if tuple(t.shape) != shape:
             raise ModelLoadError(
-                f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape} from config.json"
+                f"tensor {name!r} in {self.source} has shape {tuple(t.shape)}, expected "
+                f"{shape} from config.json"
             )
-        used.add(name)
+        self.used.add(name)
         return t
 
-    def cast(x: np.ndarray) -> np.ndarray:
-        return np.asarray(x, dtype=np.float32).astype(dtype)
+    def skip(self, name: str) -> None:
+        """A tensor the family knows and does not need (a tied lm_head's copy, say)."""
+        self.used.add(name)
 
-    layers = []
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        wq = take(p + "self_attn.q_proj.weight", (hq * d, h)).T.reshape(h, hkv, g, d)
-        wk = take(p + "self_attn.k_proj.weight", (hkv * d, h)).T.reshape(h, hkv, 1, d)
-        wv = take(p + "self_attn.v_proj.weight", (hkv * d, h)).T.reshape(h, hkv, 1, d)
-        layer = {
-            "attn_norm": cast(take(p + "input_layernorm.weight", (h,))),
-            "wqkv": cast(np.concatenate([wq, wk, wv], axis=2)),  # [H, Hkv, G + 2, D]
-            "wo": cast(take(p + "self_attn.o_proj.weight", (h, hq * d)).T),
-            "mlp_norm": cast(take(p + "post_attention_layernorm.weight", (h,))),
-            "w_gate_up": cast(
-                np.stack(
-                    [
-                        take(p + "mlp.gate_proj.weight", (spec.intermediate_size, h)).T,
-                        take(p + "mlp.up_proj.weight", (spec.intermediate_size, h)).T,
-                    ],
-                    axis=1,
-                )
-            ),  # [H, 2, I]
-            "w_down": cast(take(p + "mlp.down_proj.weight", (h, spec.intermediate_size)).T),
-        }
-        if spec.qkv_bias:
-            bq = take(p + "self_attn.q_proj.bias", (hq * d,)).reshape(hkv, g, d)
-            bk = take(p + "self_attn.k_proj.bias", (hkv * d,)).reshape(hkv, 1, d)
-            bv = take(p + "self_attn.v_proj.bias", (hkv * d,)).reshape(hkv, 1, d)
-            layer["bqkv"] = cast(np.concatenate([bq, bk, bv], axis=1))  # [Hkv, G + 2, D]
-        if spec.qk_norm:
-            layer["q_norm"] = cast(take(p + "self_attn.q_norm.weight", (d,)))
-            layer["k_norm"] = cast(take(p + "self_attn.k_norm.weight", (d,)))
-        layers.append(layer)
+    def warn_unused(self) -> None:
+        unused = sorted(set(self.tensors) - self.used)
+        if unused:
+            logger.warning("ignoring %d checkpoint tensors, e.g. %s", len(unused), unused[:3])
 
-    params: Params = {
-        "embed": cast(take("model.embed_tokens.weight", (spec.vocab_size, h))),
-        "layers": layers,
-        "final_norm": cast(take("model.norm.weight", (h,))),
-    }
-    if not spec.tie_word_embeddings:
-        params["lm_head"] = cast(take("lm_head.weight", (spec.vocab_size, h)).T)
-    else:
-        used.add("lm_head.weight")  # some tied checkpoints store a copy anyway
-    unused = sorted(set(tensors) - used)
-    if unused:
-        logger.warning("ignoring %d checkpoint tensors, e.g. %s", len(unused), unused[:3])
-    return params
+
+def cast(x: np.ndarray, dtype: Any) -> np.ndarray:
+    """A checkpoint tensor (any float dtype, memory-mapped) as a host array of `dtype`."""
+    return np.asarray(x, dtype=np.float32).astype(dtype)

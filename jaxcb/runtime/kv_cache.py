@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcb.config import CacheConfig
-from jaxcb.models.llama import KVCache, ModelSpec
+from jaxcb.models.base import KVCache, ModelSpec
 from pallas_kernels.ragged_paged_attention import kv_pages_bytes, kv_pages_shape, pages_per_seq
 
 logger = logging.getLogger(__name__)

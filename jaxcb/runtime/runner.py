@@ -1,5 +1,8 @@
 """ModelRunner: owns params and device state, compiles every bucket ahead of time, runs steps.
 
+It is the engine's `Runner` (engine/interface.py): `prepare` packs a scheduled step into the
+bucket's fixed-shape arrays, `execute` runs the bucket's compiled step on them.
+
 The runner works on a mesh (runtime/sharding.py): one device, or `tensor_parallel_size`
 devices over which the params and the KV pages are sharded. The step is jitted with explicit
 in/out shardings (params as the rules say, KV pages by KV head, step inputs and sampled
@@ -11,30 +14,27 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxcb.engine.buckets import Bucket
-from jaxcb.models.llama import AttentionBackend, ModelSpec, Params
+from jaxcb.engine.interface import StepResult
+from jaxcb.engine.scheduler import SchedulerOutput
+from jaxcb.models.base import AttentionBackend, ModelSpec, Params
+from jaxcb.models.packed import prepare_cpu_params
 from jaxcb.runtime import sharding
 from jaxcb.runtime import step as step_module
 from jaxcb.runtime.kv_cache import init_state
-from jaxcb.runtime.step_input import FLAG_TOP_LOGPROBS, StepInput, empty_step_input
+from jaxcb.runtime.step_input import (
+    FLAG_TOP_LOGPROBS,
+    StepInput,
+    empty_step_input,
+    pack_step_input,
+)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepResult:
-    """What the host needs back from one step (numpy, sequence rows)."""
-
-    token_ids: np.ndarray  # i32[S]
-    logprobs: np.ndarray  # f32[S]
-    top_token_ids: np.ndarray | None  # i32[S, K] when any row asked for top logprobs
-    top_logprobs: np.ndarray | None  # f32[S, K]
 
 
 class ModelRunner:
@@ -42,6 +42,7 @@ class ModelRunner:
         self,
         spec: ModelSpec,
         params: Params,
+        infos: Params,
         *,
         kv_cache_dtype: jnp.dtype,
         num_pages: int,
@@ -54,9 +55,10 @@ class ModelRunner:
         pack_matmuls: str | None = None,
         greedy_screen: bool = True,
     ) -> None:
-        """`pack_matmuls`: a native matmul kernel ("amx", "avx512_bf16", "avx512") to run
+        """`infos`: the params' declarations (the family's `param_infos`: shapes, logical
+        axes). `pack_matmuls`: a native matmul kernel ("amx", "avx512_bf16", "avx512") to run
         the matmuls of its dtype on, their weights packed for it (CPU, one device; see
-        `matmul_backend`). `greedy_screen`: with "avx512", also keep the bf16 screen of the
+        models/packed.py). `greedy_screen`: with "avx512", also keep the bf16 screen of the
         float32 lm_head that finds greedy tokens at bf16 cost (if this CPU has AVX512-BF16)."""
         self.spec = spec
         self.page_size = page_size
@@ -65,11 +67,15 @@ class ModelRunner:
         self.mesh = mesh = mesh if mesh is not None else sharding.replica_mesh(1)
         tp = sharding.tensor_parallel_size(mesh)
         attention = sharding.shard_attention(attention, mesh)  # per KV-head shard if tp > 1
-        params = _adapt_params_for_backend(params)
-        if pack_matmuls:
-            params = _pack_matmul_weights(params, pack_matmuls, greedy_screen=greedy_screen)
+        params, infos = prepare_cpu_params(
+            params, infos, pack=pack_matmuls, greedy_screen=greedy_screen
+        )
         rules = sharding.rules_for(spec, tp)
-        self.param_shardings = sharding.param_shardings(params, mesh, rules)
+        self._replicated = sharding.replicated(mesh)
+        if pack_matmuls:  # one device: packed weights are never sharded
+            self.param_shardings = jax.tree_util.tree_map(lambda _: self._replicated, params)
+        else:
+            self.param_shardings = sharding.param_shardings(infos, mesh, rules)
         self.params = sharding.shard_params(params, self.param_shardings)
         self.kv_sharding = sharding.kv_pages_sharding(mesh)
         self.state = init_state(
@@ -79,7 +85,6 @@ class ModelRunner:
             dtype=kv_cache_dtype,
             sharding=self.kv_sharding,
         )
-        self._replicated = sharding.replicated(mesh)
         state_shardings = jax.tree_util.tree_map(lambda _: self.kv_sharding, self.state)
         # The static arguments are bound here: jit takes no keyword arguments alongside
         # in_shardings.
@@ -124,6 +129,16 @@ class ModelRunner:
             )
         return total
 
+    def prepare(self, sched: SchedulerOutput, bucket: Bucket) -> StepInput:
+        return pack_step_input(
+            sched,
+            bucket,
+            page_size=self.page_size,
+            pages_per_seq=self.pages_per_seq,
+            max_model_len=self.max_model_len,
+            num_top_logprobs=self.num_top_logprobs,
+        )
+
     def execute(self, bucket: Bucket, inp: StepInput) -> StepResult:
         compiled = self._compiled[bucket]
         if inp.penalty_tokens is None:
@@ -146,89 +161,7 @@ class ModelRunner:
             top_logprobs=fetched[3] if want_top else None,
         )
 
-
-def _adapt_params_for_backend(params: Params) -> Params:
-    """Store a bfloat16 embedding table as raw uint16 bits on CPU.
-
-    XLA's CPU backend has no bfloat16 gather: looking up a few rows converted the whole
-    table to float32 in every step (23 ms for 32000 x 512). Gathering uint16 rows and
-    viewing them as bfloat16 costs nothing. Tied embeddings keep a bf16 copy as lm_head.
-    """
-    embed = params["embed"]
-    if jax.default_backend() != "cpu" or embed.dtype != jnp.bfloat16:
-        return params
-    # Arrays restored from an orbax checkpoint are on the (CPU) devices: read them back.
-    params = dict(params)
-    if "lm_head" not in params:
-        params["lm_head"] = np.ascontiguousarray(np.asarray(embed).T)
-    params["embed"] = np.asarray(embed).view(np.uint16)
-    return params
-
-
-#: The matmul weights of a layer, and how each is viewed as [in, out] before packing.
-_MATMUL_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
-
-
-def matmul_backend(name: str, *, dtype: jnp.dtype, tensor_parallel_size: int) -> str:
-    """The matmul path for `kernels.matmul` = name: one of jaxcb's native CPU kernels over
-    packed weights ("amx" or "avx512_bf16" for bfloat16 weights on a CPU with AMX or with
-    AVX512-BF16, "avx512" for float32 weights on a CPU with AVX-512; one device per replica)
-    or "xla". "auto" picks the first native kernel that can run, else xla; a native kernel
-    named where it cannot run is a ValueError saying why."""
-    from jaxcb import native
-
-    def reasons(kernel: str) -> list[str]:
-        spec = native.PACKED_MATMULS[kernel]
-        found = []
-        if jax.default_backend() != "cpu":
-            found.append(f"the platform is {jax.default_backend()}, not cpu")
-        if jnp.dtype(dtype) != jnp.dtype(spec.dtype):
-            want = jnp.dtype(spec.dtype).name
-            found.append(f"the weights are {jnp.dtype(dtype).name}, not {want}")
-        if tensor_parallel_size > 1:
-            found.append("tensor parallelism shards the weights (the kernel is per device)")
-        if not found and not spec.available():
-            found.append(f"this CPU, compiler or OS gives no {spec.isa}")
-        return found
-
-    if name == "auto":
-        return next((k for k in native.PACKED_MATMULS if not reasons(k)), "xla")
-    if name == "xla":
-        return name
-    if why := reasons(name):
-        raise ValueError(f"kernels.matmul={name!r} cannot run: " + "; ".join(why))
-    return name
-
-
-def _pack_matmul_weights(params: Params, kernel: str, *, greedy_screen: bool) -> Params:
-    """Each matmul weight of the kernel's dtype whose [in, out] view fits its packed layout
-    becomes {kernel: packed} (models/llama.py sends those to that native kernel); a float32
-    lm_head packed for "avx512" gains its bf16 screen (`greedy_screen`, where it can run)."""
-    from jaxcb import native
-
-    spec = native.PACKED_MATMULS[kernel]
-
-    def pack(w: object) -> object:
-        w2 = np.asarray(w)
-        w2 = w2.reshape(w2.shape[0], -1)
-        if w2.dtype != jnp.dtype(spec.dtype) or not spec.can_pack(w2.shape):
-            return w
-        return {kernel: spec.pack(w2)}
-
-    params = dict(params)
-    params["layers"] = [
-        {k: pack(v) if k in _MATMUL_WEIGHTS else v for k, v in layer.items()}
-        for layer in params["layers"]
-    ]
-    if "lm_head" in params:
-        lm_head = np.asarray(params["lm_head"])
-        params["lm_head"] = pack(lm_head)
-        if (
-            greedy_screen
-            and kernel == "avx512"
-            and isinstance(params["lm_head"], dict)
-            and native.can_pack_bf16(lm_head.shape)
-            and native.argmax_screen_available()
-        ):
-            params["lm_head_screen"] = native.pack_argmax_screen(lm_head)
-    return params
+    def check_health(self) -> None:
+        leaves = jax.tree_util.tree_leaves(self.state)
+        if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in leaves):
+            raise RuntimeError("the device KV cache was lost in a failed step")

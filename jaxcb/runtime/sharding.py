@@ -1,9 +1,11 @@
 """Device meshes and the logical-axis sharding rules: the one place tensor parallelism is decided.
 
 Every array the step function touches names its axes logically ("vocab", "embed",
-"q_heads", "kv_heads", "mlp", ...). `RULES` maps each logical name to a mesh axis (or to
-None: replicated), and everything else here turns those names into PartitionSpecs and
-NamedShardings. With `tensor_parallel_size = N` the layout is Megatron's:
+"q_heads", "kv_heads", "mlp", ...): a model family declares its parameters' axes next to
+their shapes (its `param_infos`); the KV pages, queries and logits are named here. `RULES`
+maps each logical name to a mesh axis (or to None: replicated), and everything else here
+turns those names into PartitionSpecs and NamedShardings. With `tensor_parallel_size = N`
+the layout is Megatron's:
 
 - q/k/v by KV head (`wqkv [H, Hkv, G + 2, D]` keeps each KV head with its G query heads, so
   a device holds whole GQA groups), the o-projection by query head: one all-reduce;
@@ -15,7 +17,8 @@ NamedShardings. With `tensor_parallel_size = N` the layout is Megatron's:
 
 The rest of the step (norms, rope, sampling) is left to XLA's partitioner, which follows
 the parameters' shardings. Data parallelism is not in the step at all: each replica is an
-independent engine on its own row of the (data, tensor) mesh (engine/replicated.py).
+independent engine on its own row of the (data, tensor) mesh (runtime/setup.py builds them,
+engine/replicated.py routes requests between them).
 
 Multi-host: `initialize_distributed` wires `jax.distributed.initialize`, after which
 `jax.devices()` lists every process's devices and the same mesh spans hosts.
@@ -33,7 +36,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxcb.config import ParallelConfig
-from jaxcb.models.llama import AttentionBackend, ModelSpec, abstract_params
+from jaxcb.models import registry
+from jaxcb.models.base import AttentionBackend, ModelSpec, is_param_info
 
 logger = logging.getLogger(__name__)
 
@@ -54,30 +58,8 @@ RULES: dict[str, str | None] = {
     "page_slots": None,
     "tokens": None,
     "seqs": None,
-    "packed_tiles": None,  # a weight packed for a native CPU matmul kernel (never sharded)
 }
 
-#: Parameter name -> logical axes of its dimensions (layouts documented in models/llama.py).
-PARAM_AXES: dict[str, tuple[str, ...]] = {
-    "embed": ("vocab", "embed"),  # [V, H]
-    "lm_head": ("embed", "vocab"),  # [H, V]
-    "final_norm": ("embed",),
-    # per layer
-    "attn_norm": ("embed",),
-    "wqkv": ("embed", "kv_heads", "qkv", "head_dim"),  # [H, Hkv, G + 2, D]
-    "bqkv": ("kv_heads", "qkv", "head_dim"),  # [Hkv, G + 2, D]
-    "q_norm": ("head_dim",),
-    "k_norm": ("head_dim",),
-    "wo": ("q_heads", "embed"),  # [Hq * D, H]: rows head-major, a block of rows = of heads
-    "mlp_norm": ("embed",),
-    "w_gate_up": ("embed", "gate_up", "mlp"),  # [H, 2, I]
-    "w_down": ("mlp", "embed"),  # [I, H]
-    # {"amx" | "avx512_bf16": [N/16, K/32, 16, 32]}, {"avx512": [N/16, K, 16]}: llama.py
-    "amx": ("packed_tiles",) * 4,
-    "avx512_bf16": ("packed_tiles",) * 4,
-    "avx512": ("packed_tiles",) * 3,
-    "screen_stats": ("packed_tiles",) * 2,  # lm_head_screen's [2, V] column statistics
-}
 KV_PAGES_AXES = ("kv_heads", "pages", "page_slots", "head_dim")  # [Hkv, P, page_size, D]
 Q_AXES = ("tokens", "q_heads", "head_dim")  # attention's q and output: [T, Hq, D]
 KV_NEW_AXES = ("tokens", "kv_heads", "head_dim")  # a step's new K or V: [T, Hkv, D]
@@ -135,33 +117,20 @@ def logical_spec(axes: Sequence[str], rules: dict[str, str | None] | None = None
     return PartitionSpec(*(rules[a] for a in axes))
 
 
-def param_shardings(params: Any, mesh: Mesh, rules: dict[str, str | None] | None = None) -> Any:
-    """A NamedSharding per leaf of a params pytree (arrays or ShapeDtypeStructs), by name."""
-
-    def leaf_sharding(path: tuple[Any, ...], leaf: Any) -> NamedSharding:
-        name = _leaf_name(path)
-        if name not in PARAM_AXES:
-            raise ValueError(f"no logical axes for parameter {name!r}")
-        axes = PARAM_AXES[name]
-        if len(axes) != len(leaf.shape):
-            raise ValueError(f"parameter {name!r} has shape {leaf.shape}, expected axes {axes}")
-        return NamedSharding(mesh, logical_spec(axes, rules))
-
-    return jax.tree_util.tree_map_with_path(leaf_sharding, params)
+def param_shardings(infos: Any, mesh: Mesh, rules: dict[str, str | None] | None = None) -> Any:
+    """A NamedSharding per parameter, from the family's declarations (a pytree of ParamInfo:
+    each parameter's logical axes)."""
+    return jax.tree_util.tree_map(
+        lambda info: NamedSharding(mesh, logical_spec(info.axes, rules)),
+        infos,
+        is_leaf=is_param_info,
+    )
 
 
-def _leaf_name(path: tuple[Any, ...]) -> str:
-    """The dict key nearest the leaf: 'wqkv' for params['layers'][3]['wqkv']."""
-    for entry in reversed(path):
-        if isinstance(entry, jax.tree_util.DictKey):
-            return str(entry.key)
-    raise ValueError(f"parameter at {jax.tree_util.keystr(path)} has no name")
-
-
-def model_param_shardings(spec: ModelSpec, *, mesh: Mesh, dtype: Any) -> Any:
+def model_param_shardings(spec: ModelSpec, *, mesh: Mesh) -> Any:
     """The target shardings of `spec`'s params on `mesh` (ValueError if it does not divide)."""
     rules = rules_for(spec, tensor_parallel_size(mesh))
-    return param_shardings(abstract_params(spec, dtype), mesh, rules)
+    return param_shardings(registry.param_infos(spec), mesh, rules)
 
 
 def kv_pages_sharding(mesh: Mesh) -> NamedSharding:
@@ -250,7 +219,7 @@ def engine_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None =
     if parallel.data_parallel_size > 1 and devices is None:
         raise ValueError(
             f"data_parallel_size={parallel.data_parallel_size}: build the engine with "
-            "jaxcb.engine.replicated.make_engine (LLM and the server do), which gives each "
+            "jaxcb.runtime.setup.build_engine (LLM and the server do), which gives each "
             "replica its devices"
         )
     mesh = replica_mesh(parallel.tensor_parallel_size, devices)

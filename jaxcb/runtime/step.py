@@ -1,15 +1,17 @@
 """THE step function: model forward over a packed ragged batch, KV write, sampling.
 
-One function serves every bucket (each bucket is compiled once, ahead of time). The runner
-jits it with its mesh's shardings (runner.py) and `spec`, `attention`, `num_top_logprobs`
-static; the device state (the KV pages) is donated, so XLA updates it in place.
+The forward is that of the spec's family (models/registry.py). One function serves every
+bucket (each bucket is compiled once, ahead of time). The runner jits it with its mesh's
+shardings (runner.py) and `spec`, `attention`, `num_top_logprobs` static; the device state
+(the KV pages) is donated, so XLA updates it in place.
 """
 
 from __future__ import annotations
 
 import jax
 
-from jaxcb.models.llama import AttentionBackend, AttentionMetadata, ModelSpec, Params, forward
+from jaxcb.models import registry
+from jaxcb.models.base import AttentionBackend, AttentionMetadata, ModelSpec, Params
 from jaxcb.runtime.kv_cache import DeviceState
 from jaxcb.runtime.step_input import FLAG_LOGPROBS, FLAG_PENALTY, FLAG_RANDOM, StepInput
 from jaxcb.sampling import SamplingOutput, sample
@@ -51,7 +53,7 @@ def step(
         num_seqs=inp.num_seqs,
         slot_mapping=inp.slot_mapping,
     )
-    logits, greedy_ids, kv_caches = forward(
+    logits, greedy_ids, kv_caches = registry.family(spec).forward(
         params,
         state.kv_caches,
         inp.input_ids,

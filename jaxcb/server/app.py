@@ -3,7 +3,7 @@
     POST /v1/completions       POST /v1/chat/completions     GET /v1/models
     GET  /health               GET  /metrics
 
-The app owns no engine state: `build_app` takes a ready `LLMEngine`, wraps it in an
+The app owns no engine state: `build_app` takes a ready engine (`Engine`), wraps it in an
 `EngineLoop` (started and stopped with the app's lifespan) and serves from it.
 
 Handlers parse their bodies themselves (strict, with field-naming errors), so /openapi.json
@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from jaxcb.engine.llm_engine import LLMEngine
+from jaxcb.engine.interface import Engine
 from jaxcb.server.engine_loop import EngineLoop
 from jaxcb.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxcb.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
@@ -44,9 +44,9 @@ class ServerSettings:
     shutdown_timeout: float = 10.0  # seconds running requests get to finish on shutdown
 
 
-def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
+def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     model_name = settings.served_model_names[0]
-    metrics = ServerMetrics(model_name, sorted({b.num_tokens for b in engine.buckets}))
+    metrics = ServerMetrics(model_name, engine.info.token_buckets)
     engine_loop = EngineLoop(engine, metrics)
     serving = OpenAIServing(engine_loop, list(settings.served_model_names))
 
@@ -87,7 +87,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
                     "object": "model",
                     "created": created,
                     "owned_by": "jaxcb",
-                    "root": engine.model_path and str(engine.model_path),
+                    "root": engine.info.model_path,
                     "max_model_len": engine.max_model_len,
                 }
                 for name in settings.served_model_names

@@ -25,10 +25,8 @@ from types import FrameType
 import uvicorn
 
 from jaxcb.cli import add_engine_args, engine_config_from_args
-from jaxcb.config import EngineConfig
-from jaxcb.engine.llm_engine import LLMEngine
-from jaxcb.engine.replicated import make_engine
-from jaxcb.models.default_model import NAME as DEFAULT_MODEL_NAME
+from jaxcb.engine.interface import Engine
+from jaxcb.runtime.setup import build_engine
 from jaxcb.server.app import ServerSettings, build_app
 
 logger = logging.getLogger("jaxcb.server")
@@ -70,10 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def default_served_name(config: EngineConfig) -> str:
-    return config.model or DEFAULT_MODEL_NAME
-
-
 # ---- running ----------------------------------------------------------------------------
 
 
@@ -96,12 +90,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(1, f"serve.py: cannot listen on {args.host}:{args.port}: {exc}\n")
 
     try:
-        engine = make_engine(config, compile_progress=sys.stderr.isatty())
+        engine = build_engine(config, compile_progress=sys.stderr.isatty())
     except ValueError as exc:  # a config the model or the scheduler cannot take
         sock.close()
         parser.exit(2, f"serve.py: error: {exc}\n")
     settings = ServerSettings(
-        served_model_names=tuple(args.served_model_name or [default_served_name(config)]),
+        served_model_names=tuple(args.served_model_name or [engine.info.model_name]),
         api_key=args.api_key,
         shutdown_timeout=args.shutdown_timeout,
     )
@@ -155,11 +149,11 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
-def log_startup(engine: LLMEngine, settings: ServerSettings, url: str, frozen: int = 0) -> None:
-    config = engine.config
+def log_startup(engine: Engine, settings: ServerSettings, url: str, frozen: int = 0) -> None:
+    config, info = engine.config, engine.info
     sched = config.scheduler
-    tokens = engine.num_pages * engine.page_size
-    model = str(engine.model_path) + (" (built-in, RANDOM WEIGHTS)" if config.model is None else "")
+    tokens = info.num_pages * info.page_size
+    model = info.model_path + (" (built-in, RANDOM WEIGHTS)" if info.is_default_model else "")
     auth = ' -H "Authorization: Bearer $API_KEY"' if settings.api_key else ""
     name = settings.served_model_names[0]
     curl = (
@@ -169,20 +163,20 @@ def log_startup(engine: LLMEngine, settings: ServerSettings, url: str, frozen: i
     lines = [
         "jaxcb server ready",
         f"  model:        {model}, served as {', '.join(settings.served_model_names)}",
-        f"  architecture: {engine.spec.architecture}, dtype {config.dtype}, "
-        f"attention {engine.attention_backend}, matmul {engine.matmul_backend}, "
-        f"max_model_len {engine.max_model_len}",
+        f"  architecture: {info.architecture}, dtype {config.dtype}, "
+        f"attention {info.attention_backend}, matmul {info.matmul_backend}, "
+        f"max_model_len {info.max_model_len}",
         f"  parallel:     tensor_parallel_size {config.parallel.tensor_parallel_size}, "
         f"data_parallel_size {config.parallel.data_parallel_size}",
-        f"  KV pages:     {engine.num_pages} pages x {engine.page_size} tokens = {tokens} tokens, "
-        f"{engine.kv_cache_bytes / 2**20:.1f} MiB ({engine.kv_cache_bytes} bytes)",
-        f"  buckets:      tokens {sorted({b.num_tokens for b in engine.buckets})}, "
+        f"  KV pages:     {info.num_pages} pages x {info.page_size} tokens = {tokens} tokens, "
+        f"{info.kv_cache_bytes / 2**20:.1f} MiB ({info.kv_cache_bytes} bytes)",
+        f"  buckets:      tokens {info.token_buckets}, "
         f"max_num_seqs {config.scheduler.max_num_seqs}",
         f"  scheduling:   policy {sched.scheduling_policy}, prefix caching "
         f"{'on' if config.cache.enable_prefix_caching else 'off'}, watermark "
-        f"{sched.watermark_pages(engine.num_pages)} pages, at most "
+        f"{sched.watermark_pages(info.num_pages)} pages, at most "
         f"{config.limits.max_waiting_requests} waiting",
-        f"  compiled in:  {engine.compile_seconds:.1f} s",
+        f"  compiled in:  {info.compile_seconds:.1f} s",
         f"  gc:           {frozen} start-up objects frozen (full collections skip them)",
         f"  listening on: {url}  (OpenAI base_url {url}/v1)",
         f"  try:          {curl}",

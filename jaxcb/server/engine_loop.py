@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jaxcb.engine.llm_engine import LLMEngine
+from jaxcb.engine.interface import Engine
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.metrics import ServerMetrics
@@ -106,12 +106,11 @@ class _Route:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: Engine, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
         self.max_waiting_requests = engine.config.limits.max_waiting_requests
-        self._saved_step_trace = engine.step_trace
-        engine.step_trace = []  # read and cleared after every step, for per-step metrics
+        engine.record_steps()  # popped after every step, for per-step metrics
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._routes: dict[str, _Route] = {}
         self._token_text_cache: dict[int, str] = {}
@@ -223,7 +222,7 @@ class EngineLoop:
             else:
                 self._abort_ids(list(self._routes))
             self._update_gauges()
-            self.engine.step_trace = self._saved_step_trace
+            self.engine.record_steps(False)
 
     def _run_commands(self, wait: bool, timeout: float | None = None) -> None:
         if self.error is not None:  # failed: nothing will step, so just wait for commands
@@ -253,18 +252,11 @@ class EngineLoop:
             self._step_failed(exc)
             return True
         self._step_failures = 0
-        trace = self.engine.step_trace  # one entry per step that ran
-        if not trace and not outputs:
+        records = self.engine.pop_step_records()  # one per step that ran
+        if not records and not outputs:
             return False
-        for entry in trace:
-            self.metrics.step(
-                entry["bucket"],
-                entry["num_tokens"],
-                len(entry["preempted"]),
-                prefix_queries=entry.get("prefix_queries", 0),
-                prefix_hits=entry.get("prefix_hits", 0),
-            )
-        trace.clear()
+        for record in records:
+            self.metrics.step(record)
         now = time.monotonic()
         batch = []
         for out in outputs:
@@ -479,7 +471,7 @@ class EngineLoop:
         engine = self.engine
         self.metrics.num_requests_running.set(engine.num_running)
         self.metrics.num_requests_waiting.set(engine.num_waiting)
-        self.metrics.kv_cache_usage_perc.set(engine.pool.num_used / engine.num_pages)
+        self.metrics.kv_cache_usage_perc.set(engine.kv_usage().usage)
 
     def _deliver(self, batch: list[tuple[Submission, int, Any]]) -> None:
         if batch:

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from jaxcb.engine.interface import StepRecord
+
 # Histogram bounds in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2.5, 5)
@@ -95,25 +97,17 @@ class ServerMetrics:
     def request_finished(self, finish_reason: str) -> None:
         self._request_success.labels(self._model_name, finish_reason).inc()
 
-    def step(
-        self,
-        bucket_tokens: int,
-        num_tokens: int,
-        num_preempted: int,
-        *,
-        prefix_queries: int = 0,
-        prefix_hits: int = 0,
-    ) -> None:
+    def step(self, record: StepRecord) -> None:
         """Record one engine step: its bucket, real tokens, preemptions, prefix cache use."""
-        self.step_bucket_tokens.observe(bucket_tokens)
-        self._token_slots += bucket_tokens
-        self._tokens_scheduled += num_tokens
+        self.step_bucket_tokens.observe(record.bucket)
+        self._token_slots += record.bucket
+        self._tokens_scheduled += record.num_tokens
         self.padding_fraction.set(1.0 - self._tokens_scheduled / self._token_slots)
-        if num_preempted:
-            self.num_preemptions.inc(num_preempted)
-        if prefix_queries:
-            self.prefix_cache_queries.inc(prefix_queries)
-            self.prefix_cache_hits.inc(prefix_hits)
+        if record.preempted:
+            self.num_preemptions.inc(len(record.preempted))
+        if record.prefix_queries:
+            self.prefix_cache_queries.inc(record.prefix_queries)
+            self.prefix_cache_hits.inc(record.prefix_hits)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jaxcb.engine.llm_engine import LLMEngine
+from jaxcb.engine.interface import Engine
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.protocol import bad_request
 
@@ -30,7 +30,7 @@ def prompt_param(prompt: Prompt) -> str:
     return "messages" if isinstance(prompt, ChatPrompt) else "prompt"
 
 
-def encode_prompt(engine: LLMEngine, prompt: Prompt) -> list[int]:
+def encode_prompt(engine: Engine, prompt: Prompt) -> list[int]:
     """Token ids of a prompt; a 400 APIError if it cannot be encoded or is empty."""
     tokenizer = engine.tokenizer
     param = prompt_param(prompt)
@@ -50,7 +50,7 @@ def encode_prompt(engine: LLMEngine, prompt: Prompt) -> list[int]:
             raise bad_request("this model has no tokenizer: send token id lists", param)
         ids = list(tokenizer(prompt)["input_ids"])
     else:
-        vocab_size = engine.spec.vocab_size
+        vocab_size = engine.info.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
             raise bad_request(f"token ids must be in [0, {vocab_size}), got {bad[:5]}", param)

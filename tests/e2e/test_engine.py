@@ -44,7 +44,7 @@ def test_page_invariant_every_step_and_pool_full_after_aborts(llm):
             engine.abort_request(ids[-1])
         engine.check_page_invariant()
     assert engine.pool.num_used == 0
-    assert engine.pool.num_free == engine.num_pages
+    assert engine.pool.num_free == engine.info.num_pages
 
 
 def test_no_recompilation_after_warmup(llm):
@@ -238,14 +238,14 @@ def test_bfloat16_model_and_kv_cache_dtypes():
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     small = {**CONFIG, "token_buckets": [16, 64]}
     xla = LLM(dtype="bfloat16", attention="xla", **small)
-    assert xla.engine.kv_cache_dtype == "float32"
+    assert xla.engine.info.kv_cache_dtype == "float32"
     forced = LLM(dtype="bfloat16", attention="xla", kv_cache_dtype="bfloat16", **small)
-    assert forced.engine.kv_cache_dtype == "bfloat16"
+    assert forced.engine.info.kv_cache_dtype == "bfloat16"
     outs = [xla.generate(prompt, sp, use_tqdm=False)[0].token_ids]
     outs.append(forced.generate(prompt, sp, use_tqdm=False)[0].token_ids)
     if native_available():
         native = LLM(dtype="bfloat16", attention="native", **small)
-        assert native.engine.kv_cache_dtype == "bfloat16"
+        assert native.engine.info.kv_cache_dtype == "bfloat16"
         outs.append(native.generate(prompt, sp, use_tqdm=False)[0].token_ids)
     assert all(len(o) == 12 for o in outs)
     assert all(o[:3] == outs[0][:3] for o in outs)

@@ -78,7 +78,7 @@ def test_greedy_parity_with_pallas_kernels_in_interpret_mode(attention, tmp_path
     )
     assert [o.token_ids for o in outs] == expected
     assert llm.stats()["preemptions"] > 0
-    assert llm.engine.attention_backend == attention
+    assert llm.engine.info.attention_backend == attention
 
 
 @pytest.mark.parametrize("attention", ["xla", "native"])
@@ -90,4 +90,4 @@ def test_greedy_parity_each_cpu_backend(attention, tmp_path):
         if not available():
             pytest.skip("no C++ compiler")
     llm = run_parity("llama3", tmp_path, attention=attention)
-    assert llm.engine.attention_backend == attention
+    assert llm.engine.info.attention_backend == attention

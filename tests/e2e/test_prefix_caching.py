@@ -55,7 +55,7 @@ def run_checked(llm: LLM, prompts, params, **kw) -> list:
             if out.finished:
                 results[out.request_id] = out
         engine.check_page_invariant()
-    assert engine.pool.num_used == 0 and engine.pool.num_free == engine.num_pages
+    assert engine.pool.num_used == 0 and engine.pool.num_free == engine.info.num_pages
     engine.pool.check_invariant([])  # every reference returned
     return [results[i] for i in ids]
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from jaxcb import LLM, SamplingParams, native
-from jaxcb.runtime.runner import matmul_backend
+from jaxcb.config import MATMUL_BACKENDS
+from jaxcb.models.packed import matmul_backend
 
 KERNELS = [
     pytest.param(
@@ -176,6 +177,12 @@ def test_matmul_backend_choice():
         LLM(matmul="onednn")
 
 
+def test_config_names_every_packed_kernel():
+    """config.py (host side, no jax) lists the kernels.matmul choices by name: the native
+    kernel table and that list must not drift apart."""
+    assert ("auto", *native.PACKED_MATMULS, "xla") == MATMUL_BACKENDS
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_engine_on_native_matmul_matches_xla_matmuls(kernel):
     """The same engine with its matmuls on a native kernel and on XLA: same greedy tokens
@@ -191,7 +198,7 @@ def test_engine_on_native_matmul_matches_xla_matmuls(kernel):
     )
     packed = LLM(matmul=kernel, **config)
     xla = LLM(matmul="xla", **config)
-    assert (packed.engine.matmul_backend, xla.engine.matmul_backend) == (kernel, "xla")
+    assert (packed.engine.info.matmul_backend, xla.engine.info.matmul_backend) == (kernel, "xla")
     layer = packed.engine.runner.params["layers"][0]
     for name in ("wqkv", "wo", "w_gate_up", "w_down"):
         assert list(layer[name]) == [kernel]

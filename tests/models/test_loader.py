@@ -11,8 +11,8 @@ import pytest
 from helpers import make_hf_model
 
 from jaxcb.models import default_model
-from jaxcb.models.loader import load_model
-from jaxcb.models.weights import ModelLoadError, load_params, read_safetensors, spec_from_hf_config
+from jaxcb.models.loader import load_model, load_params, spec_from_hf_config
+from jaxcb.models.weights import ModelLoadError, read_safetensors
 
 
 def params_equal(a, b) -> bool:
@@ -126,6 +126,15 @@ def test_bad_config_values(tmp_path, llama_dir):
     del bad["hidden_size"]
     with pytest.raises(ModelLoadError, match="hidden_size"):
         spec_from_hf_config(bad)
+    for field, value, kind in [
+        ("hidden_size", "big", "an integer"),
+        ("num_hidden_layers", 2.5, "an integer"),
+        ("rms_norm_eps", "tiny", "a number"),
+        ("tie_word_embeddings", "yes", "true or false"),
+    ]:
+        with pytest.raises(ModelLoadError) as info:
+            spec_from_hf_config({**cfg, field: value})
+        assert str(info.value) == f"config.json: {field} must be {kind}, got {value!r}"
 
 
 def test_default_model_is_deterministic_and_says_random(tmp_path, monkeypatch, caplog):

@@ -140,7 +140,7 @@ def main(work: Path) -> None:
         orbax_dir,
         tokenizer_path=None,
         dtype=np.float32,
-        shardings=lambda spec: sharding.model_param_shardings(spec, mesh=mesh, dtype=np.float32),
+        shardings=lambda spec: sharding.model_param_shardings(spec, mesh=mesh),
     )
     wqkv = loaded.params["layers"][0]["wqkv"]
     results["orbax_restored"] = {

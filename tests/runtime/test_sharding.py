@@ -6,15 +6,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxcb import LLM
 from jaxcb.config import EngineConfig, ParallelConfig
 from jaxcb.models.default_model import CONFIG
-from jaxcb.models.llama import abstract_params
-from jaxcb.models.weights import spec_from_hf_config
+from jaxcb.models.registry import param_infos, spec_from_hf_config
 from jaxcb.runtime import sharding
 
 SPEC = spec_from_hf_config(CONFIG)  # the built-in tiny model: 4 query heads, 2 KV heads
@@ -24,7 +22,7 @@ def test_every_param_has_logical_axes() -> None:
     for tied, bias, qk_norm in [(False, False, False), (True, True, True)]:
         spec = dataclasses.replace(SPEC, tie_word_embeddings=tied, qkv_bias=bias, qk_norm=qk_norm)
         mesh = sharding.replica_mesh(1)
-        shardings = sharding.param_shardings(abstract_params(spec, jnp.float32), mesh)
+        shardings = sharding.param_shardings(param_infos(spec), mesh)
         layer = shardings["layers"][0]
         assert layer["wqkv"].spec == P(None, "tensor", None, None)
         assert ("bqkv" in layer) == bias and ("q_norm" in layer) == qk_norm

@@ -131,7 +131,7 @@ def test_source_and_recovery(tmp_path: Path) -> None:
 class EchoEngine:
     """Stands in for LLMEngine: every request finishes in the next step, echoing its prompt."""
 
-    class spec:
+    class info:
         vocab_size = 100
 
     tokenizer = None

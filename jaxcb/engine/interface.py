@@ -1,0 +1,235 @@
+"""The contracts of the host side: what it sees of the device side, and what it offers.
+
+    Runner       the device side as the engine sees it: pack a scheduled step into the
+                 bucket's arrays, run it, say whether the device state survived
+                 (runtime/runner.py implements it; runtime/setup.py builds it)
+    StepResult   what one step gives back: the sampled tokens and their logprobs
+    EngineInfo   facts about the loaded model and the runtime, for logs, stats and the server
+    StepRecord   what one step held, for per-step metrics and step traces
+    KVUsage      the KV page pool's figures
+    Engine       the interface LLMEngine and ReplicatedEngine share (LLM, the server and
+                 batch inference drive either)
+
+Nothing here imports jax: the host side builds on these types alone.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from jaxcb.config import EngineConfig
+from jaxcb.engine.buckets import Bucket
+from jaxcb.engine.scheduler import SchedulerOutput
+from jaxcb.outputs import RequestOutput
+from jaxcb.sampling_params import SamplingParams
+
+MAX_TOP_LOGPROBS = 20  # top logprobs a step computes per row at most (as the OpenAI API)
+
+
+@dataclass
+class StepResult:
+    """What the host needs back from one step (numpy, sequence rows)."""
+
+    token_ids: np.ndarray  # i32[S]
+    logprobs: np.ndarray  # f32[S]
+    top_token_ids: np.ndarray | None  # i32[S, K] when any row asked for top logprobs
+    top_logprobs: np.ndarray | None  # f32[S, K]
+
+
+class Runner(Protocol):
+    """The device side of one engine: params, KV pages and a compiled step per bucket."""
+
+    def prepare(self, sched: SchedulerOutput, bucket: Bucket) -> Any:
+        """Lay the scheduled chunks out in the bucket's fixed-shape arrays (host work)."""
+        ...
+
+    def execute(self, bucket: Bucket, prepared: Any) -> StepResult:
+        """Run the bucket's compiled step on `prepare`'s arrays; wait for the tokens."""
+        ...
+
+    def check_health(self) -> None:
+        """RuntimeError if the device state was lost (a failed step consumed its buffers)."""
+        ...
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """The loaded model and the runtime around it, as the composition root built them."""
+
+    model_path: str
+    model_name: str  # the model as the user named it (the server's default served name)
+    model_format: str  # "safetensors" (Hugging Face) or "orbax"
+    is_default_model: bool  # the built-in random-weight model
+    architecture: str  # Hugging Face class name
+    vocab_size: int
+    max_model_len: int
+    buckets: tuple[Bucket, ...]
+    page_size: int
+    num_pages: int
+    kv_cache_bytes: int
+    kv_cache_dtype: str
+    attention_backend: str
+    matmul_backend: str
+    platform: str  # jax's backend: cpu, gpu, tpu
+    load_seconds: float
+    compile_seconds: float
+    compile_seconds_per_bucket: dict[int, float] = field(default_factory=dict)
+    compile_cache: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def token_buckets(self) -> list[int]:
+        return sorted({b.num_tokens for b in self.buckets})
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step: its bucket (token slots), its chunks as (request id, tokens, "prefill" |
+    "decode"), the real tokens, a padded-batch baseline's batch padding, KV pages in use
+    after it, the requests it preempted, and the prefix cache's lookups and hits."""
+
+    bucket: int
+    chunks: tuple[tuple[str, int, str], ...]
+    num_tokens: int
+    batch_padding: int
+    pages_used: int
+    preempted: tuple[str, ...]
+    prefix_queries: int
+    prefix_hits: int
+    replica: int | None = None  # data-parallel replica that ran it
+
+    @classmethod
+    def of(cls, sched: SchedulerOutput, bucket_tokens: int, pages_used: int) -> StepRecord:
+        return cls(
+            bucket=bucket_tokens,
+            chunks=tuple(
+                (
+                    c.request.request_id,
+                    c.num_tokens,
+                    # from the chunk alone: the request has moved on by now
+                    "decode"
+                    if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens
+                    else "prefill",
+                )
+                for c in sched.chunks
+            ),
+            num_tokens=sched.num_tokens,
+            batch_padding=sched.num_padding_tokens,
+            pages_used=pages_used,
+            preempted=tuple(r.request_id for r in sched.preempted),
+            prefix_queries=sched.num_prefix_query_tokens,
+            prefix_hits=sched.num_prefix_hit_tokens,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form of a step trace entry (jaxcb.bench.trace)."""
+        out = {
+            "bucket": self.bucket,
+            "chunks": [list(c) for c in self.chunks],
+            "num_tokens": self.num_tokens,
+            "batch_padding": self.batch_padding,
+            "pages_used": self.pages_used,
+            "preempted": list(self.preempted),
+            "prefix_queries": self.prefix_queries,
+            "prefix_hits": self.prefix_hits,
+        }
+        if self.replica is not None:
+            out["replica"] = self.replica
+        return out
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    num_pages: int
+    num_used: int
+    num_cached: int  # cached prefix pages nobody holds (free to evict)
+    peak_used: int  # with replicas: the sum of each one's peak, an upper bound
+    num_evictions: int
+
+    @property
+    def usage(self) -> float:
+        return self.num_used / self.num_pages if self.num_pages else 0.0
+
+
+class Engine(abc.ABC):
+    """Requests in, outputs out, one step at a time. `config`, `info` and `tokenizer` are
+    plain attributes; the rest is below."""
+
+    config: EngineConfig
+    info: EngineInfo
+    tokenizer: Any  # a transformers tokenizer, or None (token-id prompts only)
+
+    @abc.abstractmethod
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        final_only: bool = False,
+    ) -> str:
+        """Validate and queue a request; returns its id (ValueError for bad input)."""
+
+    @abc.abstractmethod
+    def validate_request(
+        self, prompt: str | Sequence[int], params: SamplingParams, *, priority: int = 0
+    ) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids), or ValueError naming the problem."""
+
+    @abc.abstractmethod
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its pages; None for unknown or finished ids."""
+
+    @abc.abstractmethod
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; outputs of the requests that got tokens or finished."""
+
+    @abc.abstractmethod
+    def has_unfinished_requests(self) -> bool: ...
+
+    @property
+    @abc.abstractmethod
+    def num_running(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def num_waiting(self) -> int: ...
+
+    @abc.abstractmethod
+    def kv_usage(self) -> KVUsage: ...
+
+    @abc.abstractmethod
+    def record_steps(self, on: bool = True) -> None:
+        """Start (or stop) keeping a StepRecord of every step, for `pop_step_records`."""
+
+    @abc.abstractmethod
+    def pop_step_records(self) -> list[StepRecord]:
+        """The records kept since the last call (oldest first), and forget them."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Steps, buckets, padding, compile seconds, KV pages, preemptions, prefix cache."""
+
+    @abc.abstractmethod
+    def check_page_invariant(self) -> None: ...
+
+    @abc.abstractmethod
+    def check_health(self) -> None:
+        """RuntimeError if the engine cannot run further steps."""
+
+    @abc.abstractmethod
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached page no request holds; returns how many were dropped."""
+
+    def close(self) -> None:  # noqa: B027 (optional: most engines hold nothing to release)
+        """Release threads or other resources (nothing by default)."""
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len

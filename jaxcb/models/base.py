@@ -1,0 +1,127 @@
+"""What every model family shares with the rest of jaxcb: the spec, the params' declaration,
+the attention contract, and the interface a family module implements.
+
+A family is one module (llama.py, ...) registered in registry.py. It declares:
+
+    ARCHITECTURES    Hugging Face `architectures` names it runs
+    MODEL_TYPES      config.json `model_type` values, for configs saved without architectures
+    GGUF_ARCHS       `general.architecture` values of GGUF files, mapped to an ARCHITECTURES name
+    spec_from_hf_config(cfg) -> ModelSpec
+    param_infos(spec) -> the params pytree of ParamInfo: each parameter's shape and the
+                     logical axes runtime/sharding.py maps onto the mesh
+    params_from_hf(tensors, spec, dtype) -> Params   (Hugging Face weight names → the pytree)
+    forward(params, kv_caches, input_ids, positions, logits_indices, meta, *, spec,
+            attention, num_compute_tokens, need_logits) -> (logits, greedy ids | None, caches)
+
+Conventions every family keeps, so that the CPU weight packing (packed.py) and the sharding
+rules work for all: the token embedding is params["embed"] [V, H] with axes ("vocab",
+"embed"); the output head is params["lm_head"] [H, V] with axes ("embed", "vocab"), absent
+when the embeddings are tied; a matmul weight (ParamInfo.matmul) is stored [in, ...] so that
+reshaping it to [shape[0], -1] gives its [in, out] matrix.
+
+Logical axis names (runtime/sharding.py's RULES map them to mesh axes): "vocab", "embed"
+(the hidden size), "q_heads", "kv_heads", "mlp" (the MLP's intermediate axis), "qkv" (a
+query group's G query heads, then K, then V), "gate_up", "head_dim".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from pallas_kernels.ragged_paged_attention import write_kv
+
+Params = dict[str, Any]
+KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k_pages, v_pages)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture facts the forward pass needs; hashable so it can be static in jit."""
+
+    family: str  # the registry's name of the family module that runs it ("llama")
+    architecture: str  # the Hugging Face class name ("Qwen3ForCausalLM")
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: tuple[tuple[str, Any], ...] | None
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    sliding_windows: tuple[int | None, ...]  # per layer
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def sm_scale(self) -> float:
+        return self.head_dim**-0.5
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter's declaration: its shape and the logical axis of each dimension.
+
+    `matmul`: a weight the forward multiplies by (through packed.matmul), which the CPU path
+    may pack for a native kernel as its [shape[0], -1] matrix.
+    """
+
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    matmul: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != len(self.axes):
+            raise ValueError(f"shape {self.shape} and logical axes {self.axes} differ in rank")
+
+
+def is_param_info(x: Any) -> bool:
+    return isinstance(x, ParamInfo)
+
+
+def abstract_from_infos(infos: Params, dtype: Any) -> Params:
+    """The params pytree as ShapeDtypeStructs: what a checkpoint must hold, and the target
+    of a restore."""
+    return jax.tree_util.tree_map(
+        lambda info: jax.ShapeDtypeStruct(info.shape, dtype), infos, is_leaf=is_param_info
+    )
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """What ragged paged attention needs besides q and the pages (all from StepInput)."""
+
+    kv_lens: jax.Array  # i32[S]
+    page_indices: jax.Array  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array  # i32[S + 1]
+    num_seqs: jax.Array  # i32[1]
+    slot_mapping: jax.Array  # i32[T]
+
+
+AttentionFn = Callable[..., jax.Array]
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """How a layer stores new K/V into the page pool and attends over it.
+
+    `attend` has the kernel-shaped signature of `ragged_paged_attention_reference`;
+    `write_kv` that of `pallas_kernels.ragged_paged_attention.write_kv`.
+    """
+
+    name: str
+    attend: AttentionFn
+    write_kv: Callable[..., tuple[jax.Array, jax.Array]] = write_kv

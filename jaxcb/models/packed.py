@@ -1,0 +1,187 @@
+"""Matmuls of the model code, and the CPU weight packing behind them.
+
+Every family multiplies through `matmul` (and `swiglu` / `lm_head` where it fits): a plain
+[in, out] weight goes to XLA (`layers.dense`); a weight packed for one of jaxcb's native CPU
+kernels, stored as {kernel: packed} ("amx" or "avx512_bf16" for bfloat16, "avx512" for
+float32; jaxcb.native.PACKED_MATMULS), goes to that kernel. The runner decides (through
+`matmul_backend`) and packs once at load (`prepare_cpu_params`), so the forward code is the
+same on every backend.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcb import native
+from jaxcb.models.base import ParamInfo, Params
+from jaxcb.models.layers import dense
+
+logger = logging.getLogger(__name__)
+
+Weight = jax.Array | dict[str, jax.Array]
+
+
+def matmul(x: jax.Array, w: Weight, rows: jax.Array | None = None) -> jax.Array:
+    """x @ w for a [in, ...] weight viewed as [in, out] (float32 result), or a weight packed
+    for a native kernel ({"amx" | "avx512_bf16" | "avx512": packed}). `rows` (i32 scalar):
+    how many leading rows of x are real, the rest a bucket's padding; the native kernels skip
+    the padding and return zeros there, other paths compute it."""
+    if isinstance(w, dict):
+        ((kernel, packed),) = w.items()
+        return native.PACKED_MATMULS[kernel].kernel(x, packed, rows)
+    return dense(x, w.reshape(w.shape[0], -1))
+
+
+def matmul_and_argmax(
+    x: jax.Array, w: Weight, rows: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array | None]:
+    """`matmul(x, w, rows)` and, when the weight's native kernel takes it from its
+    accumulators on the way out, the argmax of each result row (i32, first index on ties);
+    else None."""
+    if isinstance(w, dict):
+        ((kernel, packed),) = w.items()
+        argmax = native.PACKED_MATMULS[kernel].argmax
+        if argmax is not None:
+            return argmax(x, packed, rows)
+    return matmul(x, w, rows), None
+
+
+def packed_swiglu(w: Weight) -> Callable[..., jax.Array] | None:
+    """For a gate_up weight packed for a native kernel that fuses silu(gate) * up into its
+    epilogue: that fused kernel (x, packed, rows) -> act; else None."""
+    if not isinstance(w, dict):
+        return None
+    ((kernel, packed),) = w.items()
+    return native.PACKED_MATMULS[kernel].swiglu if packed.shape[0] % 2 == 0 else None
+
+
+def lm_head(
+    params: Params, h: jax.Array, rows: jax.Array, need_logits: jax.Array
+) -> tuple[jax.Array, jax.Array | None]:
+    """f32[S, V] logits of the final hidden states h [S, H] and, where the LM head's kernel
+    computes them on the way, their greedy tokens (i32[S]; else None).
+
+    With an `lm_head_screen` (prepare_cpu_params) and `need_logits` false, the greedy tokens
+    are exact but the logits only their bf16 screen (native.matmul_argmax_screened_f32)."""
+    weight = params["lm_head"] if "lm_head" in params else params["embed"].T
+
+    def exact(h: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        return matmul_and_argmax(h, weight, rows)
+
+    if "lm_head_screen" not in params:
+        return exact(h)
+
+    def screened(h: jax.Array) -> tuple[jax.Array, jax.Array]:  # the same tokens
+        return native.matmul_argmax_screened_f32(
+            h, weight["avx512"], params["lm_head_screen"], rows
+        )
+
+    return jax.lax.cond(need_logits, exact, screened, h)
+
+
+def embed_lookup(embed: jax.Array, input_ids: jax.Array) -> jax.Array:
+    """Rows of the embedding table as float32 (a bf16 table kept as raw uint16 bits by
+    prepare_cpu_params is viewed back as bf16 first)."""
+    x = embed[input_ids]
+    if x.dtype == jnp.uint16:
+        x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
+    return x.astype(jnp.float32)
+
+
+# ---- choosing and packing (at load time, on the host) -----------------------------------
+
+
+def matmul_backend(name: str, *, dtype: Any, tensor_parallel_size: int) -> str:
+    """The matmul path for `kernels.matmul` = name: one of jaxcb's native CPU kernels over
+    packed weights ("amx" or "avx512_bf16" for bfloat16 weights on a CPU with AMX or with
+    AVX512-BF16, "avx512" for float32 weights on a CPU with AVX-512; one device per replica)
+    or "xla". "auto" picks the first native kernel that can run, else xla; a native kernel
+    named where it cannot run is a ValueError saying why."""
+
+    def reasons(kernel: str) -> list[str]:
+        spec = native.PACKED_MATMULS[kernel]
+        found = []
+        if jax.default_backend() != "cpu":
+            found.append(f"the platform is {jax.default_backend()}, not cpu")
+        if jnp.dtype(dtype) != jnp.dtype(spec.dtype):
+            want = jnp.dtype(spec.dtype).name
+            found.append(f"the weights are {jnp.dtype(dtype).name}, not {want}")
+        if tensor_parallel_size > 1:
+            found.append("tensor parallelism shards the weights (the kernel is per device)")
+        if not found and not spec.available():
+            found.append(f"this CPU, compiler or OS gives no {spec.isa}")
+        return found
+
+    if name == "auto":
+        return next((k for k in native.PACKED_MATMULS if not reasons(k)), "xla")
+    if name == "xla":
+        return name
+    if why := reasons(name):
+        raise ValueError(f"kernels.matmul={name!r} cannot run: " + "; ".join(why))
+    return name
+
+
+def prepare_cpu_params(
+    params: Params, infos: Params, *, pack: str | None, greedy_screen: bool
+) -> tuple[Params, Params]:
+    """The params (and their declarations) as the CPU runs them best; unchanged elsewhere.
+
+    - A bfloat16 embedding table is stored as raw uint16 bits. XLA's CPU backend has no
+      bfloat16 gather: looking up a few rows converted the whole table to float32 in every
+      step (23 ms for 32000 x 512); gathering uint16 rows and viewing them as bfloat16 costs
+      nothing. Tied embeddings then keep a bf16 copy as lm_head.
+    - `pack`: a native matmul kernel (see `matmul_backend`); every matmul weight of its dtype
+      that fits its layout becomes {pack: packed}, and a float32 lm_head packed for "avx512"
+      gains its bf16 screen (`greedy_screen`, where this CPU can run it).
+    """
+    if jax.default_backend() != "cpu":
+        return params, infos
+    params, infos = _embed_as_bits(params, infos)
+    if pack:
+        params = _pack_weights(params, infos, pack, greedy_screen=greedy_screen)
+    return params, infos
+
+
+def _embed_as_bits(params: Params, infos: Params) -> tuple[Params, Params]:
+    embed = params["embed"]
+    if embed.dtype != jnp.bfloat16:
+        return params, infos
+    # Arrays restored from an orbax checkpoint are on the (CPU) devices: read them back.
+    params, infos = dict(params), dict(infos)
+    if "lm_head" not in params:
+        params["lm_head"] = np.ascontiguousarray(np.asarray(embed).T)
+        table = infos["embed"]
+        infos["lm_head"] = ParamInfo(table.shape[::-1], table.axes[::-1], matmul=True)
+    params["embed"] = np.asarray(embed).view(np.uint16)
+    return params, infos
+
+
+def _pack_weights(params: Params, infos: Params, kernel: str, *, greedy_screen: bool) -> Params:
+    spec = native.PACKED_MATMULS[kernel]
+
+    def pack(w: Any, info: ParamInfo) -> Any:
+        if not info.matmul:
+            return w
+        w2 = np.asarray(w)
+        w2 = w2.reshape(w2.shape[0], -1)
+        if w2.dtype != jnp.dtype(spec.dtype) or not spec.can_pack(w2.shape):
+            return w
+        return {kernel: spec.pack(w2)}
+
+    packed = jax.tree_util.tree_map(pack, params, infos)
+    lm_head = packed.get("lm_head")
+    if (
+        greedy_screen
+        and kernel == "avx512"
+        and isinstance(lm_head, dict)
+        and native.can_pack_bf16(np.shape(params["lm_head"]))
+        and native.argmax_screen_available()
+    ):
+        packed["lm_head_screen"] = native.pack_argmax_screen(np.asarray(params["lm_head"]))
+    return packed

@@ -1,0 +1,96 @@
+"""Model families by name, and the lookups from a checkpoint to its family.
+
+A family is a module implementing the interface in base.py. Adding one is one new file and
+one entry in FAMILIES below: everything else (config mapping, parameter declarations with
+their sharding axes, weight names, forward) lives in the family's file.
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+from typing import Any
+
+import jax
+
+from jaxcb.models import llama
+from jaxcb.models.base import ModelSpec, Params, abstract_from_infos, is_param_info
+from jaxcb.models.weights import ModelLoadError
+
+#: family name (ModelSpec.family) -> its module
+FAMILIES: dict[str, ModuleType] = {
+    "llama": llama,
+}
+
+
+def _table(attribute: str) -> dict[str, tuple[ModuleType, str]]:
+    """key -> (family, Hugging Face architecture), from each family's own tables."""
+    out: dict[str, tuple[ModuleType, str]] = {}
+    for family in FAMILIES.values():
+        table = getattr(family, attribute)
+        pairs = table.items() if isinstance(table, dict) else ((a, a) for a in table)
+        for key, architecture in pairs:
+            out[key] = (family, architecture)
+    return out
+
+
+ARCHITECTURES = _table("ARCHITECTURES")  # HF `architectures` entry
+MODEL_TYPES = _table("MODEL_TYPES")  # config.json `model_type`
+GGUF_ARCHS = _table("GGUF_ARCHS")  # GGUF `general.architecture`
+
+
+def family(spec_or_name: ModelSpec | str) -> ModuleType:
+    """The family module of a spec (or of a family name)."""
+    name = spec_or_name.family if isinstance(spec_or_name, ModelSpec) else spec_or_name
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model family {name!r}; known: {sorted(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def resolve_hf_architecture(cfg: dict[str, Any]) -> tuple[ModuleType, str]:
+    """The family and architecture of a Hugging Face config.json: its first `architectures`
+    entry jaxcb runs, or (configs saved without a model class) its `model_type`."""
+    architectures = cfg.get("architectures") or []
+    if not isinstance(architectures, list):
+        raise ModelLoadError(f"config.json: architectures must be a list, got {architectures!r}")
+    for name in architectures:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    model_type = cfg.get("model_type")
+    if not architectures and model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    shown = ", ".join(map(str, architectures)) or str(model_type)
+    raise ModelLoadError(
+        f"unsupported architecture {shown!r}; jaxcb supports {sorted(ARCHITECTURES)}"
+    )
+
+
+def resolve_gguf_architecture(name: str) -> tuple[ModuleType, str]:
+    """The family and (Hugging Face) architecture of a GGUF `general.architecture`."""
+    if name not in GGUF_ARCHS:
+        raise ModelLoadError(
+            f"unsupported GGUF architecture {name!r}; jaxcb supports {sorted(GGUF_ARCHS)}"
+        )
+    return GGUF_ARCHS[name]
+
+
+def spec_from_hf_config(cfg: dict[str, Any]) -> ModelSpec:
+    """Map a Hugging Face config.json onto the spec of the family that runs it."""
+    module, architecture = resolve_hf_architecture(cfg)
+    return module.spec_from_hf_config(cfg, architecture)
+
+
+def param_infos(spec: ModelSpec) -> Params:
+    """The params pytree of `spec` as ParamInfo (shapes and logical axes)."""
+    return family(spec).param_infos(spec)
+
+
+def abstract_params(spec: ModelSpec, dtype: Any) -> Params:
+    """The params pytree of `spec` as ShapeDtypeStructs."""
+    return abstract_from_infos(param_infos(spec), dtype)
+
+
+def num_params(spec: ModelSpec) -> int:
+    """Parameters of the model (tied embeddings counted once)."""
+    leaves = jax.tree_util.tree_leaves(param_infos(spec), is_leaf=is_param_info)
+    return sum(math.prod(info.shape) for info in leaves)

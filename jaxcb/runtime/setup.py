@@ -1,0 +1,222 @@
+"""The composition root: from an EngineConfig to a ready engine.
+
+`build_engine(config)` is what `LLM`, the server and batch inference call. It decides
+everything device-side once, in order: the mesh (one device, or tensor_parallel_size devices;
+jax.distributed first if asked), the model (spec, params, tokenizer, EOS ids), the attention
+and matmul backends, the KV dtype and page count, the buckets, the runner with its compiled
+step per bucket (through the persistent compilation cache), and then hands the host-side
+`LLMEngine` what it needs: the runner, the model's tokenizer and EOS ids, and an EngineInfo
+of the facts above. With data_parallel_size > 1 it builds one such engine per row of the
+(data, tensor) mesh and puts them behind a `ReplicatedEngine`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxcb.attention import get_attention_backend
+from jaxcb.config import EngineConfig
+from jaxcb.engine.buckets import Bucket, default_token_buckets, make_buckets
+from jaxcb.engine.interface import MAX_TOP_LOGPROBS, Engine, EngineInfo
+from jaxcb.engine.llm_engine import LLMEngine
+from jaxcb.engine.replicated import ReplicatedEngine
+from jaxcb.models import registry
+from jaxcb.models.base import ModelSpec
+from jaxcb.models.default_model import NAME as DEFAULT_MODEL_NAME
+from jaxcb.models.loader import LoadedModel, load_model
+from jaxcb.models.packed import matmul_backend
+from jaxcb.runtime import compile_cache, sharding
+from jaxcb.runtime.kv_cache import page_bytes, resolve_kv_cache_dtype, resolve_num_pages
+from jaxcb.runtime.runner import ModelRunner
+from pallas_kernels.ragged_paged_attention import pages_per_seq
+
+logger = logging.getLogger(__name__)
+
+
+def build_engine(config: EngineConfig | None = None, *, compile_progress: bool = False) -> Engine:
+    """One LLMEngine, or `data_parallel_size` replicas behind the same interface."""
+    config = config or EngineConfig()
+    if config.parallel.data_parallel_size == 1:
+        return build_llm_engine(config, compile_progress=compile_progress)
+    return build_replicated_engine(config, compile_progress=compile_progress)
+
+
+def build_llm_engine(
+    config: EngineConfig,
+    *,
+    compile_progress: bool = False,
+    devices: Sequence[jax.Device] | None = None,  # this replica's devices
+) -> LLMEngine:
+    """One engine on `devices` (default: the first tensor_parallel_size devices)."""
+    runner, info, model = build_runner(config, devices=devices, compile_progress=compile_progress)
+    return LLMEngine(
+        config,
+        runner=runner,
+        info=info,
+        tokenizer=model.tokenizer,
+        eos_token_ids=model.eos_token_ids,
+    )
+
+
+def build_replicated_engine(
+    config: EngineConfig, *, compile_progress: bool = False
+) -> ReplicatedEngine:
+    """`data_parallel_size` engines, each on its own row of the (data, tensor) mesh."""
+    parallel = config.parallel
+    sharding.setup_distributed(parallel)
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"data_parallel_size={parallel.data_parallel_size} over "
+            f"{jax.process_count()} processes: replicas are driven by one process; run one "
+            "job per host with data_parallel_size counting that host's replicas"
+        )
+    mesh = sharding.device_mesh(parallel.data_parallel_size, parallel.tensor_parallel_size)
+    replicas = []
+    for i, replica_mesh in enumerate(sharding.replica_meshes(mesh)):
+        devices = list(replica_mesh.devices.flat)
+        # Distinct seeds: unseeded requests on two replicas must not draw alike.
+        replica_config = config.replace(seed=config.seed + i)
+        replicas.append(
+            build_llm_engine(replica_config, compile_progress=compile_progress, devices=devices)
+        )
+        logger.info("data-parallel replica %d on %s", i, devices)
+    return ReplicatedEngine(config, replicas)
+
+
+def build_runner(
+    config: EngineConfig,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    compile_progress: bool = False,
+) -> tuple[ModelRunner, EngineInfo, LoadedModel]:
+    """The device side of one engine, compiled for every bucket, and what it is."""
+    t0 = time.perf_counter()
+    dtype = jnp.dtype(config.dtype)
+    mesh = sharding.engine_mesh(config.parallel, devices)
+    model = load_model(
+        config.model,
+        tokenizer_path=config.tokenizer,
+        dtype=dtype,
+        shardings=lambda spec: sharding.model_param_shardings(spec, mesh=mesh),
+    )
+    load_seconds = time.perf_counter() - t0
+    spec, cache, sched = model.spec, config.cache, config.scheduler
+    max_model_len = resolve_max_model_len(config, spec)
+    attention = get_attention_backend(config.kernels.attention)
+    matmul = matmul_backend(
+        config.kernels.matmul, dtype=dtype, tensor_parallel_size=sharding.tensor_parallel_size(mesh)
+    )
+    kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, dtype, attention.name)
+    num_pages = resolve_num_pages(
+        cache,
+        spec,
+        itemsize=kv_dtype.itemsize,
+        max_model_len=max_model_len,
+        max_num_seqs=sched.max_num_seqs,
+        params_bytes=_host_bytes(model.params),
+        tensor_parallel_size=config.parallel.tensor_parallel_size,
+        device=mesh.devices.flat[0],
+    )
+    token_buckets = sched.token_buckets or default_token_buckets(sched.max_num_batched_tokens)
+    buckets = make_buckets(token_buckets, sched.max_num_seqs, sched.seq_buckets)
+    runner = ModelRunner(
+        spec,
+        model.params,
+        registry.param_infos(spec),
+        kv_cache_dtype=kv_dtype,
+        num_pages=num_pages,
+        page_size=cache.page_size,
+        pages_per_seq=pages_per_seq(max_model_len, cache.page_size),
+        max_model_len=max_model_len,
+        attention=attention,
+        num_top_logprobs=MAX_TOP_LOGPROBS,
+        mesh=mesh,
+        pack_matmuls=None if matmul == "xla" else matmul,
+        greedy_screen=config.kernels.greedy_screen,
+    )
+    compile_seconds, cache_figures = _compile(runner, buckets, config, compile_progress)
+    info = EngineInfo(
+        model_path=str(model.path),
+        model_name=config.model or DEFAULT_MODEL_NAME,
+        model_format=model.format,
+        is_default_model=model.is_default,
+        architecture=spec.architecture,
+        vocab_size=spec.vocab_size,
+        max_model_len=max_model_len,
+        buckets=buckets,
+        page_size=cache.page_size,
+        num_pages=num_pages,
+        kv_cache_bytes=num_pages * page_bytes(spec, cache.page_size, kv_dtype.itemsize),
+        kv_cache_dtype=str(kv_dtype),
+        attention_backend=attention.name,
+        matmul_backend=matmul,
+        platform=jax.default_backend(),
+        load_seconds=load_seconds,
+        compile_seconds=compile_seconds,
+        compile_seconds_per_bucket=dict(runner.compile_seconds),
+        compile_cache=cache_figures,
+    )
+    _log_ready(info, config)
+    return runner, info, model
+
+
+def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
+    """max_model_len from the config, else the model's max_position_embeddings."""
+    max_model_len = config.max_model_len or spec.max_position_embeddings
+    if max_model_len > spec.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={max_model_len} is larger than the model's "
+            f"max_position_embeddings={spec.max_position_embeddings}"
+        )
+    return max_model_len
+
+
+def _host_bytes(params: Any) -> int:
+    """Bytes of the weights not yet on the devices (an orbax restore puts them there)."""
+    leaves = jax.tree_util.tree_leaves(params)
+    return sum(x.nbytes for x in leaves if not isinstance(x, jax.Array))
+
+
+def _compile(
+    runner: ModelRunner, buckets: tuple[Bucket, ...], config: EngineConfig, progress: bool
+) -> tuple[float, dict[str, Any]]:
+    """Compile every bucket through the persistent cache; (seconds, what the cache gave)."""
+    cache_path = compile_cache.configure(config.compilation_cache)
+    entries_before = compile_cache.count_step_entries(cache_path)
+    seconds = runner.compile(buckets, progress=progress)
+    fresh = compile_cache.count_step_entries(cache_path) - entries_before
+    return seconds, {
+        "dir": str(cache_path) if cache_path else None,
+        "buckets_compiled": fresh if cache_path else len(buckets),
+        "buckets_from_cache": len(buckets) - fresh if cache_path else 0,
+    }
+
+
+def _log_ready(info: EngineInfo, config: EngineConfig) -> None:
+    logger.info(
+        "engine ready: %s (%s%s), dtype %s, %d %s KV pages x %d tokens (%.1f MiB), "
+        "buckets %s, attention %s, matmul %s, on %s, load %.1fs, compile %.1fs (%d of %d "
+        "buckets from the compilation cache)",
+        info.model_path,
+        info.architecture,
+        ", RANDOM WEIGHTS" if info.is_default_model else "",
+        config.dtype,
+        info.num_pages,
+        info.kv_cache_dtype,
+        info.page_size,
+        info.kv_cache_bytes / 2**20,
+        info.token_buckets,
+        info.attention_backend,
+        info.matmul_backend,
+        info.platform,
+        info.load_seconds,
+        info.compile_seconds,
+        info.compile_cache["buckets_from_cache"],
+        len(info.buckets),
+    )

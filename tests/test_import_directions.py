@@ -1,0 +1,112 @@
+"""The import directions of the whole package, read from the source (imports inside
+functions included), so that a lazy import cannot hide a loop:
+
+    engine (host side)  imports no jax, runtime, models, attention, sampling, kernels
+    pallas_kernels      never imports jaxcb
+    jaxcb.native        imports nothing from jaxcb but jaxcb.paths (and itself)
+    models              never import runtime, engine, server, llm, batch, bench
+    runtime             never imports server, llm, batch, bench
+    leaves              config, sampling_params, outputs, paths import no other jaxcb module
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("jaxcb", "pallas_kernels")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every absolute module a file imports, at any depth ("from jaxcb import native" counts
+    as jaxcb.native)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            raise AssertionError(f"{path}: relative import (use absolute imports)")
+    return found
+
+
+SOURCES = {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+GRAPH = {name: imports_of(path) for name, path in SOURCES.items()}
+
+
+def within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def offenders(importer: str, forbidden: list[str], allowed: tuple[str, ...] = ()) -> dict:
+    """Modules under `importer` that import something under a `forbidden` prefix."""
+    bad = {}
+    for name, imported in GRAPH.items():
+        if not within(name, importer):
+            continue
+        hits = sorted(
+            m
+            for m in imported
+            if any(within(m, f) for f in forbidden) and not any(within(m, a) for a in allowed)
+        )
+        if hits:
+            bad[name] = hits
+    return bad
+
+
+RULES = {
+    "engine": (
+        "jaxcb.engine",
+        ["jax", "jaxlib", "pallas_kernels", "jaxcb.runtime", "jaxcb.models", "jaxcb.attention"]
+        + ["jaxcb.sampling", "jaxcb.native", "jaxcb.server", "jaxcb.llm", "jaxcb.bench"]
+        + ["jaxcb.batch"],
+        (),
+    ),
+    "pallas_kernels": ("pallas_kernels", ["jaxcb"], ()),
+    "native": ("jaxcb.native", ["jaxcb"], ("jaxcb.native", "jaxcb.paths")),
+    "models": (
+        "jaxcb.models",
+        ["jaxcb.runtime", "jaxcb.engine", "jaxcb.server", "jaxcb.llm", "jaxcb.batch"]
+        + ["jaxcb.bench", "jaxcb.attention", "jaxcb.sampling"],
+        (),
+    ),
+    "runtime": (
+        "jaxcb.runtime",
+        ["jaxcb.server", "jaxcb.llm", "jaxcb.batch", "jaxcb.bench"],
+        (),
+    ),
+    **{
+        leaf: (f"jaxcb.{leaf}", ["jaxcb"], ("jaxcb.config", "jaxcb.sampling_params"))
+        for leaf in ("config", "sampling_params", "outputs", "paths")
+    },
+}
+
+
+def test_the_package_was_read() -> None:
+    assert {"jaxcb.engine.llm_engine", "jaxcb.runtime.setup", "jaxcb.native.build"} <= set(GRAPH)
+    assert "pallas_kernels.ragged_paged_attention.tpu" in GRAPH
+    # the reader sees imports inside functions
+    assert "jaxcb.llm" in GRAPH["jaxcb"]
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_import_direction(rule: str) -> None:
+    importer, forbidden, allowed = RULES[rule]
+    assert offenders(importer, forbidden, allowed) == {}
+
+
+def test_the_checker_catches_a_wrong_arrow() -> None:
+    """A rule that the code breaks on purpose: runtime does import the engine's types."""
+    assert offenders("jaxcb.runtime", ["jaxcb.engine"]) != {}
