@@ -25,84 +25,20 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from jaxcb.engine.llm_engine import LLMEngine
-from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.metrics import ServerMetrics
 from jaxcb.server.prompts import Prompt, check_length, encode_prompt, prompt_param
 from jaxcb.server.protocol import APIError, bad_request, param_of
+from jaxcb.server.submission import EngineFailure, Route, Submission, post_all
 
 logger = logging.getLogger(__name__)
 
 STALL_WAIT_SECONDS = 0.01  # pause when waiting requests cannot be scheduled yet
-
-
-class EngineFailure(Exception):
-    """The engine failed while a request was in flight; the request is gone."""
-
-
 SUBMIT_POLL_SECONDS = 1.0  # how often a waiting submit checks that the loop still runs
 MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine is declared broken
-
-
-class Submission:
-    """One HTTP request: an engine request per prompt, all answering through one mailbox.
-
-    The engine thread posts cumulative outputs. A post replaces the not-yet-taken output of
-    the same prompt, so a slow client holds at most one output per prompt instead of a
-    growing backlog, and loses nothing: a later output holds all an earlier one did. With
-    `final_only`, only finished outputs are posted.
-    """
-
-    def __init__(
-        self,
-        request_ids: Sequence[str],
-        *,
-        final_only: bool = False,
-        want_token_texts: bool = False,
-    ) -> None:
-        self.request_ids = list(request_ids)
-        self.final_only = final_only
-        self.want_token_texts = want_token_texts  # logprobs need each token's text
-        self.prompt_token_ids: list[list[int]] = []  # set by the engine thread once added
-        self.token_texts: dict[int, str] = {}  # token id -> text, gathered from the outputs
-        self._pending: dict[int, RequestOutput] = {}
-        self._failure: EngineFailure | None = None
-        self._ready = asyncio.Event()
-
-    async def updates(self) -> dict[int, RequestOutput]:
-        """Wait for news: {prompt index: its latest output}. Raises EngineFailure."""
-        await self._ready.wait()
-        self._ready.clear()
-        if self._failure is not None:
-            raise self._failure
-        pending, self._pending = self._pending, {}
-        return pending
-
-    def _post(self, index: int, out: RequestOutput | EngineFailure) -> None:
-        """On the event loop thread."""
-        if isinstance(out, EngineFailure):
-            self._failure = out
-        else:
-            self._pending[index] = out
-            self.token_texts.update(out.extra.get("token_texts", {}))
-        self._ready.set()
-
-
-@dataclass(eq=False)
-class _Route:
-    """Engine-thread bookkeeping of one engine request."""
-
-    submission: Submission
-    index: int  # which prompt of the submission
-    arrival_time: float
-    num_tokens: list[int]  # tokens already counted in the metrics, per sample
-    last_token_time: list[float]
-    num_text_tokens: list[int]  # tokens whose texts were already sent, per sample
-    got_first_token: bool = False
 
 
 class EngineLoop:
@@ -113,7 +49,7 @@ class EngineLoop:
         self._saved_step_trace = engine.step_trace
         engine.step_trace = []  # read and cleared after every step, for per-step metrics
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._routes: dict[str, _Route] = {}
+        self._routes: dict[str, Route] = {}
         self._token_text_cache: dict[int, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="jaxcb-engine-loop", daemon=True)
@@ -272,11 +208,11 @@ class EngineLoop:
             if route is None:
                 continue
             try:
-                self._observe(route, out, now)
+                route.observe(out, now, self.metrics)
                 if out.finished:
                     del self._routes[out.request_id]
                 if out.finished or not route.submission.final_only:
-                    self._attach_token_texts(route, out)
+                    route.attach_token_texts(out, self._token_text)
                     batch.append((route.submission, route.index, out))
             except Exception as exc:  # this request's problem only
                 logger.exception("routing the output of %s failed", out.request_id)
@@ -333,9 +269,7 @@ class EngineLoop:
         submission.prompt_token_ids = encoded
         n = params.n
         for index, request_id in enumerate(submission.request_ids):
-            self._routes[request_id] = _Route(
-                submission, index, arrival_time, [0] * n, [arrival_time] * n, [0] * n
-            )
+            self._routes[request_id] = Route.new(submission, index, arrival_time, n)
         self.metrics.prompt_tokens.inc(sum(len(ids) for ids in encoded))
         self._call_soon(_settle, future, None)
 
@@ -389,8 +323,8 @@ class EngineLoop:
                 continue  # finished already
             out = self.engine.abort_request(request_id)
             if out is not None:
-                self._observe(route, out, now)
-                self._attach_token_texts(route, out)
+                route.observe(out, now, self.metrics)
+                route.attach_token_texts(out, self._token_text)
                 batch.append((route.submission, route.index, out))
         self._update_gauges()
         self._deliver(batch)
@@ -424,46 +358,6 @@ class EngineLoop:
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _observe(self, route: _Route, out: RequestOutput, now: float) -> None:
-        """Metrics for what is new in `out`."""
-        metrics = self.metrics
-        for j, sample in enumerate(out.outputs):
-            seen, total = route.num_tokens[j], len(sample.token_ids)
-            if total <= seen:
-                continue
-            new = total - seen
-            metrics.generation_tokens.inc(new)
-            if not route.got_first_token:
-                route.got_first_token = True
-                metrics.time_to_first_token.observe(now - route.arrival_time)
-            elif seen:
-                gap = (now - route.last_token_time[j]) / new
-                for _ in range(new):
-                    metrics.inter_token_latency.observe(gap)
-            route.num_tokens[j] = total
-            route.last_token_time[j] = now
-        if out.finished:
-            reasons = [s.finish_reason or "abort" for s in out.outputs]
-            for reason in reasons:
-                metrics.request_finished(reason)
-            if "abort" not in reasons:
-                metrics.e2e_request_latency.observe(now - route.arrival_time)
-
-    def _attach_token_texts(self, route: _Route, out: RequestOutput) -> None:
-        """Put the text of each token not yet sent into `out.extra` (for logprobs)."""
-        if not route.submission.want_token_texts:
-            return
-        texts: dict[int, str] = {}
-        for j, sample in enumerate(out.outputs):
-            start = route.num_text_tokens[j]
-            for token_id in sample.token_ids[start:]:
-                texts[token_id] = self._token_text(token_id)
-            for top in (sample.top_logprobs or [])[start:]:
-                for token_id in top:
-                    texts[token_id] = self._token_text(token_id)
-            route.num_text_tokens[j] = len(sample.token_ids)
-        out.extra["token_texts"] = texts
-
     def _token_text(self, token_id: int) -> str:
         text = self._token_text_cache.get(token_id)
         if text is None:
@@ -483,7 +377,7 @@ class EngineLoop:
 
     def _deliver(self, batch: list[tuple[Submission, int, Any]]) -> None:
         if batch:
-            self._call_soon(_post_all, batch)
+            self._call_soon(post_all, batch)
 
     def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
         # RuntimeError: the event loop is closed, so nobody is listening any more.
@@ -498,8 +392,3 @@ def _settle(future: asyncio.Future, error: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
-
-
-def _post_all(batch: list[tuple[Submission, int, Any]]) -> None:
-    for submission, index, item in batch:
-        submission._post(index, item)

@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from jaxcb.batch import JsonlSource, recover
+from jaxcb.batch_input import JsonlSource
+from jaxcb.batch_output import recover
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts/batch_infer.py"

@@ -12,7 +12,7 @@ from starlette.testclient import TestClient
 
 from jaxcb.outputs import CompletionOutput, RequestOutput
 from jaxcb.server import ServerSettings, build_app
-from jaxcb.server.engine_loop import EngineFailure, Submission
+from jaxcb.server.submission import EngineFailure, Submission
 
 BODY = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0}
 
