@@ -36,6 +36,7 @@ from typing import Any
 from jaxcb.batch_input import Item, JsonlSource, Prepare, id_key, pipeline
 from jaxcb.batch_output import Writer, from_process_zero, recover, result_record
 from jaxcb.outputs import RequestOutput
+from jaxcb.tokenizing import own_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ def run_batch(
         raise ValueError(f"shard index {index} is not in [0, {num_shards})")
     source = JsonlSource(input_path)
     prepare = Prepare(
-        _own_tokenizer(engine),
+        own_tokenizer(engine),
         engine.spec.vocab_size,
         dict(defaults or {}),
         base_seed,
@@ -203,14 +204,3 @@ class _BatchRun:
         self.errors.close()
         if self.bar is not None:
             self.bar.close()
-
-
-def _own_tokenizer(engine: Any) -> Any:
-    """A tokenizer instance for the pipeline thread alone: the engine's detokenizes on the
-    main thread, and a Rust tokenizer must not be used by two threads at once."""
-    if engine.tokenizer is None:
-        return None
-    from jaxcb.models.loader import load_tokenizer
-
-    path = engine.config.tokenizer or engine.model_path
-    return load_tokenizer(Path(path))

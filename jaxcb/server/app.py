@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response
 from jaxcb.engine.llm_engine import LLMEngine
 from jaxcb.server.engine_loop import EngineLoop
 from jaxcb.server.metrics import CONTENT_TYPE, ServerMetrics
+from jaxcb.server.prompts import PromptEncoder
 from jaxcb.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from jaxcb.server.serving import OpenAIServing
 
@@ -42,13 +43,17 @@ class ServerSettings:
     served_model_names: tuple[str, ...]
     api_key: str | None = None
     shutdown_timeout: float = 10.0  # seconds running requests get to finish on shutdown
+    max_request_body_bytes: int = 8 * 2**20  # larger bodies get 413 (a few MB: see cli.py)
 
 
 def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     model_name = settings.served_model_names[0]
     metrics = ServerMetrics(model_name, sorted({b.num_tokens for b in engine.buckets}))
     engine_loop = EngineLoop(engine, metrics)
-    serving = OpenAIServing(engine_loop, list(settings.served_model_names))
+    encoder = PromptEncoder(engine)
+    serving = OpenAIServing(
+        engine_loop, encoder, list(settings.served_model_names), settings.max_request_body_bytes
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -56,6 +61,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         try:
             yield
         finally:
+            encoder.close()
             await asyncio.to_thread(engine_loop.stop)
 
     app = FastAPI(title="jaxcb", lifespan=lifespan, docs_url=None, redoc_url=None)

@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", choices=LOG_LEVELS, default="info", help="(default: %(default)s)"
     )
     server.add_argument(
+        "--max-request-body-mb",
+        type=float,
+        default=ServerSettings.max_request_body_bytes / 2**20,
+        help="larger request bodies get 413 without being read (MiB; default: %(default)s)",
+    )
+    server.add_argument(
         "--shutdown-timeout",
         type=float,
         default=ServerSettings.shutdown_timeout,
@@ -86,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.shutdown_timeout < 0:
         parser.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if not args.max_request_body_mb > 0:
+        parser.error(f"--max-request-body-mb must be > 0, got {args.max_request_body_mb}")
     try:
         config = engine_config_from_args(args)
     except ValueError as exc:
@@ -104,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         served_model_names=tuple(args.served_model_name or [default_served_name(config)]),
         api_key=args.api_key,
         shutdown_timeout=args.shutdown_timeout,
+        max_request_body_bytes=int(args.max_request_body_mb * 2**20),
     )
     app = build_app(engine, settings)
     url = server_url(args.host, sock.getsockname()[1])

@@ -3,9 +3,9 @@
 HTTP handlers run on the asyncio event loop and never touch the engine. They send commands
 (add, abort, drain, stop) over a thread-safe queue; the thread answers on the event loop:
 an add's outcome through a future, outputs through each request's `Submission` mailbox,
-with one `call_soon_threadsafe` per step for all requests. The thread also owns the tokenizer
-(prompts are tokenized and chat templates rendered here), so the tokenizer is never used
-from two threads at once.
+with one `call_soon_threadsafe` per step for all requests. Prompts arrive tokenized (on the
+tokenizer thread, server/prompts.py): this thread only detokenizes outputs, with the
+engine's own tokenizer.
 
 Failures stay as small as they can: a request the engine fails (finish_reason "error") fails
 for its client alone, and so does an error while routing one output. If an engine step
@@ -30,7 +30,6 @@ from typing import Any
 from jaxcb.engine.llm_engine import LLMEngine
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.metrics import ServerMetrics
-from jaxcb.server.prompts import Prompt, check_length, encode_prompt, prompt_param
 from jaxcb.server.protocol import APIError, bad_request, param_of
 from jaxcb.server.submission import EngineFailure, Route, Submission, post_all
 
@@ -83,18 +82,19 @@ class EngineLoop:
     async def submit(
         self,
         submission: Submission,
-        prompts: Sequence[Prompt],
         params: SamplingParams,
         *,
         arrival_time: float,
         priority: int = 0,
+        param: str = "prompt",
     ) -> None:
-        """Queue the prompts; raises APIError (400/429/503) if they were not accepted."""
+        """Queue the submission's prompts (`submission.prompt_token_ids`); raises APIError
+        (400/429/503) if they were not accepted. `param`: the field an error names."""
         if not self.alive:
             raise APIError(503, self.failure_reason, type="service_unavailable")
         future = asyncio.get_running_loop().create_future()
         self._commands.put(
-            lambda: self._add(submission, list(prompts), params, arrival_time, priority, future)
+            lambda: self._add(submission, params, arrival_time, priority, param, future)
         )
         try:
             # If the thread dies after the command was queued, nobody settles the future:
@@ -251,14 +251,14 @@ class EngineLoop:
     def _add(
         self,
         submission: Submission,
-        prompts: list[Prompt],
         params: SamplingParams,
         arrival_time: float,
         priority: int,
+        param: str,
         future: asyncio.Future,
     ) -> None:
         try:
-            encoded = self._admit(submission, prompts, params, arrival_time, priority)
+            self._admit(submission, params, arrival_time, priority, param)
         except APIError as exc:
             self._call_soon(_settle, future, exc)
             return
@@ -266,21 +266,20 @@ class EngineLoop:
             logger.exception("adding request %s failed", submission.request_ids)
             self._call_soon(_settle, future, APIError(500, str(exc), type="server_error"))
             return
-        submission.prompt_token_ids = encoded
         n = params.n
         for index, request_id in enumerate(submission.request_ids):
             self._routes[request_id] = Route.new(submission, index, arrival_time, n)
-        self.metrics.prompt_tokens.inc(sum(len(ids) for ids in encoded))
+        self.metrics.prompt_tokens.inc(sum(len(ids) for ids in submission.prompt_token_ids))
         self._call_soon(_settle, future, None)
 
     def _admit(
         self,
         submission: Submission,
-        prompts: list[Prompt],
         params: SamplingParams,
         arrival_time: float,
         priority: int,
-    ) -> list[list[int]]:
+        param: str,
+    ) -> None:
         """Validate everything first, then add all prompts (or none) to the engine."""
         if self.error is not None:
             raise APIError(503, self.failure_reason, type="service_unavailable")
@@ -297,12 +296,10 @@ class EngineLoop:
                 type="rate_limit_error",
                 code="queue_full",
             )
-        encoded = [encode_prompt(self.engine, p) for p in prompts]
-        for prompt, ids in zip(prompts, encoded, strict=True):
-            check_length(self.engine.max_model_len, ids, params, prompt_param(prompt))
         added: list[str] = []
         try:
-            for request_id, ids in zip(submission.request_ids, encoded, strict=True):
+            prompts = submission.prompt_token_ids
+            for request_id, ids in zip(submission.request_ids, prompts, strict=True):
                 self.engine.add_request(
                     request_id, ids, params, arrival_time=arrival_time, priority=priority
                 )
@@ -311,8 +308,7 @@ class EngineLoop:
             for request_id in added:
                 self.engine.abort_request(request_id)
             message = str(exc)
-            raise bad_request(message, param_of(message) or prompt_param(prompts[0])) from None
-        return encoded
+            raise bad_request(message, param_of(message) or param) from None
 
     def _abort_ids(self, request_ids: list[str]) -> None:
         now = time.monotonic()

@@ -1,6 +1,8 @@
 """/v1/completions and /v1/chat/completions: requests in, OpenAI-shaped JSON or SSE out.
 
-A request becomes a `Submission` (one engine request per prompt) on the engine loop. The
+A request's body is read within the size limit (server/request_body.py), its prompts are
+tokenized on the tokenizer thread (server/prompts.py), and it becomes a `Submission` (one
+engine request per prompt) on the engine loop. The
 engine's outputs are cumulative, and a later output's text always extends an earlier one, so
 a stream sends `text[len(sent):]` per choice. Choices are numbered `prompt_index * n + j`.
 A streaming response whose client goes away aborts its requests at once (the pages are
@@ -23,7 +25,7 @@ from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.engine_loop import EngineLoop
 from jaxcb.server.formats import ChatFormat, ChoiceState, CompletionFormat, Format, usage
-from jaxcb.server.prompts import ChatPrompt, Prompt
+from jaxcb.server.prompts import ChatPrompt, Prompt, PromptEncoder, prompt_param
 from jaxcb.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -31,13 +33,22 @@ from jaxcb.server.protocol import (
     error_body,
     parse_body,
 )
+from jaxcb.server.request_body import read_json_body
 from jaxcb.server.submission import EngineFailure, Submission
 
 
 class OpenAIServing:
-    def __init__(self, engine_loop: EngineLoop, served_model_names: list[str]) -> None:
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        encoder: PromptEncoder,
+        served_model_names: list[str],
+        max_body_bytes: int,
+    ) -> None:
         self.engine_loop = engine_loop
+        self.encoder = encoder
         self.served_model_names = served_model_names
+        self.max_body_bytes = max_body_bytes
         self.max_tokens_cap = engine_loop.engine.config.limits.max_output_tokens
 
     def resolve_model(self, name: str | None) -> str:
@@ -55,7 +66,7 @@ class OpenAIServing:
 
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        body = parse_body(await request.body(), CompletionRequest)
+        body = parse_body(await read_json_body(request, self.max_body_bytes), CompletionRequest)
         model = self.resolve_model(body.model)
         params = body.to_sampling_params(self.max_tokens_cap)
         fmt = CompletionFormat("cmpl", model, params, return_token_ids=bool(body.return_token_ids))
@@ -63,7 +74,8 @@ class OpenAIServing:
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        body = parse_body(await request.body(), ChatCompletionRequest)
+        raw = await read_json_body(request, self.max_body_bytes)
+        body = parse_body(raw, ChatCompletionRequest)
         model = self.resolve_model(body.model)
         params = body.to_sampling_params(self.max_tokens_cap)
         prompt = ChatPrompt(body.chat_messages())
@@ -84,8 +96,13 @@ class OpenAIServing:
             final_only=not body.stream,
             want_token_texts=params.logprobs is not None,
         )
+        submission.prompt_token_ids = await self.encoder.encode(prompts, params)
         await self.engine_loop.submit(
-            submission, prompts, params, arrival_time=arrival, priority=body.priority or 0
+            submission,
+            params,
+            arrival_time=arrival,
+            priority=body.priority or 0,
+            param=prompt_param(prompts[0]),
         )
         if body.stream:
             return _SSEResponse(
