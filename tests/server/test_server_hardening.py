@@ -1,5 +1,6 @@
 """What an abuse probe of the server found (issue 15), each checked on the shared server: a huge
-prompt or body must neither stall other clients nor grow the server's memory."""
+prompt or body must neither stall other clients nor grow the server's memory, and only JSON
+bodies are taken."""
 
 from __future__ import annotations
 
@@ -128,3 +129,24 @@ def _read_response(sock: socket.socket) -> tuple[int, dict]:
     while len(body) < length:
         body += sock.recv(65536)
     return int(head.split()[1]), json.loads(body)
+
+
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None]
+)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_only_json_bodies_are_taken(server, path, content_type):
+    """What a web page can make a browser send without a CORS preflight is refused (415)."""
+    body = {"model": MODEL, "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
+    status, answer = request(
+        "POST", server.url + path, {**body, "max_tokens": 2}, headers={"Content-Type": content_type}
+    )
+    assert status == 415
+    assert "application/json" in _error(answer, status, "unsupported_media_type")["message"]
+
+
+def test_json_with_a_charset_is_taken(server):
+    headers = {"Content-Type": "Application/JSON; charset=utf-8"}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    status, answer = request("POST", server.url + "/v1/completions", body, headers=headers)
+    assert status == 200, answer
