@@ -64,7 +64,11 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
             encoder.close()
             await asyncio.to_thread(engine_loop.stop)
 
-    app = FastAPI(title="jaxcb", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # No redirect from "/v1/completions/" to "/v1/completions": its Location would be built
+    # from the client's Host header. A path with a trailing slash is a 404 like any other.
+    app = FastAPI(
+        title="jaxcb", lifespan=lifespan, docs_url=None, redoc_url=None, redirect_slashes=False
+    )
     app.state.engine_loop = engine_loop
     app.state.metrics = metrics
     app.state.settings = settings

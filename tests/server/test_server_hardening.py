@@ -1,6 +1,6 @@
 """What an abuse probe of the server found (issue 15), each checked on the shared server: a huge
-prompt or body must neither stall other clients nor grow the server's memory, and only JSON
-bodies are taken."""
+prompt or body must neither stall other clients nor grow the server's memory, only JSON bodies
+are taken, and no route redirects."""
 
 from __future__ import annotations
 
@@ -150,3 +150,12 @@ def test_json_with_a_charset_is_taken(server):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     status, answer = request("POST", server.url + "/v1/completions", body, headers=headers)
     assert status == 200, answer
+
+
+@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/completions/"), ("GET", "/v1/models/")])
+def test_a_trailing_slash_is_a_404_not_a_redirect(server, method, path):
+    """A 307 to a Location built from the client's Host header is gone."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2} if method == "POST" else None
+    status, answer = request(method, server.url + path, body, headers={"Host": "evil.example"})
+    assert status == 404
+    _error(answer, status)
