@@ -44,6 +44,7 @@ class ServerSettings:
     api_key: str | None = None
     shutdown_timeout: float = 10.0  # seconds running requests get to finish on shutdown
     max_request_body_bytes: int = 8 * 2**20  # larger bodies get 413 (a few MB: see cli.py)
+    show_model_path: bool = False  # /v1/models' "root": the model's path, not the served name
 
 
 def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
@@ -86,6 +87,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         return await serving.chat_completions(request)
 
     created = int(time.time())
+    # Where the server keeps its files is none of its clients' business, unless asked.
+    show_path = settings.show_model_path and engine.model_path is not None
 
     @v1.get("/models")
     async def models() -> dict:
@@ -97,7 +100,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
                     "object": "model",
                     "created": created,
                     "owned_by": "jaxcb",
-                    "root": engine.model_path and str(engine.model_path),
+                    "root": str(engine.model_path) if show_path else name,
                     "max_model_len": engine.max_model_len,
                 }
                 for name in settings.served_model_names

@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="model name(s) clients must send; default: --model, or the built-in model's name",
     )
     server.add_argument(
+        "--show-model-path",
+        action="store_true",
+        help="/v1/models shows the model's path on disk in 'root' (default: the served name)",
+    )
+    server.add_argument(
         "--log-level", choices=LOG_LEVELS, default="info", help="(default: %(default)s)"
     )
     server.add_argument(
@@ -113,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         api_key=args.api_key,
         shutdown_timeout=args.shutdown_timeout,
         max_request_body_bytes=int(args.max_request_body_mb * 2**20),
+        show_model_path=args.show_model_path,
     )
     app = build_app(engine, settings)
     url = server_url(args.host, sock.getsockname()[1])

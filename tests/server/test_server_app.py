@@ -65,6 +65,14 @@ def test_failed_step_is_a_500_and_the_loop_carries_on(app_client, reference_llm,
     assert client.get("/health").status_code == 200
 
 
+def test_show_model_path_puts_the_path_in_root(reference_llm):
+    engine = reference_llm.engine
+    settings = ServerSettings(served_model_names=("tiny",), show_model_path=True)
+    with TestClient(build_app(engine, settings)) as client:
+        (model,) = client.get("/v1/models").json()["data"]
+    assert model["id"] == "tiny" and model["root"] == str(engine.model_path)
+
+
 def _output(index: int, token_ids: list[int], finished: bool = False) -> RequestOutput:
     sample = CompletionOutput(0, "", token_ids, "length" if finished else None)
     out = RequestOutput(f"r-{index}", None, [1], [sample], finished)

@@ -1,6 +1,6 @@
 """What an abuse probe of the server found (issue 15), each checked on the shared server: a huge
 prompt or body must neither stall other clients nor grow the server's memory, only JSON bodies
-are taken, and no route redirects."""
+are taken, no route redirects, and /v1/models shows no disk path."""
 
 from __future__ import annotations
 
@@ -159,3 +159,9 @@ def test_a_trailing_slash_is_a_404_not_a_redirect(server, method, path):
     status, answer = request(method, server.url + path, body, headers={"Host": "evil.example"})
     assert status == 404
     _error(answer, status)
+
+
+def test_models_shows_the_served_name_not_the_path(server):
+    status, answer = request("GET", server.url + "/v1/models")
+    assert status == 200
+    assert [m["root"] for m in answer["data"]] == [MODEL]
