@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from jaxcb.engine.llm_engine import LLMEngine
@@ -183,6 +184,12 @@ def _install_error_handlers(app: FastAPI) -> None:
             error_body(f"invalid request: {exc.errors()}", type="invalid_request_error"),
             status_code=400,
         )
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # Anyone can do this (hang up while sending a body): one quiet line, no traceback.
+        logger.debug("the client of %s %s went away", request.method, request.url.path)
+        return Response(status_code=499)  # nobody is left to read it
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

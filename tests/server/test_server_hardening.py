@@ -1,6 +1,7 @@
 """What an abuse probe of the server found (issue 15), each checked on the shared server: a huge
-prompt or body must neither stall other clients nor grow the server's memory, only JSON bodies
-are taken, no route redirects, and /v1/models shows no disk path."""
+prompt or body must neither stall other clients nor grow the server's memory, a client that
+hangs up mid-upload logs no traceback, and the HTTP rules hold (JSON only, no redirects, no
+disk paths in /v1/models)."""
 
 from __future__ import annotations
 
@@ -165,3 +166,21 @@ def test_models_shows_the_served_name_not_the_path(server):
     status, answer = request("GET", server.url + "/v1/models")
     assert status == 200
     assert [m["root"] for m in answer["data"]] == [MODEL]
+
+
+def test_a_client_that_hangs_up_mid_upload_logs_no_traceback(server):
+    """Anyone could fill the log with 120 lines a time; now it is not even an error."""
+    logged = len(server.log().splitlines())
+    host, port = server.host_port
+    for _ in range(3):
+        with socket.create_connection((host, port), timeout=10) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 1000\r\n\r\n{"prompt": "'
+            )
+            time.sleep(0.1)  # the handler is reading the body when the client goes
+    time.sleep(0.3)
+    assert request("GET", server.url + "/health")[0] == 200
+    new = server.log().splitlines()[logged:]
+    assert not [line for line in new if "Traceback" in line or " ERROR " in line], new
+    assert len(new) <= 3 + 1, new  # a line per hang-up at most, and /health's access line
