@@ -65,6 +65,7 @@ def run_batch(
     base_seed: int = 0,
     max_in_flight: int = 256,
     prefetch: int = 512,
+    max_line_bytes: int | None = 8 * 2**20,
     progress: bool = True,
     writer: bool = True,
     shard: tuple[int, int] = (0, 1),
@@ -72,14 +73,15 @@ def run_batch(
     """Run every line of `input_path` not yet in `output_path` / `errors_path` through
     `engine` (an LLMEngine or ReplicatedEngine). `writer=False`: read and compute but write
     nothing (the other processes of a multi-host job). `shard=(i, n)`: only lines whose
-    number is i modulo n (n independent jobs, each with its own output, share a file)."""
+    number is i modulo n (n independent jobs, each with its own output, share a file).
+    A line over `max_line_bytes` goes to the errors file without being read."""
     output_path, errors_path = Path(output_path), Path(errors_path)
     done_ids = from_process_zero(recover(output_path, "id") if writer else set())
     done_lines = from_process_zero(recover(errors_path, "line") if writer else set())
     index, num_shards = shard
     if not 0 <= index < num_shards:
         raise ValueError(f"shard index {index} is not in [0, {num_shards})")
-    source = JsonlSource(input_path)
+    source = JsonlSource(input_path, max_line_bytes)
     prepare = Prepare(
         own_tokenizer(engine),
         engine.spec.vocab_size,
@@ -88,6 +90,8 @@ def run_batch(
         done_ids,
         done_lines,
         shard,
+        max_model_len=engine.max_model_len,
+        max_prompt_len=engine.limits.max_prompt_len,
     )
     bar = None
     if progress:

@@ -1,5 +1,9 @@
 """The input side of batch inference (jaxcb/batch.py): JSONL lines read by offset, parsed,
 their sampling params built and their prompts tokenized, on a grain pipeline's thread.
+
+Memory stays bounded by the line, not the file, and by the line's limit, not the line: a
+line longer than `max_line_bytes` is reported without being read, and a prompt whose length
+in characters already proves it too long is reported without being tokenized.
 """
 
 from __future__ import annotations
@@ -16,21 +20,32 @@ from typing import Any
 import numpy as np
 
 from jaxcb.sampling_params import SamplingParams
+from jaxcb.tokenizing import max_token_chars, min_num_tokens
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 RESERVED_FIELDS = frozenset({"id", "prompt", "messages", "sampling_params"})
-INDEX_CHUNK_BYTES = 1 << 24
+INDEX_CHUNK_BYTES = 1 << 22  # the index reads this much at a time (and as much again)
+
+
+@dataclass(frozen=True)
+class LongLine:
+    """Stands for a line longer than the source reads: only its size is known."""
+
+    num_bytes: int
+    max_bytes: int
 
 
 class JsonlSource:
-    """Random access to the lines of a file, for grain: item i is (line number, raw bytes).
+    """Random access to the lines of a file, for grain: item i is (line number, raw bytes),
+    or (line number, LongLine) for a line over `max_line_bytes`, which is not read.
 
     Only the offsets of line starts are kept (8 bytes a line); lines are read with pread,
     so any number of reader threads may share it.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, max_line_bytes: int | None = None) -> None:
         self.path = Path(path)
+        self.max_line_bytes = max_line_bytes
         starts = [np.zeros(1, np.int64)]
         size = 0
         with open(self.path, "rb") as f:
@@ -47,8 +62,11 @@ class JsonlSource:
     def __len__(self) -> int:
         return len(self._offsets) - 1
 
-    def __getitem__(self, index: int) -> tuple[int, bytes]:
+    def __getitem__(self, index: int) -> tuple[int, bytes | LongLine]:
         start, end = int(self._offsets[index]), int(self._offsets[index + 1])
+        limit = self.max_line_bytes
+        if limit is not None and end - start > limit:
+            return index + 1, LongLine(end - start, limit)
         return index + 1, os.pread(self._fd, end - start, start)
 
     def close(self) -> None:
@@ -86,8 +104,13 @@ class Prepare:
         done_ids: set[str],
         done_lines: set[int],
         shard: tuple[int, int] = (0, 1),
+        *,
+        max_model_len: int | None = None,
+        max_prompt_len: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.max_token_chars = max_token_chars(tokenizer) if tokenizer is not None else None
+        self.max_model_len, self.max_prompt_len = max_model_len, max_prompt_len
         self.vocab_size = vocab_size
         self.defaults = defaults
         self.base_seed = base_seed
@@ -95,10 +118,16 @@ class Prepare:
         self.done_lines = done_lines
         self.shard_index, self.num_shards = shard
 
-    def __call__(self, element: tuple[int, bytes]) -> Item:
+    def __call__(self, element: tuple[int, bytes | LongLine]) -> Item:
         line, raw = element
         if line % self.num_shards != self.shard_index or line in self.done_lines:
             return Item(line, skip=True)
+        if isinstance(raw, LongLine):
+            return Item(
+                line,
+                error=f"the line is {raw.num_bytes} bytes, more than the {raw.max_bytes} a line "
+                "may have (--max-line-mb); it was not read",
+            )
         if not raw.strip():
             return Item(line, skip=True, blank=True)
         item = Item(line)
@@ -143,13 +172,14 @@ class Prepare:
             if tok is None or not getattr(tok, "chat_template", None):
                 raise ValueError("this model's tokenizer has no chat template")
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            ids = tok(text, add_special_tokens=False)["input_ids"]  # the template has any BOS
+            ids = self._encode(text, add_special_tokens=False)  # the template has any BOS
         elif isinstance(record["prompt"], str):
             if tok is None:
                 raise ValueError("this model has no tokenizer: give prompts as token ids")
-            ids = tok(record["prompt"])["input_ids"]
+            ids = self._encode(record["prompt"], add_special_tokens=True)
         elif isinstance(record["prompt"], list):
             ids = record["prompt"]
+            self._check_length(len(ids))  # before scanning a long list
             if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
                 raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         else:
@@ -157,6 +187,25 @@ class Prepare:
         if not ids:
             raise ValueError("the prompt is empty")
         return list(ids)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        self._check_length(min_num_tokens(text, self.max_token_chars), num_chars=len(text))
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def _check_length(self, num_tokens: int, num_chars: int | None = None) -> None:
+        """ValueError if the prompt is longer than the engine takes (the engine checks the
+        exact count again); with `num_chars`, `num_tokens` is a lower bound from the text."""
+        size = f"{num_tokens} tokens"
+        if num_chars is not None:
+            size = f"{num_chars} characters, so at least {num_tokens} tokens"
+        if self.max_model_len is not None and num_tokens > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {size}, longer than max_model_len={self.max_model_len}"
+            )
+        if self.max_prompt_len is not None and num_tokens > self.max_prompt_len:
+            raise ValueError(
+                f"the prompt has {size}, more than max_prompt_len={self.max_prompt_len}"
+            )
 
 
 def pipeline(source: JsonlSource, prepare: Prepare, prefetch: int) -> Iterator[Item]:

@@ -53,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--prefetch", type=int, default=512, help="lines prepared ahead")
     parser.add_argument(
+        "--max-line-mb",
+        type=float,
+        default=8.0,
+        help="a longer line goes to --errors without being read (MiB; default: %(default)s)",
+    )
+    parser.add_argument(
         "--num-shards",
         type=int,
         default=1,
@@ -70,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     errors_path = args.errors or args.output.with_name(args.output.name + ".errors.jsonl")
     if not args.input.is_file():
         parser.error(f"--input {args.input} is not a file")
+    if not args.max_line_mb > 0:
+        parser.error(f"--max-line-mb must be > 0, got {args.max_line_mb}")
     try:
         config = engine_config_from_args(args)
         engine = make_engine(config, compile_progress=not args.no_progress and sys.stderr.isatty())
@@ -96,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             base_seed=args.sampling_seed,
             max_in_flight=max_in_flight,
             prefetch=args.prefetch,
+            max_line_bytes=int(args.max_line_mb * 2**20),
             progress=not args.no_progress,
             writer=jax.process_index() == 0,  # multi-host: process 0 writes
             shard=(args.shard_index, args.num_shards),
