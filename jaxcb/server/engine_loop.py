@@ -57,6 +57,7 @@ class EngineLoop:
         self._stopped = False
         self.error: BaseException | None = None  # why the loop died or stopped stepping
         self._step_failures = 0  # consecutive failed steps
+        self._num_waiting = 0  # the engine's waiting sequences, as of the last gauge update
 
     # ---- called from the event loop (or any thread) --------------------------------------
 
@@ -108,6 +109,38 @@ class EngineLoop:
         except asyncio.CancelledError:
             self.abort(submission.request_ids)  # queued after the add, so it always lands
             raise
+
+    def check_admission(self, num_prompts: int, n: int) -> None:
+        """The APIError a request of `num_prompts` x `n` sequences would get now, if any: a
+        check before its prompts are tokenized (the engine thread checks again on adding)."""
+        self._check_admission(num_prompts, n, self._num_waiting)
+
+    def _check_admission(self, num_prompts: int, n: int, waiting: int) -> None:
+        """503 while the loop is broken or draining; 400 for a request that can never fit
+        the waiting queue, 429 for one that does not fit now: a request's whole fan-out
+        (prompts x n sequences) counts against max_waiting_requests."""
+        if self.error is not None:
+            raise APIError(503, self.failure_reason, type="service_unavailable")
+        if self._draining or self._stopped:
+            raise APIError(
+                503, "the server is shutting down", type="service_unavailable", code="shutting_down"
+            )
+        limit, num_sequences = self.max_waiting_requests, num_prompts * n
+        if num_sequences > limit:
+            raise bad_request(
+                f"this request asks for {num_sequences} sequences ({num_prompts} prompt"
+                f"{'s' if num_prompts > 1 else ''} x n={n}), more than the server queues at once "
+                f"(max_waiting_requests={limit})",
+                "n" if n > 1 else "prompt",
+            )
+        if waiting + num_sequences > limit:
+            raise APIError(
+                429,
+                f"too many requests are waiting ({waiting} sequences, and this request adds "
+                f"{num_sequences}; the limit is {limit}); retry later",
+                type="rate_limit_error",
+                code="queue_full",
+            )
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests and free their pages (non-blocking; unknown ids are ignored)."""
@@ -270,6 +303,7 @@ class EngineLoop:
         for index, request_id in enumerate(submission.request_ids):
             self._routes[request_id] = Route.new(submission, index, arrival_time, n)
         self.metrics.prompt_tokens.inc(sum(len(ids) for ids in submission.prompt_token_ids))
+        self._update_gauges()
         self._call_soon(_settle, future, None)
 
     def _admit(
@@ -281,24 +315,10 @@ class EngineLoop:
         param: str,
     ) -> None:
         """Validate everything first, then add all prompts (or none) to the engine."""
-        if self.error is not None:
-            raise APIError(503, self.failure_reason, type="service_unavailable")
-        if self._draining or self._stopped:
-            raise APIError(
-                503, "the server is shutting down", type="service_unavailable", code="shutting_down"
-            )
-        waiting = self.engine.num_waiting
-        if waiting >= self.max_waiting_requests:
-            raise APIError(
-                429,
-                f"too many requests are waiting ({waiting}; the limit is "
-                f"{self.max_waiting_requests}); retry later",
-                type="rate_limit_error",
-                code="queue_full",
-            )
+        prompts = submission.prompt_token_ids
+        self._check_admission(len(prompts), params.n, self.engine.num_waiting)
         added: list[str] = []
         try:
-            prompts = submission.prompt_token_ids
             for request_id, ids in zip(submission.request_ids, prompts, strict=True):
                 self.engine.add_request(
                     request_id, ids, params, arrival_time=arrival_time, priority=priority
@@ -368,7 +388,8 @@ class EngineLoop:
     def _update_gauges(self) -> None:
         engine = self.engine
         self.metrics.num_requests_running.set(engine.num_running)
-        self.metrics.num_requests_waiting.set(engine.num_waiting)
+        self._num_waiting = engine.num_waiting
+        self.metrics.num_requests_waiting.set(self._num_waiting)
         self.metrics.kv_cache_usage_perc.set(engine.pool.num_used / engine.num_pages)
 
     def _deliver(self, batch: list[tuple[Submission, int, Any]]) -> None:

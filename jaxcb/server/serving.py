@@ -30,6 +30,7 @@ from jaxcb.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    bad_request,
     error_body,
     parse_body,
 )
@@ -49,7 +50,8 @@ class OpenAIServing:
         self.encoder = encoder
         self.served_model_names = served_model_names
         self.max_body_bytes = max_body_bytes
-        self.max_tokens_cap = engine_loop.engine.config.limits.max_output_tokens
+        self.max_tokens_cap = engine_loop.engine.limits.max_output_tokens
+        self.max_prompts = engine_loop.engine.limits.max_prompts_per_request
 
     def resolve_model(self, name: str | None) -> str:
         if name is None:
@@ -91,6 +93,13 @@ class OpenAIServing:
         body: CompletionRequest | ChatCompletionRequest,
         arrival: float,
     ) -> Response:
+        if len(prompts) > self.max_prompts:
+            raise bad_request(
+                f"a request may list at most {self.max_prompts} prompts "
+                f"(max_prompts_per_request), got {len(prompts)}",
+                "prompt",
+            )
+        self.engine_loop.check_admission(len(prompts), params.n)  # before the tokenizing
         submission = Submission(
             [f"{fmt.id}-{i}" for i in range(len(prompts))],
             final_only=not body.stream,
