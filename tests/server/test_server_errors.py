@@ -95,6 +95,8 @@ CASES = {
     # prompts x n at most max_waiting_requests (1024), whatever is waiting
     "prompts-over-cap": (COMPLETIONS, _completion(prompt=["x"] * 129), 400, "prompt"),
     "fan-out-over-queue": (COMPLETIONS, _completion(prompt=["x"] * 9, n=128), 400, "n"),
+    # priority is refused by name under the fcfs policy
+    "priority-under-fcfs": (COMPLETIONS, _completion(priority=3), 400, "priority"),
     # unknown model / route / method
     "model-unknown": (COMPLETIONS, _completion(model="gpt-4"), 404, "model"),
     "chat-model-unknown": (CHAT, _chat(model="gpt-4", stream=True), 404, "model"),
