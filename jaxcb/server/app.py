@@ -47,6 +47,17 @@ class ServerSettings:
     max_request_body_bytes: int = 8 * 2**20  # larger bodies get 413 (a few MB: see cli.py)
     show_model_path: bool = False  # /v1/models' "root": the model's path, not the served name
 
+    def __post_init__(self) -> None:
+        # HTTP header values are bytes that servers (Starlette too) decode as Latin-1 and
+        # clients encode as they like: only printable ASCII means the same bytes to both.
+        key = self.api_key
+        if key is not None and not (key.isascii() and key.isprintable() and key.strip()):
+            bad = next((c for c in key if not (c.isascii() and c.isprintable())), None)
+            raise ValueError(
+                "--api-key must be printable ASCII (it travels in an HTTP header)"
+                + (f": it has {bad!r} at position {key.index(bad)}" if bad else ", not blank")
+            )
+
 
 def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     model_name = settings.served_model_names[0]
@@ -150,8 +161,10 @@ def _api_key_check(api_key: str | None):
         if api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # The header as it came (Starlette decoded its bytes as Latin-1), against the key's
+        # bytes (ASCII, checked in ServerSettings).
         if scheme.lower() != "bearer" or not secrets.compare_digest(
-            token.strip().encode(), api_key.encode()
+            token.strip().encode("latin-1"), api_key.encode("ascii")
         ):
             raise APIError(
                 401,

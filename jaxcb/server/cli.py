@@ -104,6 +104,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     try:
+        settings = ServerSettings(
+            served_model_names=tuple(args.served_model_name or [default_served_name(config)]),
+            api_key=args.api_key,
+            shutdown_timeout=args.shutdown_timeout,
+            max_request_body_bytes=int(args.max_request_body_mb * 2**20),
+            show_model_path=args.show_model_path,
+        )
+    except ValueError as exc:
+        parser.exit(2, f"serve.py: error: {exc}\n")
+    try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:
         parser.exit(1, f"serve.py: cannot listen on {args.host}:{args.port}: {exc}\n")
@@ -113,13 +123,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # a config the model or the scheduler cannot take
         sock.close()
         parser.exit(2, f"serve.py: error: {exc}\n")
-    settings = ServerSettings(
-        served_model_names=tuple(args.served_model_name or [default_served_name(config)]),
-        api_key=args.api_key,
-        shutdown_timeout=args.shutdown_timeout,
-        max_request_body_bytes=int(args.max_request_body_mb * 2**20),
-        show_model_path=args.show_model_path,
-    )
     app = build_app(engine, settings)
     url = server_url(args.host, sock.getsockname()[1])
     frozen = freeze_startup_heap()
