@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import ipaddress
 import logging
 import signal
 import socket
@@ -127,6 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     url = server_url(args.host, sock.getsockname()[1])
     frozen = freeze_startup_heap()
     log_startup(engine, settings, url, frozen)
+    warning = exposure_warning(sock.getsockname()[0], settings.api_key)
+    if warning:
+        logger.warning(warning)
     uv_config = uvicorn.Config(
         app,
         log_config=None,  # our logging format for uvicorn's loggers too
@@ -159,6 +163,21 @@ def server_url(host: str, port: int) -> str:
     if ":" in shown and not shown.startswith("["):
         shown = f"[{shown}]"
     return f"http://{shown}:{port}"
+
+
+def exposure_warning(address: str, api_key: str | None) -> str | None:
+    """What to warn about when the server listens beyond this machine without an API key."""
+    if api_key is not None:
+        return None
+    try:
+        if ipaddress.ip_address(address.partition("%")[0]).is_loopback:
+            return None
+    except ValueError:  # not an IP address: no guess
+        pass
+    return (
+        f"listening on {address} without --api-key: anyone who can reach this address can "
+        "use the server; give --api-key KEY, or --host 127.0.0.1 to serve this machine only"
+    )
 
 
 def freeze_startup_heap() -> int:

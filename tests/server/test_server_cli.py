@@ -9,6 +9,7 @@ import pytest
 from server_helpers import REPO, SERVE
 
 from jaxcb.server import ServerSettings
+from jaxcb.server.cli import exposure_warning
 
 
 @pytest.mark.parametrize("key", ["clé", "key\twith-tab", "  "])
@@ -31,3 +32,21 @@ def test_serve_refuses_a_non_ascii_key_in_one_line_before_building_anything():
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "'é' at position 2" in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    ("address", "key", "warns"),
+    [
+        ("0.0.0.0", None, True),
+        ("::", None, True),
+        ("192.168.1.7", None, True),
+        ("0.0.0.0", "k", False),
+        ("127.0.0.1", None, False),
+        ("::1", None, False),
+    ],
+)
+def test_listening_beyond_this_machine_without_a_key_is_warned_about(address, key, warns):
+    warning = exposure_warning(address, key)
+    assert bool(warning) == warns
+    if warns:
+        assert "without --api-key" in warning and address in warning
