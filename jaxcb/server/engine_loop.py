@@ -80,6 +80,13 @@ class EngineLoop:
     def draining(self) -> bool:
         return self._draining
 
+    @property
+    def drained(self) -> bool:
+        """Draining, and nothing is left to finish (or the loop has ended)."""
+        if not self._thread.is_alive():
+            return True
+        return self._drain_deadline is not None and not self._routes
+
     async def submit(
         self,
         submission: Submission,
@@ -362,12 +369,11 @@ class EngineLoop:
     def _set_drain_deadline(self, deadline: float) -> None:
         self._draining = True
         self._drain_deadline = deadline
-        if self._routes:
-            logger.info(
-                "draining: %d requests get %.1f s to finish",
-                len(self._routes),
-                max(0.0, deadline - time.monotonic()),
-            )
+        logger.info(
+            "draining: new requests get 503; %d in flight get %.1f s to finish",
+            len(self._routes),
+            max(0.0, deadline - time.monotonic()),
+        )
 
     def _stop(self) -> None:
         self._stopped = True
