@@ -31,7 +31,7 @@ from jaxcb.engine.llm_engine import LLMEngine
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.metrics import ServerMetrics
 from jaxcb.server.protocol import APIError, bad_request, param_of
-from jaxcb.server.submission import EngineFailure, Route, Submission, post_all
+from jaxcb.server.submission import EngineFailure, Route, Submission, TokenTexts, post_all, settle
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class EngineLoop:
         engine.step_trace = []  # read and cleared after every step, for per-step metrics
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._routes: dict[str, Route] = {}
-        self._token_text_cache: dict[int, str] = {}
+        self._token_text = TokenTexts(engine.tokenizer)  # for logprobs
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="jaxcb-engine-loop", daemon=True)
         self._draining = False
@@ -300,18 +300,18 @@ class EngineLoop:
         try:
             self._admit(submission, params, arrival_time, priority, param)
         except APIError as exc:
-            self._call_soon(_settle, future, exc)
+            self._call_soon(settle, future, exc)
             return
         except Exception as exc:
             logger.exception("adding request %s failed", submission.request_ids)
-            self._call_soon(_settle, future, APIError(500, str(exc), type="server_error"))
+            self._call_soon(settle, future, APIError(500, str(exc), type="server_error"))
             return
         n = params.n
         for index, request_id in enumerate(submission.request_ids):
             self._routes[request_id] = Route.new(submission, index, arrival_time, n)
         self.metrics.prompt_tokens.inc(sum(len(ids) for ids in submission.prompt_token_ids))
         self._update_gauges()
-        self._call_soon(_settle, future, None)
+        self._call_soon(settle, future, None)
 
     def _admit(
         self,
@@ -380,17 +380,6 @@ class EngineLoop:
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _token_text(self, token_id: int) -> str:
-        text = self._token_text_cache.get(token_id)
-        if text is None:
-            tokenizer = self.engine.tokenizer
-            if tokenizer is None:
-                text = f"token_id:{token_id}"
-            else:
-                text = tokenizer.decode([token_id], skip_special_tokens=False)
-            self._token_text_cache[token_id] = text
-        return text
-
     def _update_gauges(self) -> None:
         engine = self.engine
         self.metrics.num_requests_running.set(engine.num_running)
@@ -406,12 +395,3 @@ class EngineLoop:
         # RuntimeError: the event loop is closed, so nobody is listening any more.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(fn, *args)
-
-
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():  # the handler was cancelled; its abort is already queued
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)

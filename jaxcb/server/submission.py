@@ -64,6 +64,16 @@ class Submission:
         self._ready.set()
 
 
+def settle(future: asyncio.Future, error: BaseException | None) -> None:
+    """Answer a handler's add: accepted (None) or refused; on the event loop."""
+    if future.done():  # the handler was cancelled; its abort is already queued
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
 def post_all(batch: list[tuple[Submission, int, Any]]) -> None:
     """Deliver (submission, prompt index, output or failure) items; on the event loop."""
     for submission, index, item in batch:
@@ -124,3 +134,21 @@ class Route:
                     texts[token_id] = token_text(token_id)
             self.num_text_tokens[j] = len(sample.token_ids)
         out.extra["token_texts"] = texts
+
+
+class TokenTexts:
+    """token id -> its text, with the engine's tokenizer (on the engine thread), cached."""
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            if self._tokenizer is None:
+                text = f"token_id:{token_id}"
+            else:
+                text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            self._cache[token_id] = text
+        return text
