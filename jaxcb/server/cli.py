@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-request-body-mb",
         type=float,
         default=ServerSettings.max_request_body_bytes / 2**20,
-        help="larger request bodies get 413 without being read (MiB; default: %(default)s)",
+        help="larger request bodies get 413 (MiB; default: %(default)s)",
     )
     server.add_argument(
         "--shutdown-timeout",
