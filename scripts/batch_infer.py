@@ -25,7 +25,7 @@ from jaxcb.cli import add_engine_args, engine_config_from_args
 from jaxcb.engine.replicated import make_engine
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -71,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ...")
     add_engine_args(parser, taken={a.dest for a in parser._actions})
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     errors_path = args.errors or args.output.with_name(args.output.name + ".errors.jsonl")

@@ -98,26 +98,11 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await serving.chat_completions(request)
 
-    created = int(time.time())
-    # Where the server keeps its files is none of its clients' business, unless asked.
-    show_path = settings.show_model_path and engine.model_path is not None
+    listing = _model_list(engine, settings)
 
     @v1.get("/models")
     async def models() -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "jaxcb",
-                    "root": str(engine.model_path) if show_path else name,
-                    "max_model_len": engine.max_model_len,
-                }
-                for name in settings.served_model_names
-            ],
-        }
+        return listing
 
     app.include_router(v1)
 
@@ -134,6 +119,33 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     _install_error_handlers(app)
+    _install_openapi(app, schemas)
+    return app
+
+
+def _model_list(engine: LLMEngine, settings: ServerSettings) -> dict:
+    """The body of GET /v1/models."""
+    created = int(time.time())
+    # Where the server keeps its files is none of its clients' business, unless asked.
+    show_path = settings.show_model_path and engine.model_path is not None
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "jaxcb",
+                "root": str(engine.model_path) if show_path else name,
+                "max_model_len": engine.max_model_len,
+            }
+            for name in settings.served_model_names
+        ],
+    }
+
+
+def _install_openapi(app: FastAPI, schemas: dict[str, dict]) -> None:
+    """/openapi.json with the request body schemas of the routes that parse bodies."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -143,7 +155,6 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi
-    return app
 
 
 def _request_body(model: type[BaseModel], schemas: dict[str, dict]) -> dict:
