@@ -52,7 +52,8 @@ class PromptEncoder:
             engine.max_model_len, engine.limits.max_prompt_len, engine.spec.vocab_size
         )
         self.tokenizer = own_tokenizer(engine)
-        self.max_token_chars = max_token_chars(self.tokenizer) if self.tokenizer else None
+        tokenizer = self.tokenizer
+        self.max_token_chars = max_token_chars(tokenizer) if tokenizer is not None else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxcb-tokenizer")
 
     async def encode(self, prompts: list[Prompt], params: SamplingParams) -> list[list[int]]:
