@@ -25,7 +25,7 @@ from jaxcb.cli import add_engine_args, engine_config_from_args
 from jaxcb.runtime.setup import build_engine
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -53,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--prefetch", type=int, default=512, help="lines prepared ahead")
     parser.add_argument(
+        "--max-line-mb",
+        type=float,
+        default=8.0,
+        help="a longer line goes to --errors without being read (MiB; default: %(default)s)",
+    )
+    parser.add_argument(
         "--num-shards",
         type=int,
         default=1,
@@ -65,11 +71,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ...")
     add_engine_args(parser, taken={a.dest for a in parser._actions})
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     errors_path = args.errors or args.output.with_name(args.output.name + ".errors.jsonl")
     if not args.input.is_file():
         parser.error(f"--input {args.input} is not a file")
+    if not args.max_line_mb > 0:
+        parser.error(f"--max-line-mb must be > 0, got {args.max_line_mb}")
     try:
         config = engine_config_from_args(args)
         engine = build_engine(config, compile_progress=not args.no_progress and sys.stderr.isatty())
@@ -96,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             base_seed=args.sampling_seed,
             max_in_flight=max_in_flight,
             prefetch=args.prefetch,
+            max_line_bytes=int(args.max_line_mb * 2**20),
             progress=not args.no_progress,
             writer=jax.process_index() == 0,  # multi-host: process 0 writes
             shard=(args.shard_index, args.num_shards),

@@ -244,6 +244,7 @@ def test_unknown_flat_name_lists_the_valid_ones() -> None:
         ({"max_prompt_len": 0}, "max_prompt_len must be >= 1"),
         ({"max_n": 0}, "max_n must be >= 1"),
         ({"max_output_tokens": 0}, "max_output_tokens must be >= 1"),
+        ({"max_prompts_per_request": 0}, "max_prompts_per_request must be >= 1"),
     ],
 )
 def test_bad_values_are_value_errors(overrides: dict, match: str) -> None:

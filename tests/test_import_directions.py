@@ -66,27 +66,33 @@ def offenders(importer: str, forbidden: list[str], allowed: tuple[str, ...] = ()
     return bad
 
 
+def jaxcb_modules(*names: str) -> list[str]:
+    return [f"jaxcb.{name}" for name in names]
+
+
 RULES = {
     "engine": (
         "jaxcb.engine",
-        ["jax", "jaxlib", "pallas_kernels", "jaxcb.runtime", "jaxcb.models", "jaxcb.attention"]
-        + ["jaxcb.sampling", "jaxcb.native", "jaxcb.server", "jaxcb.llm", "jaxcb.bench"]
-        + ["jaxcb.batch"],
+        [
+            "jax",
+            "jaxlib",
+            "pallas_kernels",
+            *jaxcb_modules("runtime", "models", "attention", "sampling", "native"),
+            *jaxcb_modules("server", "llm", "bench", "batch"),
+        ],
         (),
     ),
     "pallas_kernels": ("pallas_kernels", ["jaxcb"], ()),
     "native": ("jaxcb.native", ["jaxcb"], ("jaxcb.native", "jaxcb.paths")),
     "models": (
         "jaxcb.models",
-        ["jaxcb.runtime", "jaxcb.engine", "jaxcb.server", "jaxcb.llm", "jaxcb.batch"]
-        + ["jaxcb.bench", "jaxcb.attention", "jaxcb.sampling"],
+        [
+            *jaxcb_modules("runtime", "engine", "server", "llm", "batch", "bench"),
+            *jaxcb_modules("attention", "sampling"),
+        ],
         (),
     ),
-    "runtime": (
-        "jaxcb.runtime",
-        ["jaxcb.server", "jaxcb.llm", "jaxcb.batch", "jaxcb.bench"],
-        (),
-    ),
+    "runtime": ("jaxcb.runtime", jaxcb_modules("server", "llm", "batch", "bench"), ()),
     **{
         leaf: (f"jaxcb.{leaf}", ["jaxcb"], ("jaxcb.config", "jaxcb.sampling_params"))
         for leaf in ("config", "sampling_params", "outputs", "paths")

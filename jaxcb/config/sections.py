@@ -176,10 +176,12 @@ class LimitsConfig:
 
     SECTION: ClassVar[str] = "limits"
 
-    max_waiting_requests: int = 1024  # server: 429 while this many sequences wait
+    max_waiting_requests: int = 1024  # server: sequences that may wait (a request adds prompts x n)
     max_prompt_len: int | None = None  # prompt tokens at most; None: max_model_len
     max_n: int = 128  # samples per prompt (SamplingParams.n) at most
     max_output_tokens: int | None = None  # max_tokens at most; None: up to max_model_len
+    # 128 as max_n: a list of prompts is a small batch; a large job belongs in batch_infer.py
+    max_prompts_per_request: int = 128  # server: prompts one /v1/completions request may list
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -195,6 +197,10 @@ class LimitsConfig:
         _check(
             self.max_output_tokens is None or self.max_output_tokens >= 1,
             f"max_output_tokens must be >= 1, got {self.max_output_tokens}",
+        )
+        _check(
+            self.max_prompts_per_request >= 1,
+            f"max_prompts_per_request must be >= 1, got {self.max_prompts_per_request}",
         )
 
 

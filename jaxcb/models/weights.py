@@ -148,11 +148,30 @@ def _read_safetensors_file(path: Path) -> dict[str, np.ndarray]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        where = f"tensor {name!r} in {path}"
+        try:
+            dtype_name, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
+            shape = tuple(int(d) for d in shape)
+            start, end = int(start), int(end)
+        except (KeyError, TypeError, ValueError):
+            raise ModelLoadError(f"{where} has a corrupt header entry: {info!r:.200}") from None
+        dtype = _SAFETENSORS_DTYPES.get(dtype_name)
         if dtype is None:
-            raise ModelLoadError(f"tensor {name!r} in {path} has unsupported dtype {info['dtype']}")
-        start, end = info["data_offsets"]
-        out[name] = data[start:end].view(dtype).reshape(info["shape"])
+            raise ModelLoadError(f"{where} has unsupported dtype {dtype_name}")
+        # Offsets against the file's size: a truncated download fails here, by name, and not
+        # as a reshape error (or a read past the end of the memory map).
+        if not 0 <= start <= end <= data.size:
+            raise ModelLoadError(
+                f"{where} lies at bytes [{start}, {end}) of the data, but the file has only "
+                f"{data.size} bytes of data: it is truncated or corrupt"
+            )
+        need = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if end - start != need:
+            raise ModelLoadError(
+                f"{where} has {end - start} bytes, but shape {list(shape)} of {dtype_name} "
+                f"needs {need}: the file is corrupt"
+            )
+        out[name] = data[start:end].view(dtype).reshape(shape)
     return out
 
 

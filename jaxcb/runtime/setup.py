@@ -143,7 +143,7 @@ def build_runner(
     compile_seconds, cache_figures = _compile(runner, buckets, config, compile_progress)
     info = EngineInfo(
         model_path=str(model.path),
-        model_name=config.model or DEFAULT_MODEL_NAME,
+        model_name=model_name(config),
         model_format=model.format,
         is_default_model=model.is_default,
         architecture=spec.architecture,
@@ -164,6 +164,11 @@ def build_runner(
     )
     _log_ready(info, config)
     return runner, info, model
+
+
+def model_name(config: EngineConfig) -> str:
+    """The model as the user named it: the path given, or the built-in model's name."""
+    return config.model or DEFAULT_MODEL_NAME
 
 
 def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:

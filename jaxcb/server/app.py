@@ -26,11 +26,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from jaxcb.engine.interface import Engine
 from jaxcb.server.engine_loop import EngineLoop
 from jaxcb.server.metrics import CONTENT_TYPE, ServerMetrics
+from jaxcb.server.prompts import PromptEncoder
 from jaxcb.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from jaxcb.server.serving import OpenAIServing
 
@@ -42,13 +44,29 @@ class ServerSettings:
     served_model_names: tuple[str, ...]
     api_key: str | None = None
     shutdown_timeout: float = 10.0  # seconds running requests get to finish on shutdown
+    max_request_body_bytes: int = 8 * 2**20  # larger bodies get 413 (a few MB: see cli.py)
+    show_model_path: bool = False  # /v1/models' "root": the model's path, not the served name
+
+    def __post_init__(self) -> None:
+        # HTTP header values are bytes that servers (Starlette too) decode as Latin-1 and
+        # clients encode as they like: only printable ASCII means the same bytes to both.
+        key = self.api_key
+        if key is not None and not (key.isascii() and key.isprintable() and key.strip()):
+            bad = next((c for c in key if not (c.isascii() and c.isprintable())), None)
+            raise ValueError(
+                "--api-key must be printable ASCII (it travels in an HTTP header)"
+                + (f": it has {bad!r} at position {key.index(bad)}" if bad else ", not blank")
+            )
 
 
 def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     model_name = settings.served_model_names[0]
     metrics = ServerMetrics(model_name, engine.info.token_buckets)
     engine_loop = EngineLoop(engine, metrics)
-    serving = OpenAIServing(engine_loop, list(settings.served_model_names))
+    encoder = PromptEncoder(engine)
+    serving = OpenAIServing(
+        engine_loop, encoder, list(settings.served_model_names), settings.max_request_body_bytes
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -56,9 +74,14 @@ def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         try:
             yield
         finally:
+            encoder.close()
             await asyncio.to_thread(engine_loop.stop)
 
-    app = FastAPI(title="jaxcb", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # No redirect from "/v1/completions/" to "/v1/completions": its Location would be built
+    # from the client's Host header. A path with a trailing slash is a 404 like any other.
+    app = FastAPI(
+        title="jaxcb", lifespan=lifespan, docs_url=None, redoc_url=None, redirect_slashes=False
+    )
     app.state.engine_loop = engine_loop
     app.state.metrics = metrics
     app.state.settings = settings
@@ -75,24 +98,11 @@ def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await serving.chat_completions(request)
 
-    created = int(time.time())
+    listing = _model_list(engine, settings)
 
     @v1.get("/models")
     async def models() -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "jaxcb",
-                    "root": engine.info.model_path,
-                    "max_model_len": engine.max_model_len,
-                }
-                for name in settings.served_model_names
-            ],
-        }
+        return listing
 
     app.include_router(v1)
 
@@ -109,6 +119,33 @@ def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     _install_error_handlers(app)
+    _install_openapi(app, schemas)
+    return app
+
+
+def _model_list(engine: Engine, settings: ServerSettings) -> dict:
+    """The body of GET /v1/models."""
+    created = int(time.time())
+    # Where the server keeps its files is none of its clients' business, unless asked.
+    show_path = settings.show_model_path
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "jaxcb",
+                "root": engine.info.model_path if show_path else name,
+                "max_model_len": engine.max_model_len,
+            }
+            for name in settings.served_model_names
+        ],
+    }
+
+
+def _install_openapi(app: FastAPI, schemas: dict[str, dict]) -> None:
+    """/openapi.json with the request body schemas of the routes that parse bodies."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -118,7 +155,6 @@ def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi
-    return app
 
 
 def _request_body(model: type[BaseModel], schemas: dict[str, dict]) -> dict:
@@ -136,8 +172,10 @@ def _api_key_check(api_key: str | None):
         if api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # The header as it came (Starlette decoded its bytes as Latin-1), against the key's
+        # bytes (ASCII, checked in ServerSettings).
         if scheme.lower() != "bearer" or not secrets.compare_digest(
-            token.strip().encode(), api_key.encode()
+            token.strip().encode("latin-1"), api_key.encode("ascii")
         ):
             raise APIError(
                 401,
@@ -170,6 +208,12 @@ def _install_error_handlers(app: FastAPI) -> None:
             error_body(f"invalid request: {exc.errors()}", type="invalid_request_error"),
             status_code=400,
         )
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # Anyone can do this (hang up while sending a body): one quiet line, no traceback.
+        logger.debug("the client of %s %s went away", request.method, request.url.path)
+        return Response(status_code=499)  # nobody is left to read it
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

@@ -5,29 +5,33 @@ Every engine config field is a flag of its own, generated from the config datacl
 preset given with `--config`. The server binds its socket before building the engine, so a
 busy port fails fast and `--port 0` picks a free port (the startup log prints the URL).
 
-SIGINT/SIGTERM drain: new requests get 503, running ones get `--shutdown-timeout` seconds to
-finish and are aborted after that; then the process exits 0. A second SIGINT quits at once.
+SIGINT/SIGTERM drain: the server keeps accepting connections and answers new requests 503,
+running ones get `--shutdown-timeout` seconds to finish and are aborted after that; then it
+stops listening and the process exits 0. A second signal quits at once, in one log line.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import gc
+import ipaddress
 import logging
 import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from types import FrameType
 
 import uvicorn
 
 from jaxcb.cli import add_engine_args, engine_config_from_args
 from jaxcb.engine.interface import Engine
-from jaxcb.runtime.setup import build_engine
+from jaxcb.runtime.setup import build_engine, model_name
 from jaxcb.server.app import ServerSettings, build_app
+from jaxcb.server.engine_loop import EngineLoop
 
 logger = logging.getLogger("jaxcb.server")
 
@@ -55,7 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="model name(s) clients must send; default: --model, or the built-in model's name",
     )
     server.add_argument(
+        "--show-model-path",
+        action="store_true",
+        help="/v1/models shows the model's path on disk in 'root' (default: the served name)",
+    )
+    server.add_argument(
         "--log-level", choices=LOG_LEVELS, default="info", help="(default: %(default)s)"
+    )
+    server.add_argument(
+        "--max-request-body-mb",
+        type=float,
+        default=ServerSettings.max_request_body_bytes / 2**20,
+        help="larger request bodies get 413 (MiB; default: %(default)s)",
     )
     server.add_argument(
         "--shutdown-timeout",
@@ -78,12 +93,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger("uvicorn.error").addFilter(_QuietCancellation())
     if args.shutdown_timeout < 0:
         parser.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if not args.max_request_body_mb > 0:
+        parser.error(f"--max-request-body-mb must be > 0, got {args.max_request_body_mb}")
     try:
         config = engine_config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    try:
+        settings = ServerSettings(
+            served_model_names=tuple(args.served_model_name or [model_name(config)]),
+            api_key=args.api_key,
+            shutdown_timeout=args.shutdown_timeout,
+            max_request_body_bytes=int(args.max_request_body_mb * 2**20),
+            show_model_path=args.show_model_path,
+        )
+    except ValueError as exc:
+        parser.exit(2, f"serve.py: error: {exc}\n")
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:
@@ -94,15 +122,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # a config the model or the scheduler cannot take
         sock.close()
         parser.exit(2, f"serve.py: error: {exc}\n")
-    settings = ServerSettings(
-        served_model_names=tuple(args.served_model_name or [engine.info.model_name]),
-        api_key=args.api_key,
-        shutdown_timeout=args.shutdown_timeout,
-    )
     app = build_app(engine, settings)
     url = server_url(args.host, sock.getsockname()[1])
     frozen = freeze_startup_heap()
     log_startup(engine, settings, url, frozen)
+    warning = exposure_warning(sock.getsockname()[0], settings.api_key)
+    if warning:
+        logger.warning(warning)
     uv_config = uvicorn.Config(
         app,
         log_config=None,  # our logging format for uvicorn's loggers too
@@ -110,8 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lifespan="on",
         timeout_graceful_shutdown=args.shutdown_timeout + 5,  # backstop behind our drain
     )
-    drain = lambda: app.state.engine_loop.begin_drain(settings.shutdown_timeout)
-    _Server(uv_config, on_first_signal=drain).run(sockets=[sock])
+    _Server(uv_config, app.state.engine_loop, settings.shutdown_timeout).run(sockets=[sock])
     logger.info("server stopped")
     return 0
 
@@ -135,6 +160,21 @@ def server_url(host: str, port: int) -> str:
     if ":" in shown and not shown.startswith("["):
         shown = f"[{shown}]"
     return f"http://{shown}:{port}"
+
+
+def exposure_warning(address: str, api_key: str | None) -> str | None:
+    """What to warn about when the server listens beyond this machine without an API key."""
+    if api_key is not None:
+        return None
+    try:
+        if ipaddress.ip_address(address.partition("%")[0]).is_loopback:
+            return None
+    except ValueError:  # not an IP address: no guess
+        pass
+    return (
+        f"listening on {address} without --api-key: anyone who can reach this address can "
+        "use the server; give --api-key KEY, or --host 127.0.0.1 to serve this machine only"
+    )
 
 
 def freeze_startup_heap() -> int:
@@ -187,13 +227,21 @@ def log_startup(engine: Engine, settings: ServerSettings, url: str, frozen: int 
 class _Server(uvicorn.Server):
     """uvicorn.Server that drains on the first SIGINT/SIGTERM and exits 0 afterwards.
 
+    Until the engine loop has drained, uvicorn is not told to exit: it keeps accepting
+    connections, keep-alive ones stay open, and new requests get the loop's 503 (uvicorn's
+    own shutdown would refuse new connections and close idle ones without an answer). A
+    second signal aborts what runs and quits at once; the handlers it cancels are not
+    errors, so their tracebacks are not logged (_QuietCancellation).
+
     (uvicorn re-raises a caught signal once it has shut down, which would end the process
     with the signal's status instead of 0; this subclass does not.)
     """
 
-    def __init__(self, config: uvicorn.Config, on_first_signal: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, grace: float) -> None:
         super().__init__(config)
-        self._on_first_signal = on_first_signal
+        self._engine_loop = engine_loop
+        self._grace = grace
+        self._num_signals = 0
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -209,6 +257,28 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.should_exit:
-            self._on_first_signal()
-        super().handle_exit(sig, frame)
+        self._num_signals += 1
+        if self._num_signals == 1:
+            self._engine_loop.begin_drain(self._grace)  # on_tick exits once it has drained
+            return
+        if self._num_signals == 2:
+            logger.warning("second %s: quitting now", signal.Signals(sig).name)
+            self._engine_loop.stop(timeout=0)  # aborts everything left, without waiting
+        self.should_exit = self.force_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._num_signals and self._engine_loop.drained:
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+class _QuietCancellation(logging.Filter):
+    """Drops uvicorn's tracebacks of tasks cancelled on a forced exit (request handlers as
+    exceptions, the lifespan as the text Starlette reports): cancelled is what they were
+    asked to be."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError):
+            return False
+        text = record.getMessage()
+        return not (text.startswith("Traceback") and text.rstrip().endswith("CancelledError"))

@@ -1,11 +1,11 @@
-"""The engine loop: one thread owns the LLMEngine and steps it while work exists.
+"""The engine loop: one thread owns the engine and steps it while work exists.
 
 HTTP handlers run on the asyncio event loop and never touch the engine. They send commands
 (add, abort, drain, stop) over a thread-safe queue; the thread answers on the event loop:
 an add's outcome through a future, outputs through each request's `Submission` mailbox,
-with one `call_soon_threadsafe` per step for all requests. The thread also owns the tokenizer
-(prompts are tokenized and chat templates rendered here), so the tokenizer is never used
-from two threads at once.
+with one `call_soon_threadsafe` per step for all requests. Prompts arrive tokenized (on the
+tokenizer thread, server/prompts.py): this thread only detokenizes outputs, with the
+engine's own tokenizer.
 
 Failures stay as small as they can: a request the engine fails (finish_reason "error") fails
 for its client alone, and so does an error while routing one output. If an engine step
@@ -25,84 +25,19 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from jaxcb.engine.interface import Engine
-from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.metrics import ServerMetrics
-from jaxcb.server.prompts import Prompt, check_length, encode_prompt, prompt_param
 from jaxcb.server.protocol import APIError, bad_request, param_of
+from jaxcb.server.submission import EngineFailure, Route, Submission, TokenTexts, post_all, settle
 
 logger = logging.getLogger(__name__)
 
 STALL_WAIT_SECONDS = 0.01  # pause when waiting requests cannot be scheduled yet
-
-
-class EngineFailure(Exception):
-    """The engine failed while a request was in flight; the request is gone."""
-
-
 SUBMIT_POLL_SECONDS = 1.0  # how often a waiting submit checks that the loop still runs
 MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine is declared broken
-
-
-class Submission:
-    """One HTTP request: an engine request per prompt, all answering through one mailbox.
-
-    The engine thread posts cumulative outputs. A post replaces the not-yet-taken output of
-    the same prompt, so a slow client holds at most one output per prompt instead of a
-    growing backlog, and loses nothing: a later output holds all an earlier one did. With
-    `final_only`, only finished outputs are posted.
-    """
-
-    def __init__(
-        self,
-        request_ids: Sequence[str],
-        *,
-        final_only: bool = False,
-        want_token_texts: bool = False,
-    ) -> None:
-        self.request_ids = list(request_ids)
-        self.final_only = final_only
-        self.want_token_texts = want_token_texts  # logprobs need each token's text
-        self.prompt_token_ids: list[list[int]] = []  # set by the engine thread once added
-        self.token_texts: dict[int, str] = {}  # token id -> text, gathered from the outputs
-        self._pending: dict[int, RequestOutput] = {}
-        self._failure: EngineFailure | None = None
-        self._ready = asyncio.Event()
-
-    async def updates(self) -> dict[int, RequestOutput]:
-        """Wait for news: {prompt index: its latest output}. Raises EngineFailure."""
-        await self._ready.wait()
-        self._ready.clear()
-        if self._failure is not None:
-            raise self._failure
-        pending, self._pending = self._pending, {}
-        return pending
-
-    def _post(self, index: int, out: RequestOutput | EngineFailure) -> None:
-        """On the event loop thread."""
-        if isinstance(out, EngineFailure):
-            self._failure = out
-        else:
-            self._pending[index] = out
-            self.token_texts.update(out.extra.get("token_texts", {}))
-        self._ready.set()
-
-
-@dataclass(eq=False)
-class _Route:
-    """Engine-thread bookkeeping of one engine request."""
-
-    submission: Submission
-    index: int  # which prompt of the submission
-    arrival_time: float
-    num_tokens: list[int]  # tokens already counted in the metrics, per sample
-    last_token_time: list[float]
-    num_text_tokens: list[int]  # tokens whose texts were already sent, per sample
-    got_first_token: bool = False
 
 
 class EngineLoop:
@@ -112,8 +47,8 @@ class EngineLoop:
         self.max_waiting_requests = engine.config.limits.max_waiting_requests
         engine.record_steps()  # popped after every step, for per-step metrics
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._routes: dict[str, _Route] = {}
-        self._token_text_cache: dict[int, str] = {}
+        self._routes: dict[str, Route] = {}
+        self._token_text = TokenTexts(engine.tokenizer)  # for logprobs
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="jaxcb-engine-loop", daemon=True)
         self._draining = False
@@ -121,6 +56,7 @@ class EngineLoop:
         self._stopped = False
         self.error: BaseException | None = None  # why the loop died or stopped stepping
         self._step_failures = 0  # consecutive failed steps
+        self._num_waiting = 0  # the engine's waiting sequences, as of the last gauge update
 
     # ---- called from the event loop (or any thread) --------------------------------------
 
@@ -143,21 +79,29 @@ class EngineLoop:
     def draining(self) -> bool:
         return self._draining
 
+    @property
+    def drained(self) -> bool:
+        """Draining, and nothing is left to finish (or the loop has ended)."""
+        if not self._thread.is_alive():
+            return True
+        return self._drain_deadline is not None and not self._routes
+
     async def submit(
         self,
         submission: Submission,
-        prompts: Sequence[Prompt],
         params: SamplingParams,
         *,
         arrival_time: float,
         priority: int = 0,
+        param: str = "prompt",
     ) -> None:
-        """Queue the prompts; raises APIError (400/429/503) if they were not accepted."""
+        """Queue the submission's prompts (`submission.prompt_token_ids`); raises APIError
+        (400/429/503) if they were not accepted. `param`: the field an error names."""
         if not self.alive:
             raise APIError(503, self.failure_reason, type="service_unavailable")
         future = asyncio.get_running_loop().create_future()
         self._commands.put(
-            lambda: self._add(submission, list(prompts), params, arrival_time, priority, future)
+            lambda: self._add(submission, params, arrival_time, priority, param, future)
         )
         try:
             # If the thread dies after the command was queued, nobody settles the future:
@@ -171,6 +115,38 @@ class EngineLoop:
         except asyncio.CancelledError:
             self.abort(submission.request_ids)  # queued after the add, so it always lands
             raise
+
+    def check_admission(self, num_prompts: int, n: int) -> None:
+        """The APIError a request of `num_prompts` x `n` sequences would get now, if any: a
+        check before its prompts are tokenized (the engine thread checks again on adding)."""
+        self._check_admission(num_prompts, n, self._num_waiting)
+
+    def _check_admission(self, num_prompts: int, n: int, waiting: int) -> None:
+        """503 while the loop is broken or draining; 400 for a request that can never fit
+        the waiting queue, 429 for one that does not fit now: a request's whole fan-out
+        (prompts x n sequences) counts against max_waiting_requests."""
+        if self.error is not None:
+            raise APIError(503, self.failure_reason, type="service_unavailable")
+        if self._draining or self._stopped:
+            raise APIError(
+                503, "the server is shutting down", type="service_unavailable", code="shutting_down"
+            )
+        limit, num_sequences = self.max_waiting_requests, num_prompts * n
+        if num_sequences > limit:
+            raise bad_request(
+                f"this request asks for {num_sequences} sequences ({num_prompts} prompt"
+                f"{'s' if num_prompts > 1 else ''} x n={n}), more than the server queues at once "
+                f"(max_waiting_requests={limit})",
+                "n" if n > 1 else "prompt",
+            )
+        if waiting + num_sequences > limit:
+            raise APIError(
+                429,
+                f"too many requests are waiting ({waiting} sequences, and this request adds "
+                f"{num_sequences}; the limit is {limit}); retry later",
+                type="rate_limit_error",
+                code="queue_full",
+            )
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests and free their pages (non-blocking; unknown ids are ignored)."""
@@ -264,11 +240,11 @@ class EngineLoop:
             if route is None:
                 continue
             try:
-                self._observe(route, out, now)
+                route.observe(out, now, self.metrics)
                 if out.finished:
                     del self._routes[out.request_id]
                 if out.finished or not route.submission.final_only:
-                    self._attach_token_texts(route, out)
+                    route.attach_token_texts(out, self._token_text)
                     batch.append((route.submission, route.index, out))
             except Exception as exc:  # this request's problem only
                 logger.exception("routing the output of %s failed", out.request_id)
@@ -307,60 +283,42 @@ class EngineLoop:
     def _add(
         self,
         submission: Submission,
-        prompts: list[Prompt],
         params: SamplingParams,
         arrival_time: float,
         priority: int,
+        param: str,
         future: asyncio.Future,
     ) -> None:
         try:
-            encoded = self._admit(submission, prompts, params, arrival_time, priority)
+            self._admit(submission, params, arrival_time, priority, param)
         except APIError as exc:
-            self._call_soon(_settle, future, exc)
+            self._call_soon(settle, future, exc)
             return
         except Exception as exc:
             logger.exception("adding request %s failed", submission.request_ids)
-            self._call_soon(_settle, future, APIError(500, str(exc), type="server_error"))
+            self._call_soon(settle, future, APIError(500, str(exc), type="server_error"))
             return
-        submission.prompt_token_ids = encoded
         n = params.n
         for index, request_id in enumerate(submission.request_ids):
-            self._routes[request_id] = _Route(
-                submission, index, arrival_time, [0] * n, [arrival_time] * n, [0] * n
-            )
-        self.metrics.prompt_tokens.inc(sum(len(ids) for ids in encoded))
-        self._call_soon(_settle, future, None)
+            self._routes[request_id] = Route.new(submission, index, arrival_time, n)
+        self.metrics.prompt_tokens.inc(sum(len(ids) for ids in submission.prompt_token_ids))
+        self._update_gauges()
+        self._call_soon(settle, future, None)
 
     def _admit(
         self,
         submission: Submission,
-        prompts: list[Prompt],
         params: SamplingParams,
         arrival_time: float,
         priority: int,
-    ) -> list[list[int]]:
+        param: str,
+    ) -> None:
         """Validate everything first, then add all prompts (or none) to the engine."""
-        if self.error is not None:
-            raise APIError(503, self.failure_reason, type="service_unavailable")
-        if self._draining or self._stopped:
-            raise APIError(
-                503, "the server is shutting down", type="service_unavailable", code="shutting_down"
-            )
-        waiting = self.engine.num_waiting
-        if waiting >= self.max_waiting_requests:
-            raise APIError(
-                429,
-                f"too many requests are waiting ({waiting}; the limit is "
-                f"{self.max_waiting_requests}); retry later",
-                type="rate_limit_error",
-                code="queue_full",
-            )
-        encoded = [encode_prompt(self.engine, p) for p in prompts]
-        for prompt, ids in zip(prompts, encoded, strict=True):
-            check_length(self.engine.max_model_len, ids, params, prompt_param(prompt))
+        prompts = submission.prompt_token_ids
+        self._check_admission(len(prompts), params.n, self.engine.num_waiting)
         added: list[str] = []
         try:
-            for request_id, ids in zip(submission.request_ids, encoded, strict=True):
+            for request_id, ids in zip(submission.request_ids, prompts, strict=True):
                 self.engine.add_request(
                     request_id, ids, params, arrival_time=arrival_time, priority=priority
                 )
@@ -369,8 +327,7 @@ class EngineLoop:
             for request_id in added:
                 self.engine.abort_request(request_id)
             message = str(exc)
-            raise bad_request(message, param_of(message) or prompt_param(prompts[0])) from None
-        return encoded
+            raise bad_request(message, param_of(message) or param) from None
 
     def _abort_ids(self, request_ids: list[str]) -> None:
         now = time.monotonic()
@@ -381,8 +338,8 @@ class EngineLoop:
                 continue  # finished already
             out = self.engine.abort_request(request_id)
             if out is not None:
-                self._observe(route, out, now)
-                self._attach_token_texts(route, out)
+                route.observe(out, now, self.metrics)
+                route.attach_token_texts(out, self._token_text)
                 batch.append((route.submission, route.index, out))
         self._update_gauges()
         self._deliver(batch)
@@ -404,94 +361,29 @@ class EngineLoop:
     def _set_drain_deadline(self, deadline: float) -> None:
         self._draining = True
         self._drain_deadline = deadline
-        if self._routes:
-            logger.info(
-                "draining: %d requests get %.1f s to finish",
-                len(self._routes),
-                max(0.0, deadline - time.monotonic()),
-            )
+        logger.info(
+            "draining: new requests get 503; %d in flight get %.1f s to finish",
+            len(self._routes),
+            max(0.0, deadline - time.monotonic()),
+        )
 
     def _stop(self) -> None:
         self._stopped = True
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _observe(self, route: _Route, out: RequestOutput, now: float) -> None:
-        """Metrics for what is new in `out`."""
-        metrics = self.metrics
-        for j, sample in enumerate(out.outputs):
-            seen, total = route.num_tokens[j], len(sample.token_ids)
-            if total <= seen:
-                continue
-            new = total - seen
-            metrics.generation_tokens.inc(new)
-            if not route.got_first_token:
-                route.got_first_token = True
-                metrics.time_to_first_token.observe(now - route.arrival_time)
-            elif seen:
-                gap = (now - route.last_token_time[j]) / new
-                for _ in range(new):
-                    metrics.inter_token_latency.observe(gap)
-            route.num_tokens[j] = total
-            route.last_token_time[j] = now
-        if out.finished:
-            reasons = [s.finish_reason or "abort" for s in out.outputs]
-            for reason in reasons:
-                metrics.request_finished(reason)
-            if "abort" not in reasons:
-                metrics.e2e_request_latency.observe(now - route.arrival_time)
-
-    def _attach_token_texts(self, route: _Route, out: RequestOutput) -> None:
-        """Put the text of each token not yet sent into `out.extra` (for logprobs)."""
-        if not route.submission.want_token_texts:
-            return
-        texts: dict[int, str] = {}
-        for j, sample in enumerate(out.outputs):
-            start = route.num_text_tokens[j]
-            for token_id in sample.token_ids[start:]:
-                texts[token_id] = self._token_text(token_id)
-            for top in (sample.top_logprobs or [])[start:]:
-                for token_id in top:
-                    texts[token_id] = self._token_text(token_id)
-            route.num_text_tokens[j] = len(sample.token_ids)
-        out.extra["token_texts"] = texts
-
-    def _token_text(self, token_id: int) -> str:
-        text = self._token_text_cache.get(token_id)
-        if text is None:
-            tokenizer = self.engine.tokenizer
-            if tokenizer is None:
-                text = f"token_id:{token_id}"
-            else:
-                text = tokenizer.decode([token_id], skip_special_tokens=False)
-            self._token_text_cache[token_id] = text
-        return text
-
     def _update_gauges(self) -> None:
         engine = self.engine
         self.metrics.num_requests_running.set(engine.num_running)
-        self.metrics.num_requests_waiting.set(engine.num_waiting)
+        self._num_waiting = engine.num_waiting
+        self.metrics.num_requests_waiting.set(self._num_waiting)
         self.metrics.kv_cache_usage_perc.set(engine.kv_usage().usage)
 
     def _deliver(self, batch: list[tuple[Submission, int, Any]]) -> None:
         if batch:
-            self._call_soon(_post_all, batch)
+            self._call_soon(post_all, batch)
 
     def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
         # RuntimeError: the event loop is closed, so nobody is listening any more.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(fn, *args)
-
-
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():  # the handler was cancelled; its abort is already queued
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
-
-
-def _post_all(batch: list[tuple[Submission, int, Any]]) -> None:
-    for submission, index, item in batch:
-        submission._post(index, item)

@@ -1,18 +1,25 @@
-"""Prompts to token ids, and the length check against max_model_len.
+"""Prompts to token ids, on the server's tokenizer thread, and the length checks.
 
-These run in the engine loop thread, the only thread that uses the tokenizer. A string is
+The engine thread keeps the engine's tokenizer for detokenizing; prompts are tokenized (and
+chat templates rendered) on one thread of their own, with a tokenizer instance of its own
+(`PromptEncoder`), so tokenizing a long prompt never holds up the engine's steps. A string is
 tokenized as `LLM.generate` tokenizes it (special tokens added), so the server and the
 offline engine see the same ids; chat messages go through the tokenizer's chat template.
+
+A text whose length in characters already proves it too long for max_model_len (or
+max_prompt_len) is refused before it is tokenized (jaxcb/tokenizing.py has the bound).
 """
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from jaxcb.engine.interface import Engine
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.protocol import bad_request
+from jaxcb.tokenizing import max_token_chars, min_num_tokens, own_tokenizer
 
 
 @dataclass(frozen=True)
@@ -30,11 +37,64 @@ def prompt_param(prompt: Prompt) -> str:
     return "messages" if isinstance(prompt, ChatPrompt) else "prompt"
 
 
-def encode_prompt(engine: Engine, prompt: Prompt) -> list[int]:
-    """Token ids of a prompt; a 400 APIError if it cannot be encoded or is empty."""
-    tokenizer = engine.tokenizer
-    param = prompt_param(prompt)
-    if isinstance(prompt, ChatPrompt):
+@dataclass(frozen=True)
+class PromptLimits:
+    max_model_len: int
+    max_prompt_len: int | None  # None: max_model_len
+    vocab_size: int
+
+
+class PromptEncoder:
+    """Tokenizes prompts on a thread of its own, with a tokenizer of its own."""
+
+    def __init__(self, engine: Any) -> None:
+        self.limits = PromptLimits(
+            engine.max_model_len, engine.config.limits.max_prompt_len, engine.info.vocab_size
+        )
+        self.tokenizer = own_tokenizer(engine)
+        tokenizer = self.tokenizer
+        self.max_token_chars = max_token_chars(tokenizer) if tokenizer is not None else None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxcb-tokenizer")
+
+    async def encode(self, prompts: list[Prompt], params: SamplingParams) -> list[list[int]]:
+        """Token ids of each prompt; a 400 APIError naming the problem if one cannot be
+        encoded, is empty, or is too long."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._encode_all, prompts, params)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _encode_all(self, prompts: list[Prompt], params: SamplingParams) -> list[list[int]]:
+        return [self._encode(prompt, params) for prompt in prompts]
+
+    def _encode(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        param = prompt_param(prompt)
+        if isinstance(prompt, list):
+            ids = prompt
+            check_length(len(ids), params, param, self.limits)  # before scanning a long list
+            vocab_size = self.limits.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise bad_request(f"token ids must be in [0, {vocab_size}), got {bad[:5]}", param)
+        else:
+            text, add_special_tokens = self._text(prompt)
+            at_least = min_num_tokens(text, self.max_token_chars)
+            check_length(at_least, params, param, self.limits, num_chars=len(text))
+            ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        if not ids:
+            raise bad_request("the prompt is empty", param)
+        check_length(len(ids), params, param, self.limits)
+        return list(ids)
+
+    def _text(self, prompt: str | ChatPrompt) -> tuple[str, bool]:
+        """The text to tokenize, and whether the tokenizer adds its special tokens (BOS)."""
+        tokenizer = self.tokenizer
+        param = prompt_param(prompt)
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise bad_request("this model has no tokenizer: send token id lists", param)
+            return prompt, True
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", param)
         try:
@@ -44,36 +104,42 @@ def encode_prompt(engine: Engine, prompt: Prompt) -> list[int]:
         except Exception as exc:  # jinja errors, raise_exception() in templates
             raise bad_request(f"the chat template rejected the messages: {exc}", param) from None
         # The template writes any BOS itself; letting the tokenizer add one would double it.
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    elif isinstance(prompt, str):
-        if tokenizer is None:
-            raise bad_request("this model has no tokenizer: send token id lists", param)
-        ids = list(tokenizer(prompt)["input_ids"])
-    else:
-        vocab_size = engine.info.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
-        if bad:
-            raise bad_request(f"token ids must be in [0, {vocab_size}), got {bad[:5]}", param)
-        ids = list(prompt)
-    if not ids:
-        raise bad_request("the prompt is empty", param)
-    return ids
+        return text, False
 
 
-def check_length(max_model_len: int, ids: list[int], params: SamplingParams, param: str) -> None:
-    """400 unless the prompt plus max_tokens fits in max_model_len (the engine would clamp
-    max_tokens silently; an API client should hear about it, as with OpenAI and vLLM)."""
-    num = len(ids)
-    if num >= max_model_len:
+def check_length(
+    num_tokens: int,
+    params: SamplingParams,
+    param: str,
+    limits: PromptLimits,
+    *,
+    num_chars: int | None = None,
+) -> None:
+    """400 unless the prompt fits max_prompt_len and, with max_tokens, max_model_len (the
+    engine would clamp max_tokens silently; an API client should hear about it, as with
+    OpenAI and vLLM). With `num_chars`, `num_tokens` is a lower bound from the text's length."""
+    if num_tokens == 0:  # no bound known (or an empty prompt: refused by the caller)
+        return
+    max_model_len, max_prompt_len = limits.max_model_len, limits.max_prompt_len
+    size = f"{num_tokens} tokens"
+    if num_chars is not None:
+        size = f"{num_chars} characters, so at least {num_tokens} tokens"
+    if num_tokens >= max_model_len:
         raise bad_request(
-            f"the prompt has {num} tokens, which leaves no room for output within "
+            f"the prompt has {size}, which leaves no room for output within "
             f"max_model_len={max_model_len}",
             param,
         )
-    if params.max_tokens is not None and num + params.max_tokens > max_model_len:
+    if max_prompt_len is not None and num_tokens > max_prompt_len:
         raise bad_request(
-            f"the prompt ({num} tokens) plus max_tokens ({params.max_tokens}) is "
-            f"{num + params.max_tokens} tokens, more than max_model_len={max_model_len}; "
-            "shorten the prompt or lower max_tokens",
+            f"the prompt has {size}, more than max_prompt_len={max_prompt_len}", param
+        )
+    if num_chars is not None:  # a text that may fit is short: its exact count says more
+        return
+    total = num_tokens + (params.max_tokens or 0)
+    if params.max_tokens is not None and total > max_model_len:
+        raise bad_request(
+            f"the prompt ({size}) plus max_tokens ({params.max_tokens}) is {total} tokens, "
+            f"more than max_model_len={max_model_len}; shorten the prompt or lower max_tokens",
             "max_tokens",
         )

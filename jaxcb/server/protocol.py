@@ -290,6 +290,9 @@ def _is_type_tag(part: str) -> bool:
 
 
 def param_of(message: str) -> str | None:
-    """The field a SamplingParams ValueError names ("SamplingParams.top_p must ...")."""
+    """The field an engine's ValueError names: "SamplingParams.top_p must ...", or
+    "priority=3 needs scheduling_policy='priority' ..." (LLMEngine.validate_request)."""
     match = re.search(r"SamplingParams\.(\w+)", message)
-    return match.group(1) if match else None
+    if match:
+        return match.group(1)
+    return "priority" if message.startswith("priority") else None

@@ -1,6 +1,8 @@
 """/v1/completions and /v1/chat/completions: requests in, OpenAI-shaped JSON or SSE out.
 
-A request becomes a `Submission` (one engine request per prompt) on the engine loop. The
+A request's body is read within the size limit (server/request_body.py), its prompts are
+tokenized on the tokenizer thread (server/prompts.py), and it becomes a `Submission` (one
+engine request per prompt) on the engine loop. The
 engine's outputs are cumulative, and a later output's text always extends an earlier one, so
 a stream sends `text[len(sent):]` per choice. Choices are numbered `prompt_index * n + j`.
 A streaming response whose client goes away aborts its requests at once (the pages are
@@ -11,37 +13,46 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from jaxcb.outputs import CompletionOutput, RequestOutput
+from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
-from jaxcb.server.engine_loop import EngineFailure, EngineLoop, Submission
-from jaxcb.server.prompts import ChatPrompt, Prompt
+from jaxcb.server.engine_loop import EngineLoop
+from jaxcb.server.formats import ChatFormat, ChoiceState, CompletionFormat, Format, usage
+from jaxcb.server.prompts import ChatPrompt, Prompt, PromptEncoder, prompt_param
 from jaxcb.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    bad_request,
     error_body,
     parse_body,
 )
-
-MIN_LOGPROB = -9999.0  # stands in for -inf, which JSON cannot carry
+from jaxcb.server.request_body import read_json_body
+from jaxcb.server.submission import EngineFailure, Submission
 
 
 class OpenAIServing:
-    def __init__(self, engine_loop: EngineLoop, served_model_names: list[str]) -> None:
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        encoder: PromptEncoder,
+        served_model_names: list[str],
+        max_body_bytes: int,
+    ) -> None:
         self.engine_loop = engine_loop
+        self.encoder = encoder
         self.served_model_names = served_model_names
-        self.max_tokens_cap = engine_loop.engine.config.limits.max_output_tokens
+        self.max_body_bytes = max_body_bytes
+        limits = engine_loop.engine.config.limits
+        self.max_tokens_cap = limits.max_output_tokens
+        self.max_prompts = limits.max_prompts_per_request
 
     def resolve_model(self, name: str | None) -> str:
         if name is None:
@@ -58,37 +69,50 @@ class OpenAIServing:
 
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        body = parse_body(await request.body(), CompletionRequest)
+        body = parse_body(await read_json_body(request, self.max_body_bytes), CompletionRequest)
         model = self.resolve_model(body.model)
         params = body.to_sampling_params(self.max_tokens_cap)
-        fmt = _CompletionFormat("cmpl", model, params, return_token_ids=bool(body.return_token_ids))
+        fmt = CompletionFormat("cmpl", model, params, return_token_ids=bool(body.return_token_ids))
         return await self._generate(request, fmt, body.prompts(), params, body, arrival)
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        body = parse_body(await request.body(), ChatCompletionRequest)
+        raw = await read_json_body(request, self.max_body_bytes)
+        body = parse_body(raw, ChatCompletionRequest)
         model = self.resolve_model(body.model)
         params = body.to_sampling_params(self.max_tokens_cap)
         prompt = ChatPrompt(body.chat_messages())
-        fmt = _ChatFormat("chatcmpl", model, params, return_token_ids=bool(body.return_token_ids))
+        fmt = ChatFormat("chatcmpl", model, params, return_token_ids=bool(body.return_token_ids))
         return await self._generate(request, fmt, [prompt], params, body, arrival)
 
     async def _generate(
         self,
         request: Request,
-        fmt: _Format,
+        fmt: Format,
         prompts: list[Prompt],
         params: SamplingParams,
         body: CompletionRequest | ChatCompletionRequest,
         arrival: float,
     ) -> Response:
+        if len(prompts) > self.max_prompts:
+            raise bad_request(
+                f"a request may list at most {self.max_prompts} prompts "
+                f"(max_prompts_per_request), got {len(prompts)}",
+                "prompt",
+            )
+        self.engine_loop.check_admission(len(prompts), params.n)  # before the tokenizing
         submission = Submission(
             [f"{fmt.id}-{i}" for i in range(len(prompts))],
             final_only=not body.stream,
             want_token_texts=params.logprobs is not None,
         )
+        submission.prompt_token_ids = await self.encoder.encode(prompts, params)
         await self.engine_loop.submit(
-            submission, prompts, params, arrival_time=arrival, priority=body.priority or 0
+            submission,
+            params,
+            arrival_time=arrival,
+            priority=body.priority or 0,
+            param=prompt_param(prompts[0]),
         )
         if body.stream:
             return _SSEResponse(
@@ -135,8 +159,8 @@ def _failure_event(message: str) -> str:
     return _sse(error_body(message, type="server_error")) + "data: [DONE]\n\n"
 
 
-async def _stream(submission: Submission, fmt: _Format, include_usage: bool) -> AsyncIterator[str]:
-    states: dict[int, _ChoiceState] = {}
+async def _stream(submission: Submission, fmt: Format, include_usage: bool) -> AsyncIterator[str]:
+    states: dict[int, ChoiceState] = {}
     latest: dict[int, RequestOutput] = {}
     opening = fmt.opening_chunks(len(submission.request_ids))
     if opening:
@@ -157,7 +181,7 @@ async def _stream(submission: Submission, fmt: _Format, include_usage: bool) -> 
             latest[index] = out
             for sample in out.outputs:
                 key = index * fmt.n + sample.index
-                state = states.setdefault(key, _ChoiceState())
+                state = states.setdefault(key, ChoiceState())
                 if state.finished:
                     continue
                 choice = fmt.stream_choice(key, sample, state, submission.token_texts)
@@ -167,7 +191,7 @@ async def _stream(submission: Submission, fmt: _Format, include_usage: bool) -> 
             yield "".join(events)
     tail = ""
     if include_usage:
-        tail = _sse(fmt.chunk([], usage=_usage(submission, list(latest.values()))))
+        tail = _sse(fmt.chunk([], usage=usage(submission, list(latest.values()))))
     yield tail + "data: [DONE]\n\n"
 
 
@@ -202,217 +226,3 @@ async def _collect(
 async def _wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _usage(submission: Submission, outputs: list[RequestOutput]) -> dict[str, int]:
-    prompt_tokens = sum(len(ids) for ids in submission.prompt_token_ids)
-    completion_tokens = sum(len(s.token_ids) for out in outputs for s in out.outputs)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-# ---- response shapes --------------------------------------------------------------------
-
-
-@dataclass
-class _ChoiceState:
-    """What a stream has sent of one choice."""
-
-    num_chars: int = 0
-    num_tokens: int = 0
-    text_offset: int = 0
-    finished: bool = False
-
-
-class _Format:
-    """The JSON shapes of one endpoint; subclasses fill in the per-choice parts."""
-
-    object_name = ""
-    chunk_object_name = ""
-
-    def __init__(
-        self, prefix: str, model: str, params: SamplingParams, *, return_token_ids: bool
-    ) -> None:
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.model = model
-        self.n = params.n
-        self.want_logprobs = params.logprobs is not None
-        self.return_token_ids = return_token_ids
-
-    def opening_chunks(self, num_prompts: int) -> list[dict[str, Any]]:
-        return []
-
-    def chunk(self, choices: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:
-        out = {
-            "id": self.id,
-            "object": self.chunk_object_name,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-        if usage is not None:
-            out["usage"] = usage
-        return out
-
-    def response(self, outputs: list[RequestOutput], submission: Submission) -> dict[str, Any]:
-        token_texts = submission.token_texts
-        choices = []
-        for index, out in enumerate(outputs):
-            for sample in out.outputs:
-                key = index * self.n + sample.index
-                choice = self.final_choice(key, sample, token_texts)
-                if self.return_token_ids:
-                    choice["token_ids"] = list(sample.token_ids)
-                choices.append(choice)
-        return {
-            "id": self.id,
-            "object": self.object_name,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": _usage(submission, outputs),
-        }
-
-    def stream_choice(
-        self,
-        key: int,
-        sample: CompletionOutput,
-        state: _ChoiceState,
-        token_texts: dict[int, str],
-    ) -> dict[str, Any] | None:
-        """The next chunk's choice for `sample`, or None if there is nothing new to send."""
-        delta = sample.text[state.num_chars :]
-        start, end = state.num_tokens, len(sample.token_ids)
-        per_token = (self.want_logprobs or self.return_token_ids) and end > start
-        if not delta and sample.finish_reason is None and not per_token:
-            return None
-        logprobs = None
-        if self.want_logprobs:
-            logprobs = self.logprobs(sample, start, end, token_texts, state)
-        choice = self.delta_choice(key, delta, logprobs, sample.finish_reason)
-        if self.return_token_ids:
-            choice["token_ids"] = list(sample.token_ids[start:end])
-        state.num_chars = len(sample.text)
-        state.num_tokens = end
-        state.finished = sample.finish_reason is not None
-        return choice
-
-    def final_choice(
-        self, key: int, sample: CompletionOutput, token_texts: dict[int, str]
-    ) -> dict[str, Any]:
-        logprobs = None
-        if self.want_logprobs:
-            logprobs = self.logprobs(sample, 0, len(sample.token_ids), token_texts, _ChoiceState())
-        return self.full_choice(key, sample.text, logprobs, sample.finish_reason)
-
-    # per endpoint
-    def delta_choice(
-        self, key: int, delta: str, logprobs: Any, finish_reason: str | None
-    ) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def full_choice(
-        self, key: int, text: str, logprobs: Any, finish_reason: str | None
-    ) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def logprobs(
-        self,
-        sample: CompletionOutput,
-        start: int,
-        end: int,
-        token_texts: dict[int, str],
-        state: _ChoiceState,
-    ) -> Any:
-        raise NotImplementedError
-
-
-def _finite(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) else MIN_LOGPROB
-
-
-def _top(sample: CompletionOutput, i: int) -> dict[int, float]:
-    tops = sample.top_logprobs or []
-    return tops[i] if i < len(tops) else {}
-
-
-class _CompletionFormat(_Format):
-    object_name = "text_completion"
-    chunk_object_name = "text_completion"
-
-    def delta_choice(self, key, delta, logprobs, finish_reason):
-        return {"index": key, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-
-    def full_choice(self, key, text, logprobs, finish_reason):
-        return {"index": key, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-    def logprobs(self, sample, start, end, token_texts, state):
-        ids = sample.token_ids[start:end]
-        tokens = [token_texts.get(t, "") for t in ids]
-        offsets = []
-        for text in tokens:
-            offsets.append(state.text_offset)
-            state.text_offset += len(text)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [_finite(lp) for lp in (sample.logprobs or [])[start:end]],
-            "top_logprobs": [
-                {token_texts.get(t, ""): _finite(lp) for t, lp in _top(sample, i).items()}
-                for i in range(start, end)
-            ],
-            "text_offset": offsets,
-        }
-
-
-class _ChatFormat(_Format):
-    object_name = "chat.completion"
-    chunk_object_name = "chat.completion.chunk"
-
-    def opening_chunks(self, num_prompts: int) -> list[dict[str, Any]]:
-        # OpenAI's streams open with the role, one chunk per choice.
-        return [
-            self.chunk(
-                [
-                    {
-                        "index": key,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ]
-            )
-            for key in range(num_prompts * self.n)
-        ]
-
-    def delta_choice(self, key, delta, logprobs, finish_reason):
-        return {
-            "index": key,
-            "delta": {"content": delta} if delta else {},
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-
-    def full_choice(self, key, text, logprobs, finish_reason):
-        return {
-            "index": key,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-
-    def logprobs(self, sample, start, end, token_texts, state):
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            text = token_texts.get(token_id, "")
-            return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
-
-        content = []
-        chosen = sample.logprobs or []
-        for i in range(start, min(end, len(chosen))):
-            item = entry(sample.token_ids[i], chosen[i])
-            item["top_logprobs"] = [entry(t, lp) for t, lp in _top(sample, i).items()]
-            content.append(item)
-        return {"content": content}

@@ -114,6 +114,34 @@ def test_shape_mismatch_and_missing_tensor(tmp_path, llama_dir):
         load_params(tmp_path, spec, np.float32)
 
 
+def _write_safetensors(path, header: dict, data: bytes) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+
+
+def test_a_truncated_or_inconsistent_file_names_the_file_and_tensor(tmp_path):
+    """A truncated download said 'cannot reshape array of size 8020 into shape (128,64)'."""
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "model.safetensors"
+    tensors = {"a.weight": np.ones((128, 64), np.float32), "b.weight": np.ones(4, np.float32)}
+    save_file(tensors, str(path))
+    path.write_bytes(path.read_bytes()[:-1000])  # the download stopped early
+    with pytest.raises(ModelLoadError) as err:
+        read_safetensors(tmp_path)
+    message = str(err.value)
+    assert str(path) in message and "'a.weight'" in message and "truncated" in message, message
+    assert "reshape" not in message
+
+    header = {"a.weight": {"dtype": "F32", "shape": [128, 64], "data_offsets": [0, 8020]}}
+    _write_safetensors(path, header, bytes(8020))
+    with pytest.raises(ModelLoadError, match=r"'a\.weight'.* 8020 bytes.*\[128, 64\].*32768"):
+        read_safetensors(tmp_path)
+    _write_safetensors(path, {"a.weight": {"dtype": "F32", "shape": "big"}}, b"")
+    with pytest.raises(ModelLoadError, match=r"'a\.weight'.*corrupt header entry"):
+        read_safetensors(tmp_path)
+
+
 def test_bad_config_values(tmp_path, llama_dir):
     cfg = json.loads((llama_dir / "config.json").read_text())
     bad = {**cfg, "num_key_value_heads": 3}

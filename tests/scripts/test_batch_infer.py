@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from jaxcb.batch import JsonlSource, recover
+from jaxcb.batch_input import JsonlSource
+from jaxcb.batch_output import recover
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts/batch_infer.py"
@@ -134,7 +135,12 @@ class EchoEngine:
     class info:
         vocab_size = 100
 
+    class config:
+        class limits:
+            max_prompt_len = None
+
     tokenizer = None
+    max_model_len = 64
 
     def __init__(self) -> None:
         self.waiting: dict[str, list[int]] = {}
@@ -179,3 +185,50 @@ def test_shards_split_the_file(tmp_path: Path) -> None:
     assert sorted(r["id"] for r in outputs) == sorted(set(range(25)) - {3})
     assert read(tmp_path / "err1.jsonl")[0]["line"] == 4  # line 4 is 1 mod 3
     assert all(r["outputs"][0]["token_ids"] == [r["id"] % 100] for r in outputs)
+
+
+def test_a_too_long_line_goes_to_the_errors_file_unread(tmp_path: Path) -> None:
+    """A 20 MB line was read, parsed and tokenized whole (50 MB took 9.9 GB); now it is over
+    the default --max-line-mb 8 and only its size is looked at."""
+    import tracemalloc
+
+    from jaxcb.batch import run_batch
+
+    path = tmp_path / "in.jsonl"
+    huge = json.dumps({"id": "huge", "prompt": "x" * 20_000_000})
+    path.write_text("\n".join([json.dumps({"id": 1, "prompt": [1]}), huge, '{"prompt": [2]}']))
+    out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    warm = tmp_path / "warm.jsonl"  # a first run imports the pipeline's modules
+    warm.write_text('{"prompt": [1]}\n')
+    run_batch(EchoEngine(), warm, tmp_path / "warm.out", tmp_path / "warm.err", progress=False)
+    tracemalloc.start()
+    try:
+        stats = run_batch(EchoEngine(), path, out, err, progress=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20, f"{peak / 2**20:.1f} MiB allocated for a line that was not read"
+    assert (stats.done, stats.errors) == (2, 1)
+    (error,) = read(err)
+    assert error["line"] == 2 and error["id"] is None
+    assert f"{len(huge) + 1} bytes" in error["error"]  # with its newline
+    assert "--max-line-mb" in error["error"]
+    assert sorted(r["id"] for r in read(out)) == [1, 3]
+
+
+def test_a_prompt_too_long_by_its_characters_is_not_tokenized(tmp_path: Path) -> None:
+    from jaxcb.batch_input import Prepare
+    from jaxcb.models.default_model import default_model_dir
+    from jaxcb.models.loader import load_tokenizer
+
+    prepare = Prepare(
+        load_tokenizer(default_model_dir()), 320, {}, 0, set(), set(), max_model_len=512
+    )
+    chat = {"messages": [{"role": "user", "content": "y" * 3000}]}
+    for record in ({"prompt": "x" * 1_000_000}, chat):
+        item = prepare((1, json.dumps(record).encode()))
+        assert "characters, so at least" in item.error, item.error  # counted, not tokenized
+        assert "max_model_len=512" in item.error, item.error
+    item = prepare((1, json.dumps({"prompt": [5] * 513}).encode()))
+    assert "513 tokens, longer than max_model_len=512" in item.error, item.error
+    assert prepare((1, json.dumps({"prompt": "x" * 400}).encode())).prompt_ids

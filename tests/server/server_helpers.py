@@ -115,15 +115,17 @@ def request(
     method: str,
     url: str,
     body: bytes | dict | None = None,
-    headers: dict[str, str] | None = None,
+    headers: dict[str, str | None] | None = None,
     timeout: float = 60.0,
 ) -> tuple[int, Any]:
-    """One HTTP request with the standard library; returns (status, JSON or text)."""
+    """One HTTP request with the standard library; returns (status, JSON or text). A header
+    given as None is not sent."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
     try:
         data = json.dumps(body).encode() if isinstance(body, dict) else body
         hdrs = {"Content-Type": "application/json", **(headers or {})}
+        hdrs = {name: value for name, value in hdrs.items() if value is not None}
         conn.request(method, parts.path, body=data, headers=hdrs)
         resp = conn.getresponse()
         raw = resp.read()

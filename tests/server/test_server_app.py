@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from starlette.testclient import TestClient
 
 from jaxcb.outputs import CompletionOutput, RequestOutput
 from jaxcb.server import ServerSettings, build_app
-from jaxcb.server.engine_loop import EngineFailure, Submission
+from jaxcb.server.submission import EngineFailure, Submission
 
 BODY = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0}
 
@@ -34,6 +35,44 @@ def test_draining_answers_503(app_client):
     assert answer.status_code == 503
     assert answer.json()["error"]["code"] == "shutting_down"
     assert client.get("/health").status_code == 503
+
+
+def _answer(client: TestClient, body: dict) -> tuple[int, dict | None]:
+    """Status and (for an error) body of a streaming request: headers come once it is
+    admitted, so a request that was wrongly admitted fails the test instead of hanging it."""
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as answer:
+        if answer.status_code == 200:
+            return 200, None
+        return answer.status_code, json.loads(answer.read())
+
+
+def test_a_request_s_whole_fan_out_counts_against_the_waiting_limit(
+    app_client, reference_llm, monkeypatch
+):
+    """One request of 10,000 prompts, or of prompts x n, could fill the queue past the
+    limit; now all its sequences must fit. Nothing is scheduled here, so all added wait."""
+    app, client = app_client
+    monkeypatch.setattr(app.state.engine_loop, "max_waiting_requests", 3)
+    monkeypatch.setattr(reference_llm.engine, "step", lambda: [])
+    sampled = {**BODY, "temperature": 1.0}
+    with client.stream(
+        "POST", "/v1/completions", json={**BODY, "prompt": ["a", "b"], "stream": True}
+    ) as first:
+        assert first.status_code == 200  # 2 sequences wait
+        for body in ({**BODY, "prompt": ["c", "d"]}, {**sampled, "n": 2}):  # 2 + 2 > 3
+            status, answer = _answer(client, body)
+            assert status == 429 and answer["error"]["code"] == "queue_full", answer
+            assert "adds 2" in answer["error"]["message"]
+        for body, param in (({**BODY, "prompt": ["c"] * 4}, "prompt"), ({**sampled, "n": 4}, "n")):
+            status, answer = _answer(client, body)  # can never fit: not worth a retry
+            assert status == 400 and answer["error"]["param"] == param, answer
+            assert "max_waiting_requests=3" in answer["error"]["message"]
+        with client.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as third:
+            assert third.status_code == 200  # 2 + 1 fits
+    deadline = time.monotonic() + 10
+    while reference_llm.engine.num_waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reference_llm.engine.num_waiting == 0  # the closed streams aborted theirs
 
 
 def test_failed_step_is_a_500_and_the_loop_carries_on(app_client, reference_llm, monkeypatch):
@@ -63,6 +102,14 @@ def test_failed_step_is_a_500_and_the_loop_carries_on(app_client, reference_llm,
     assert answer.status_code == 200
     assert answer.json()["usage"]["completion_tokens"] == 4
     assert client.get("/health").status_code == 200
+
+
+def test_show_model_path_puts_the_path_in_root(reference_llm):
+    engine = reference_llm.engine
+    settings = ServerSettings(served_model_names=("tiny",), show_model_path=True)
+    with TestClient(build_app(engine, settings)) as client:
+        (model,) = client.get("/v1/models").json()["data"]
+    assert model["id"] == "tiny" and model["root"] == engine.info.model_path
 
 
 def _output(index: int, token_ids: list[int], finished: bool = False) -> RequestOutput:

@@ -91,6 +91,12 @@ CASES = {
     "prompt-too-long": (COMPLETIONS, _completion(prompt="x" * 600, max_tokens=1), 400, "prompt"),
     "default-max-tokens-overflows": (COMPLETIONS, _completion(prompt="x" * 500), 400, "max_tokens"),
     "chat-max-tokens-overflows": (CHAT, _chat(max_tokens=10_000), 400, "max_tokens"),
+    # a request's fan-out (issue 15): prompts at most max_prompts_per_request (128), and
+    # prompts x n at most max_waiting_requests (1024), whatever is waiting
+    "prompts-over-cap": (COMPLETIONS, _completion(prompt=["x"] * 129), 400, "prompt"),
+    "fan-out-over-queue": (COMPLETIONS, _completion(prompt=["x"] * 9, n=128), 400, "n"),
+    # priority is refused by name under the fcfs policy
+    "priority-under-fcfs": (COMPLETIONS, _completion(priority=3), 400, "priority"),
     # unknown model / route / method
     "model-unknown": (COMPLETIONS, _completion(model="gpt-4"), 404, "model"),
     "chat-model-unknown": (CHAT, _chat(model="gpt-4", stream=True), 404, "model"),
