@@ -1,10 +1,12 @@
-"""Convert a Hugging Face model directory into a jaxcb orbax checkpoint.
+"""Convert a Hugging Face model directory or a GGUF file into a jaxcb orbax checkpoint.
 
     python scripts/convert_checkpoint.py /path/to/hf_model /path/to/jaxcb_ckpt [--dtype bfloat16]
+    python scripts/convert_checkpoint.py model.Q4_1.gguf /path/to/jaxcb_ckpt
 
 The output holds the params pytree, already fused and laid out as jaxcb computes with it, as
 an orbax checkpoint (params/), with config.json, generation_config.json and the tokenizer
-files beside it. `LLM("/path/to/jaxcb_ckpt")`, `serve.py --model ...` and every script load
+files beside it (for a GGUF file: its tensors dequantized, those files written from its
+metadata). `LLM("/path/to/jaxcb_ckpt")`, `serve.py --model ...` and every script load
 it like a Hugging Face directory, and restore each array straight into its target sharding
 (with tensor_parallel_size > 1, each device reads only its shard). See models/checkpoint.py.
 """
@@ -16,27 +18,29 @@ import logging
 import sys
 import time
 
-from jaxcb.models.checkpoint import convert_hf_checkpoint
+from jaxcb.models.checkpoint import convert_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("source", help="Hugging Face model directory (config.json + safetensors)")
+    parser.add_argument(
+        "source", help="Hugging Face model directory (config.json + safetensors) or GGUF file"
+    )
     parser.add_argument("target", help="directory to write the jaxcb checkpoint to")
     parser.add_argument(
         "--dtype",
         choices=("auto", "float32", "bfloat16"),
         default="auto",
-        help="stored dtype (auto: the checkpoint's own; float16 becomes float32)",
+        help="stored dtype (auto: the checkpoint's own; float16 and quantized become float32)",
     )
     parser.add_argument("--force", action="store_true", help="overwrite an existing target")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     start = time.perf_counter()
     try:
-        target = convert_hf_checkpoint(args.source, args.target, dtype=args.dtype, force=args.force)
+        target = convert_checkpoint(args.source, args.target, dtype=args.dtype, force=args.force)
     except ValueError as exc:  # ModelLoadError included
         parser.exit(2, f"convert_checkpoint.py: error: {exc}\n")
     print(f"wrote {target} in {time.perf_counter() - start:.1f}s")

@@ -11,7 +11,9 @@ The params are stored already fused and transposed into their family's layout (i
 array straight into the target sharding (`restore_params` with a tensor-parallel mesh reads
 1/N of the bytes per device, and on a multi-host mesh each host reads only what its devices
 hold).
-`scripts/convert_checkpoint.py` writes one; `LLM(path)` loads either format.
+`scripts/convert_checkpoint.py` writes one, from a Hugging Face directory or a GGUF file (its
+tensors dequantized; config.json, generation_config.json and tokenizer files written from its
+metadata); `LLM(path)` loads any of these formats.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxcb.models.base import ModelSpec, Params
+from jaxcb.models.gguf import is_gguf_path
 from jaxcb.models.registry import abstract_params
 from jaxcb.models.weights import ModelLoadError
 
@@ -52,6 +55,15 @@ def is_orbax_checkpoint(path: str | Path) -> bool:
     return (Path(path) / MARKER).is_file()
 
 
+def convert_checkpoint(
+    source: str | Path, target: str | Path, *, dtype: str = "auto", force: bool = False
+) -> Path:
+    """Convert a Hugging Face model directory or a GGUF file into a jaxcb orbax checkpoint."""
+    if is_gguf_path(source):
+        return convert_gguf_checkpoint(source, target, dtype=dtype, force=force)
+    return convert_hf_checkpoint(source, target, dtype=dtype, force=force)
+
+
 def convert_hf_checkpoint(
     source: str | Path, target: str | Path, *, dtype: str = "auto", force: bool = False
 ) -> Path:
@@ -61,9 +73,6 @@ def convert_hf_checkpoint(
     bfloat16; float16, which jaxcb does not compute in, becomes float32, losslessly). An
     engine of another dtype can still load it: restoring casts.
     """
-    import ml_dtypes
-    import numpy as np
-
     from jaxcb.models.loader import load_params, read_hf_config, spec_from_hf_config
 
     source = Path(source).expanduser()
@@ -72,21 +81,64 @@ def convert_hf_checkpoint(
     if dtype == "auto":
         stored = str(config.get("torch_dtype") or config.get("dtype") or "float32")
         dtype = "bfloat16" if stored == "bfloat16" else "float32"
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}")
-    np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
-    params = load_params(source, spec, np_dtype)
+    params = load_params(source, spec, _numpy_dtype(dtype))
     return save_checkpoint(params, target, source=source, dtype=dtype, force=force)
 
 
-def save_checkpoint(
-    params: Params, target: str | Path, *, source: str | Path, dtype: str, force: bool = False
+def convert_gguf_checkpoint(
+    source: str | Path, target: str | Path, *, dtype: str = "auto", force: bool = False
 ) -> Path:
-    """Write `params` (numpy or jax arrays) and the model files of `source` to `target`."""
+    """Convert a GGUF file into a jaxcb orbax checkpoint: its tensors dequantized to `dtype`
+    ("auto": bfloat16 if the file stores its matrices so, else float32), with config.json,
+    generation_config.json (its stop tokens) and the tokenizer built from its metadata."""
+    import tempfile
+
+    from jaxcb.models.gguf import GGUFFile
+    from jaxcb.models.gguf_tokenizer import gguf_tokenizer
+    from jaxcb.models.loader import load_gguf_params
+    from jaxcb.models.registry import spec_from_gguf
+
+    file = GGUFFile(source)
+    config, spec = spec_from_gguf(file)
+    dtype = file.stored_dtype() if dtype == "auto" else dtype
+    params = load_gguf_params(file, spec, _numpy_dtype(dtype))
+    with tempfile.TemporaryDirectory() as files:
+        config = {**config, "torch_dtype": dtype}
+        (Path(files) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        generation = {"bos_token_id": spec.bos_token_id, "eos_token_id": file.stop_token_ids()}
+        (Path(files) / "generation_config.json").write_text(json.dumps(generation) + "\n")
+        tokenizer = gguf_tokenizer(file)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(files)
+        return save_checkpoint(
+            params, target, source=file.path, dtype=dtype, force=force, model_files=Path(files)
+        )
+
+
+def _numpy_dtype(dtype: str) -> Any:
+    import ml_dtypes
+    import numpy as np
+
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}")
+    return np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+
+
+def save_checkpoint(
+    params: Params,
+    target: str | Path,
+    *,
+    source: str | Path,
+    dtype: str,
+    force: bool = False,
+    model_files: Path | None = None,
+) -> Path:
+    """Write `params` (numpy or jax arrays) and the model files (config, tokenizer...) of
+    `model_files` (default: the `source` directory) to `target`."""
     import orbax.checkpoint as ocp
 
     target = Path(target).expanduser().absolute()
-    source = Path(source)
+    model_files = Path(model_files or source)
     if target.exists():
         if not force:
             raise ValueError(f"{target} exists; pass force=True (--force) to overwrite it")
@@ -97,8 +149,8 @@ def save_checkpoint(
     checkpointer.wait_until_finished()
     copied = []
     for name in SIDE_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, target / name)
+        if (model_files / name).is_file():
+            shutil.copy2(model_files / name, target / name)
             copied.append(name)
     marker = {"format": FORMAT, "version": VERSION, "dtype": dtype, "source": str(source)}
     (target / MARKER).write_text(json.dumps(marker, indent=2) + "\n")  # last: marks it complete

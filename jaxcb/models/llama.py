@@ -198,6 +198,95 @@ def params_from_hf(tensors: CheckpointTensors, spec: ModelSpec, dtype: Any) -> P
     return params
 
 
+# ---- GGUF -------------------------------------------------------------------------------
+# llama.cpp's names for this family's tensors and hyperparameters (its convert_hf_to_gguf.py).
+# The loader renames the tensors to Hugging Face's (GGUF_TENSORS; dequantized, a matrix is
+# [out, in] as there), undoes llama.cpp's q/k row order (tensor_from_gguf) and hands them to
+# params_from_hf; the metadata becomes a Hugging Face config (config_from_gguf).
+
+#: GGUF tensor name -> Hugging Face name; "{n}" stands for the layer index
+GGUF_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{n}.attn_norm.weight": "model.layers.{n}.input_layernorm.weight",
+    "blk.{n}.ffn_norm.weight": "model.layers.{n}.post_attention_layernorm.weight",
+    "blk.{n}.attn_output.weight": "model.layers.{n}.self_attn.o_proj.weight",
+    "blk.{n}.ffn_gate.weight": "model.layers.{n}.mlp.gate_proj.weight",
+    "blk.{n}.ffn_up.weight": "model.layers.{n}.mlp.up_proj.weight",
+    "blk.{n}.ffn_down.weight": "model.layers.{n}.mlp.down_proj.weight",
+    "blk.{n}.attn_q_norm.weight": "model.layers.{n}.self_attn.q_norm.weight",
+    "blk.{n}.attn_k_norm.weight": "model.layers.{n}.self_attn.k_norm.weight",
+} | {
+    f"blk.{{n}}.attn_{x}.{kind}": f"model.layers.{{n}}.self_attn.{x}_proj.{kind}"
+    for x in "qkv"
+    for kind in ("weight", "bias")
+}
+
+#: GGUF metadata key (after "<arch>.") -> Hugging Face config field; the first four required
+GGUF_CONFIG = {
+    "block_count": "num_hidden_layers",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "context_length": "max_position_embeddings",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+
+
+def config_from_gguf(metadata: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """A Hugging Face config for a GGUF file of this family, from its metadata (a
+    gguf.GGUFMetadata) and tensor shapes; spec_from_hf_config maps it."""
+    arch = metadata.require("general.architecture")
+    architecture = GGUF_ARCHS[arch]  # Mistral's files say "llama": the same forward
+    cfg: dict[str, Any] = {"architectures": [architecture], "model_type": VARIANTS[architecture]}
+    for i, (key, field) in enumerate(GGUF_CONFIG.items()):
+        value = metadata.require(f"{arch}.{key}") if i < 4 else metadata.get(f"{arch}.{key}")
+        if value is not None:
+            cfg[field] = value
+    rope_dims = metadata.get(f"{arch}.rope.dimension_count")
+    cfg.setdefault("head_dim", rope_dims or cfg["hidden_size"] // cfg["num_attention_heads"])
+    if rope_dims not in (None, cfg["head_dim"]):
+        raise ModelLoadError(
+            f"{metadata.path}: rotary embeddings over {rope_dims} of {cfg['head_dim']} head "
+            "dimensions are not supported"
+        )
+    if "rope_freqs.weight" in shapes:
+        raise ModelLoadError(
+            f"{metadata.path} scales rotary frequencies by a rope_freqs tensor (Llama 3.1 "
+            "style), which jaxcb does not read yet"
+        )
+    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise ModelLoadError(f"{metadata.path}: unsupported rope scaling {scaling!r}")
+    if scaling == "linear":
+        factor = metadata.require(f"{arch}.rope.scaling.factor")
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+    cfg.setdefault("vocab_size", shapes.get("token_embd.weight", (None,))[0])
+    cfg["tie_word_embeddings"] = "output.weight" not in shapes
+    cfg["attention_bias"] = "blk.0.attn_q.bias" in shapes
+    cfg["bos_token_id"] = metadata.get("tokenizer.ggml.bos_token_id")
+    cfg["eos_token_id"] = metadata.get("tokenizer.ggml.eos_token_id")
+    return cfg
+
+
+def tensor_from_gguf(hf_name: str, x: np.ndarray, *, spec: ModelSpec, arch: str) -> np.ndarray:
+    """Undo llama.cpp's row order of q and k. For the "llama" arch its converter reorders
+    each head's rows from Hugging Face's rotate-half layout to interleaved pairs, which
+    ggml's rope wants: rows (half, i) become (i, half). transformers' GGUF loader undoes it
+    the same way; the qwen archs use rotate-half in ggml too and are not reordered."""
+    if arch != "llama" or not hf_name.endswith(
+        ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
+    ):
+        return x
+    heads = spec.num_q_heads if ".q_proj." in hf_name else spec.num_kv_heads
+    return x.reshape(heads, -1, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
 # ---- forward ----------------------------------------------------------------------------
 
 

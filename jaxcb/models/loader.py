@@ -1,7 +1,8 @@
 """Resolve a model path (or the built-in default) into spec, params, tokenizer and EOS ids.
 
-A model path is a Hugging Face directory (config.json + safetensors) or a jaxcb orbax
-checkpoint (scripts/convert_checkpoint.py; models/checkpoint.py); both hold config.json.
+A model path is a Hugging Face directory (config.json + safetensors), a jaxcb orbax
+checkpoint (scripts/convert_checkpoint.py; models/checkpoint.py), both holding config.json,
+or a GGUF file (models/gguf.py), whose metadata holds the config, tokenizer and chat template.
 """
 
 from __future__ import annotations
@@ -10,12 +11,15 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from jaxcb.models import registry
 from jaxcb.models.base import ModelSpec, Params
-from jaxcb.models.registry import spec_from_hf_config
+from jaxcb.models.gguf import GGUFFile, is_gguf_path
+from jaxcb.models.gguf_tokenizer import gguf_tokenizer
+from jaxcb.models.registry import spec_from_gguf, spec_from_hf_config
 from jaxcb.models.weights import CheckpointTensors, ModelLoadError, read_hf_config, read_safetensors
 
 logger = logging.getLogger(__name__)
@@ -29,7 +33,7 @@ class LoadedModel:
     tokenizer: Any | None  # transformers tokenizer, or None if the directory has none
     eos_token_ids: tuple[int, ...]
     is_default: bool
-    format: str = "safetensors"  # "safetensors" (Hugging Face) or "orbax"
+    format: str = "safetensors"  # "safetensors" (Hugging Face), "orbax" or "gguf"
 
 
 def load_model(
@@ -40,8 +44,9 @@ def load_model(
     shardings: Callable[[ModelSpec], Any] | None = None,
 ) -> LoadedModel:
     """`shardings(spec)`: the params' target shardings. An orbax checkpoint is restored
-    straight into them; safetensors are read into host memory (the runner places them). It is
-    called before any weight is read, so a model that cannot be sharded fails fast."""
+    straight into them; safetensors and GGUF tensors (dequantized) are read into host memory
+    (the runner places them). It is called before any weight is read, so a model that cannot
+    be sharded fails fast."""
     is_default = model is None
     if is_default:
         from jaxcb.models.default_model import default_model_dir
@@ -54,6 +59,8 @@ def load_model(
         )
     else:
         path = Path(model).expanduser()
+    if is_gguf_path(path):
+        return _load_gguf(path, tokenizer_path, dtype, shardings, is_default)
     spec = spec_from_hf_config(read_hf_config(path))
     target = shardings(spec) if shardings is not None else None
     from jaxcb.models.checkpoint import is_orbax_checkpoint, restore_params
@@ -64,17 +71,48 @@ def load_model(
     else:
         params = load_params(path, spec, dtype)
     tokenizer = load_tokenizer(Path(tokenizer_path) if tokenizer_path else path)
-    eos = set(spec.eos_token_ids)
-    gen_path = path / "generation_config.json"
-    if gen_path.is_file():
-        try:
-            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"{gen_path} is not valid JSON: {exc}") from exc
-        eos |= set(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
+    eos = _eos_ids(spec, _generation_eos(path), tokenizer)
+    return LoadedModel(path, spec, params, tokenizer, eos, is_default, fmt)
+
+
+def _load_gguf(
+    path: Path,
+    tokenizer_path: str | Path | None,
+    dtype: Any,
+    shardings: Callable[[ModelSpec], Any] | None,
+    is_default: bool,
+) -> LoadedModel:
+    """A GGUF file: config, tokenizer and stop tokens from its metadata, its tensors
+    dequantized to `dtype` in host memory (the runner places them)."""
+    file = GGUFFile(path)
+    _, spec = spec_from_gguf(file)
+    if shardings is not None:
+        shardings(spec)  # fails fast if the model cannot be sharded
+    params = load_gguf_params(file, spec, dtype)
+    tokenizer = load_tokenizer(Path(tokenizer_path)) if tokenizer_path else gguf_tokenizer(file)
+    eos = _eos_ids(spec, set(file.stop_token_ids()), tokenizer)
+    return LoadedModel(path, spec, params, tokenizer, eos, is_default, "gguf")
+
+
+def _eos_ids(spec: ModelSpec, more: set[int], tokenizer: Any | None) -> tuple[int, ...]:
+    """The config's EOS ids, `more` (a generation config's, a GGUF file's stop tokens), and
+    the tokenizer's EOS."""
+    eos = set(spec.eos_token_ids) | more
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
-    return LoadedModel(path, spec, params, tokenizer, tuple(sorted(eos)), is_default, fmt)
+    return tuple(sorted(eos))
+
+
+def _generation_eos(model_dir: Path) -> set[int]:
+    """The EOS ids of the directory's generation_config.json (none without one)."""
+    gen_path = model_dir / "generation_config.json"
+    if not gen_path.is_file():
+        return set()
+    try:
+        gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{gen_path} is not valid JSON: {exc}") from exc
+    return set(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
 
 
 def load_params(model_dir: str | Path, spec: ModelSpec, dtype: Any) -> Params:
@@ -86,8 +124,25 @@ def load_params(model_dir: str | Path, spec: ModelSpec, dtype: Any) -> Params:
     return params
 
 
+def load_gguf_params(file: GGUFFile, spec: ModelSpec, dtype: Any) -> Params:
+    """Dequantize, check and rearrange a GGUF file's tensors into the params pytree of
+    `spec`'s family (host numpy arrays of `dtype`), through its Hugging Face names."""
+    family = registry.family(spec)
+    transform = partial(family.tensor_from_gguf, spec=spec, arch=file.architecture)
+    tensors = file.tensors(family.GGUF_TENSORS, spec.num_layers, transform)
+    params = family.params_from_hf(tensors, spec, dtype)
+    tensors.warn_unused()
+    return params
+
+
 def load_tokenizer(path: Path) -> Any | None:
-    """transformers.AutoTokenizer from `path`; None (with a warning) if it has no tokenizer."""
+    """transformers.AutoTokenizer from `path` (a GGUF file: built from its metadata); None
+    (with a warning) if it has no tokenizer."""
+    if is_gguf_path(path):
+        tokenizer = gguf_tokenizer(GGUFFile(path))
+        if tokenizer is None:
+            logger.warning("no tokenizer in %s's metadata: only token-id prompts will work", path)
+        return tokenizer
     if not any(
         (path / name).is_file()
         for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

@@ -2,12 +2,16 @@
 
 A family is a module implementing the interface in base.py. Adding one is one new file and
 one entry in FAMILIES below: everything else (config mapping, parameter declarations with
-their sharding axes, weight names, forward) lives in the family's file.
+their sharding axes, weight names, forward) lives in the family's file. A family that reads
+GGUF files also declares GGUF_TENSORS (llama.cpp's tensor names -> its Hugging Face names),
+config_from_gguf(metadata, shapes) -> a Hugging Face config, and tensor_from_gguf(hf_name, x,
+spec=, arch=), which undoes what llama.cpp's converter changed in a tensor's layout.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -15,6 +19,7 @@ import jax
 
 from jaxcb.models import llama
 from jaxcb.models.base import ModelSpec, Params, abstract_from_infos, is_param_info
+from jaxcb.models.gguf import GGUFFile
 from jaxcb.models.weights import ModelLoadError
 
 #: family name (ModelSpec.family) -> its module
@@ -65,13 +70,25 @@ def resolve_hf_architecture(cfg: dict[str, Any]) -> tuple[ModuleType, str]:
     )
 
 
-def resolve_gguf_architecture(name: str) -> tuple[ModuleType, str]:
-    """The family and (Hugging Face) architecture of a GGUF `general.architecture`."""
+def resolve_gguf_architecture(name: str, source: str | Path = "GGUF") -> tuple[ModuleType, str]:
+    """The family and (Hugging Face) architecture of a GGUF `general.architecture`; `source`
+    (the file) prefixes the error."""
     if name not in GGUF_ARCHS:
         raise ModelLoadError(
-            f"unsupported GGUF architecture {name!r}; jaxcb supports {sorted(GGUF_ARCHS)}"
+            f"{source}: unsupported GGUF architecture {name!r}; jaxcb supports {sorted(GGUF_ARCHS)}"
         )
     return GGUF_ARCHS[name]
+
+
+def spec_from_gguf(file: GGUFFile) -> tuple[dict[str, Any], ModelSpec]:
+    """The Hugging Face config its family maps a GGUF file's metadata to, and the spec of
+    that config; an error names the file."""
+    module, architecture = resolve_gguf_architecture(file.architecture, file.path)
+    cfg = module.config_from_gguf(file.metadata, file.shapes)
+    try:
+        return cfg, module.spec_from_hf_config(cfg, architecture)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{file.path}: {exc}") from None
 
 
 def spec_from_hf_config(cfg: dict[str, Any]) -> ModelSpec:

