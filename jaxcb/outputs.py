@@ -48,6 +48,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the request failed inside the engine
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: per prompt token, its logprob given the tokens before
+    # it and the top-k's ({token id: logprob}, the prompt token first); None for the first
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     extra: dict = field(default_factory=dict)
 
     # Shortcuts to the first (often only) sample.

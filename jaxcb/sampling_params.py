@@ -26,6 +26,8 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token + top-k
+    # None: off; k >= 0: each prompt token's logprob given the tokens before it, + top-k
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -85,13 +87,10 @@ class SamplingParams:
             self.stop_token_ids,
             "must be non-negative integers",
         )
-        if self.logprobs is not None:
-            _require(
-                _is_int(self.logprobs) and self.logprobs >= 0,
-                "logprobs",
-                self.logprobs,
-                "must be an integer >= 0",
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _require(_is_int(value) and value >= 0, name, value, "must be an integer >= 0")
         _require(
             _is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
             "presence_penalty",

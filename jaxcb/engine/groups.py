@@ -55,6 +55,7 @@ class RequestGroup:
             metrics=self._metrics(),
             error="; ".join(errors) or None,
             num_cached_tokens=self.children[0].num_cached_tokens or 0,
+            prompt_logprobs=_copy(self.children[0].prompt_logprobs),
         )
 
     def _metrics(self) -> RequestMetrics:
@@ -74,3 +75,7 @@ class RequestGroup:
             finished_time=finished_time,
             num_preemptions=sum(c.metrics.num_preemptions for c in children),
         )
+
+
+def _copy(entries: list | None) -> list | None:
+    return None if entries is None else list(entries)

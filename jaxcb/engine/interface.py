@@ -3,7 +3,8 @@
     Runner       the device side as the engine sees it: pack a scheduled step into the
                  bucket's arrays, run it, say whether the device state survived
                  (runtime/runner.py implements it; runtime/setup.py builds it)
-    StepResult   what one step gives back: the sampled tokens and their logprobs
+    StepResult   what one step gives back: the sampled tokens and their logprobs, and the
+                 prompt logprobs its prefill rows computed
     EngineInfo   facts about the loaded model and the runtime, for logs, stats and the server
     StepRecord   what one step held, for per-step metrics and step traces
     KVUsage      the KV page pool's figures
@@ -33,12 +34,17 @@ MAX_TOP_LOGPROBS = 20  # top logprobs a step computes per row at most (as the Op
 
 @dataclass
 class StepResult:
-    """What the host needs back from one step (numpy, sequence rows)."""
+    """What the host needs back from one step (numpy, sequence rows; then the prompt
+    logprob rows, in the order of the chunks and their positions: see
+    ScheduledChunk.prompt_logprob_positions)."""
 
     token_ids: np.ndarray  # i32[S]
     logprobs: np.ndarray  # f32[S]
     top_token_ids: np.ndarray | None  # i32[S, K] when any row asked for top logprobs
     top_logprobs: np.ndarray | None  # f32[S, K]
+    prompt_logprobs: np.ndarray | None = None  # f32[N]: when some chunk asked for them
+    prompt_top_token_ids: np.ndarray | None = None  # i32[N, K]: when one asked for top-k
+    prompt_top_logprobs: np.ndarray | None = None  # f32[N, K]
 
 
 class Runner(Protocol):

@@ -38,6 +38,7 @@ from jaxcb.engine.interface import (
     StepRecord,
     StepResult,
 )
+from jaxcb.engine.logprobs import append_sample_logprobs, record_prompt_logprobs
 from jaxcb.engine.page_pool import PagePool
 from jaxcb.engine.policies import make_policy
 from jaxcb.engine.request import Request
@@ -172,6 +173,8 @@ class LLMEngine(Engine):
             eos_token_ids=self.eos_token_ids,
             arrival_time=arrival,
             priority=priority,
+            # the first sample computes the prompt logprobs for all n
+            prompt_logprobs=[None] if params.prompt_logprobs is not None and j == 0 else None,
         )
 
     def validate_request(
@@ -250,6 +253,7 @@ class LLMEngine(Engine):
     def _process_results(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         now = time.monotonic()
         touched: dict[str, RequestGroup] = {}
+        record_prompt_logprobs(sched.chunks, result)
         for s, chunk in enumerate(sched.chunks):
             req = chunk.request
             if req.metrics.first_scheduled_time is None:
@@ -270,17 +274,7 @@ class LLMEngine(Engine):
         """The token sampled for row s: append it, detokenize, check every stop condition."""
         token = int(result.token_ids[s])
         req.append_token(token)
-        req.output_logprobs.append(float(result.logprobs[s]))
-        k = req.params.logprobs or 0
-        if k > 0 and result.top_token_ids is not None:
-            req.output_top_logprobs.append(
-                {
-                    int(t): float(v)
-                    for t, v in zip(
-                        result.top_token_ids[s, :k], result.top_logprobs[s, :k], strict=True
-                    )
-                }
-            )
+        append_sample_logprobs(req, result, s)
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         req.metrics.last_token_time = now

@@ -47,6 +47,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Prompt logprobs, if asked for (the first of n samples computes them): entry i for
+    # prompt token i (None for the first), filled in by the prefill steps; a recompute after
+    # preemption scores only the positions still missing.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     page_ids: list[int] = field(default_factory=list)
@@ -80,6 +84,15 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def next_prompt_logprob_position(self) -> int | None:
+        """The first position whose row still has to score the next prompt token (row p
+        scores prompt token p + 1); None when no prompt logprob is missing."""
+        if self.prompt_logprobs is None:
+            return None
+        position = len(self.prompt_logprobs) - 1
+        return position if position < self.num_prompt_tokens - 1 else None
 
     @property
     def is_decoding(self) -> bool:

@@ -14,8 +14,10 @@ later. No request is admitted in a step that preempted.
 Prefix caching (`enable_prefix_caching`): a request being admitted shares every cached full
 page of its tokens, up to the first miss (see page_pool.py), and starts computing after them.
 It never matches its whole sequence, so at least its last token is computed (the step needs
-its logits) and nothing is ever written into a shared page. After each step, every page that
-became full is registered in the cache; released pages stay cached until evicted, so a
+its logits) and nothing is ever written into a shared page. A request that wants prompt
+logprobs matches no page past the first prompt position it still has to score (vLLM skips
+the cache for them too), but registers its pages for others. After each step, every page
+that became full is registered in the cache; released pages stay cached until evicted, so a
 preempted request's recompute finds its own pages again.
 
 Pure Python: no jax, no device. The engine calls `schedule()`, runs the step, then
@@ -49,6 +51,15 @@ class ScheduledChunk:
     def samples(self) -> bool:
         """The chunk reaches the newest token, so the step samples the next one."""
         return self.end == self.request.num_tokens
+
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """Positions of this chunk whose rows score the next prompt token for the request's
+        prompt logprobs (those still missing: a recompute does not score a token twice)."""
+        first = self.request.next_prompt_logprob_position
+        if first is None:
+            return range(0)
+        return range(max(self.start, first), min(self.end, self.request.num_prompt_tokens - 1))
 
 
 @dataclass
@@ -250,11 +261,17 @@ class Scheduler(BaseScheduler):
 
     def _match_prefix(self, request: Request) -> list[int]:
         """Cached pages holding the request's leading full pages, up to the first miss.
-        At most (num_tokens - 1) // page_size of them: the last token is always computed."""
+        At most (num_tokens - 1) // page_size of them: the last token is always computed;
+        and none past the first position that still has a prompt logprob to score (its row
+        must be computed; the request still registers its pages for others)."""
         if not self.enable_prefix_caching:
             return []
+        num_pages = (request.num_tokens - 1) // self.page_size
+        first_scored = request.next_prompt_logprob_position
+        if first_scored is not None:
+            num_pages = min(num_pages, first_scored // self.page_size)
         pages = []
-        for h in self._page_hashes(request, (request.num_tokens - 1) // self.page_size):
+        for h in self._page_hashes(request, num_pages):
             page = self.pool.lookup(h)
             if page is None:
                 break

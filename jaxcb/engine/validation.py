@@ -34,10 +34,10 @@ def check_params(params: SamplingParams, priority: int, config: EngineConfig) ->
         raise ValueError(
             f"SamplingParams.max_tokens must be <= max_output_tokens={cap}, got {params.max_tokens}"
         )
-    if params.logprobs is not None and params.logprobs > MAX_TOP_LOGPROBS:
-        raise ValueError(
-            f"SamplingParams.logprobs must be <= {MAX_TOP_LOGPROBS}, got {params.logprobs}"
-        )
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > MAX_TOP_LOGPROBS:
+            raise ValueError(f"SamplingParams.{name} must be <= {MAX_TOP_LOGPROBS}, got {value}")
 
 
 def encode_prompt(

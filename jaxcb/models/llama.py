@@ -302,9 +302,10 @@ def forward(
     attention: AttentionBackend,
     num_compute_tokens: jax.Array,  # i32[1]
     need_logits: jax.Array,  # bool[]: whether anything but the greedy tokens is read
-) -> tuple[jax.Array, jax.Array | None, KVCache]:
+) -> tuple[jax.Array, jax.Array | None, KVCache, jax.Array]:
     """One forward pass over a packed ragged batch: f32[S, V] logits, their greedy tokens
-    (i32[S]) when the LM head's kernel computes them on the way (else None), new caches.
+    (i32[S]) when the LM head's kernel computes them on the way (else None), new caches,
+    and the final normed hidden states of every token row (f32[T, H], for prompt logprobs).
 
     The native matmuls compute only the first `num_compute_tokens` token rows (the real ones,
     plus a batching baseline's padding, which is charged that way) and the first num_seqs
@@ -326,9 +327,9 @@ def forward(
         new_caches.append(caches)
         x = x + matmul(attn, layer["wo"], real_tokens)
         x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps), real_tokens)
-    last = rms_norm(x[logits_indices], params["final_norm"], spec.rms_norm_eps)  # [S, H]
-    logits, greedy = lm_head(params, last, meta.num_seqs[0], need_logits)
-    return logits, greedy, new_caches
+    hidden = rms_norm(x, params["final_norm"], spec.rms_norm_eps)  # [T, H]
+    logits, greedy = lm_head(params, hidden[logits_indices], meta.num_seqs[0], need_logits)
+    return logits, greedy, new_caches, hidden
 
 
 def _attention(

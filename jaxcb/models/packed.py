@@ -69,7 +69,7 @@ def lm_head(
 
     With an `lm_head_screen` (prepare_cpu_params) and `need_logits` false, the greedy tokens
     are exact but the logits only their bf16 screen (native.matmul_argmax_screened_f32)."""
-    weight = params["lm_head"] if "lm_head" in params else params["embed"].T
+    weight = lm_head_weight(params)
 
     def exact(h: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         return matmul_and_argmax(h, weight, rows)
@@ -83,6 +83,12 @@ def lm_head(
         )
 
     return jax.lax.cond(need_logits, exact, screened, h)
+
+
+def lm_head_weight(params: Params) -> Weight:
+    """The output head as a `matmul` weight: params["lm_head"] ([H, V], or packed), else
+    the tied embedding table transposed."""
+    return params["lm_head"] if "lm_head" in params else params["embed"].T
 
 
 def embed_lookup(embed: jax.Array, input_ids: jax.Array) -> jax.Array:

@@ -28,6 +28,7 @@ from jaxcb.runtime import sharding
 from jaxcb.runtime import step as step_module
 from jaxcb.runtime.kv_cache import init_state
 from jaxcb.runtime.step_input import (
+    FLAG_PROMPT_TOP_LOGPROBS,
     FLAG_TOP_LOGPROBS,
     StepInput,
     empty_step_input,
@@ -99,7 +100,7 @@ class ModelRunner:
             step,
             donate_argnames=("state",),
             in_shardings=(self.param_shardings, state_shardings, self._replicated),
-            out_shardings=(self._replicated, self._replicated, state_shardings),
+            out_shardings=(self._replicated, self._replicated, self._replicated, state_shardings),
         )
         self.max_model_len = max_model_len
         self._compiled: dict[Bucket, jax.stages.Compiled] = {}
@@ -148,18 +149,24 @@ class ModelRunner:
                     np.zeros(shape, np.int32), self._replicated
                 )
             inp.penalty_tokens = self._no_penalty_tokens[bucket]
-        out, _logits, self.state = compiled(self.params, self.state, inp)  # see step()
+        out, prompt_out, _logits, self.state = compiled(self.params, self.state, inp)  # step()
         want_top = bool(inp.flags[FLAG_TOP_LOGPROBS])
-        fetched = jax.device_get(
-            (out.token_ids, out.logprobs)
-            + ((out.top_token_ids, out.top_logprobs) if want_top else ())
-        )
-        return StepResult(
-            token_ids=fetched[0],
-            logprobs=fetched[1],
-            top_token_ids=fetched[2] if want_top else None,
-            top_logprobs=fetched[3] if want_top else None,
-        )
+        num_prompt_rows = int(inp.num_prompt_logprob_rows[0])
+        want_prompt_top = num_prompt_rows > 0 and bool(inp.flags[FLAG_PROMPT_TOP_LOGPROBS])
+        wanted = {
+            "token_ids": out.token_ids,
+            "logprobs": out.logprobs,
+            "top_token_ids": out.top_token_ids if want_top else None,
+            "top_logprobs": out.top_logprobs if want_top else None,
+            "prompt_logprobs": prompt_out.logprobs if num_prompt_rows else None,
+            "prompt_top_token_ids": prompt_out.top_token_ids if want_prompt_top else None,
+            "prompt_top_logprobs": prompt_out.top_logprobs if want_prompt_top else None,
+        }
+        fetched = jax.device_get({k: v for k, v in wanted.items() if v is not None})
+        for name in ("prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs"):
+            if name in fetched:  # the prompt logprob rows, without the bucket's padding
+                fetched[name] = fetched[name][:num_prompt_rows]
+        return StepResult(**{name: fetched.get(name) for name in wanted})
 
     def check_health(self) -> None:
         leaves = jax.tree_util.tree_leaves(self.state)

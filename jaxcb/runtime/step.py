@@ -1,4 +1,5 @@
-"""THE step function: model forward over a packed ragged batch, KV write, sampling.
+"""THE step function: model forward over a packed ragged batch, KV write, sampling, and
+the prompt logprobs of the rows that ask for them (runtime/prompt_logprobs.py).
 
 The forward is that of the spec's family (models/registry.py). One function serves every
 bucket (each bucket is compiled once, ahead of time). The runner jits it with its mesh's
@@ -13,6 +14,7 @@ import jax
 from jaxcb.models import registry
 from jaxcb.models.base import AttentionBackend, AttentionMetadata, ModelSpec, Params
 from jaxcb.runtime.kv_cache import DeviceState
+from jaxcb.runtime.prompt_logprobs import PromptLogprobsOutput, prompt_logprobs
 from jaxcb.runtime.step_input import FLAG_LOGPROBS, FLAG_PENALTY, FLAG_RANDOM, StepInput
 from jaxcb.sampling import SamplingOutput, sample
 
@@ -29,8 +31,9 @@ def step(
     attention: AttentionBackend,
     num_top_logprobs: int,
     logits_shardings: tuple[jax.sharding.Sharding, ...] = (),
-) -> tuple[SamplingOutput, jax.Array, DeviceState]:
-    """Sampled tokens, the logits they were drawn from (f32[S, V]) and the new state.
+) -> tuple[SamplingOutput, PromptLogprobsOutput, jax.Array, DeviceState]:
+    """Sampled tokens, the prompt logprobs asked for (zeros unless some row asked), the
+    logits the tokens were drawn from (f32[S, V]) and the new state.
 
     `logits_shardings`: shardings the logits take in turn before sampling. With tensor
     parallelism: by vocabulary (as the vocab-sharded lm_head makes them; otherwise XLA may
@@ -53,7 +56,7 @@ def step(
         num_seqs=inp.num_seqs,
         slot_mapping=inp.slot_mapping,
     )
-    logits, greedy_ids, kv_caches = registry.family(spec).forward(
+    logits, greedy_ids, kv_caches, hidden = registry.family(spec).forward(
         params,
         state.kv_caches,
         inp.input_ids,
@@ -91,4 +94,7 @@ def step(
         num_top_logprobs=num_top_logprobs,
         greedy_ids=greedy_ids,
     )
-    return out, logits, DeviceState(kv_caches)
+    prompt_out = prompt_logprobs(
+        params, hidden, inp, num_top_logprobs=num_top_logprobs, logits_shardings=logits_shardings
+    )
+    return out, prompt_out, logits, DeviceState(kv_caches)

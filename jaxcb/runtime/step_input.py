@@ -15,10 +15,12 @@ import jax
 import numpy as np
 
 from jaxcb.engine.buckets import Bucket
-from jaxcb.engine.scheduler import SchedulerOutput
+from jaxcb.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pallas_kernels.ragged_paged_attention import PADDING_SLOT
 
 FLAG_RANDOM, FLAG_PENALTY, FLAG_LOGPROBS, FLAG_TOP_LOGPROBS = 0, 1, 2, 3
+FLAG_PROMPT_TOP_LOGPROBS = 4  # some prompt logprob row wants its top-k too
+NUM_FLAGS = 5
 
 
 @dataclass
@@ -27,6 +29,11 @@ class StepInput:
     input_ids: np.ndarray  # i32[T]
     positions: np.ndarray  # i32[T]
     slot_mapping: np.ndarray  # i32[T]: page * page_size + offset, PADDING_SLOT for padding
+    # token rows that score the next prompt token (prompt logprobs), first in the arrays,
+    # and that token; how many (0: the step computes no prompt logprobs)
+    prompt_logprob_rows: np.ndarray  # i32[T]
+    prompt_logprob_targets: np.ndarray  # i32[T]
+    num_prompt_logprob_rows: np.ndarray  # i32[1]
     # sequence rows (attention metadata)
     cu_q_lens: np.ndarray  # i32[S + 1]
     kv_lens: np.ndarray  # i32[S]
@@ -47,7 +54,8 @@ class StepInput:
     presence_penalty: np.ndarray  # f32[S]
     frequency_penalty: np.ndarray  # f32[S]
     repetition_penalty: np.ndarray  # f32[S]
-    flags: np.ndarray  # i32[4]: any random row / penalties / logprobs / top logprobs
+    # i32[NUM_FLAGS]: any random row / penalties / logprobs / top logprobs / prompt top-k
+    flags: np.ndarray
     # i32[S, M]: each row's tokens so far, for penalties; None (a device-resident zero array
     # is used) unless some row has penalties, so most steps send nothing this size.
     penalty_tokens: np.ndarray | jax.Array | None
@@ -70,6 +78,9 @@ def empty_step_input(bucket: Bucket, pages_per_seq: int, max_model_len: int) -> 
         input_ids=np.zeros(t, i32),
         positions=np.zeros(t, i32),
         slot_mapping=np.full(t, PADDING_SLOT, i32),
+        prompt_logprob_rows=np.zeros(t, i32),
+        prompt_logprob_targets=np.zeros(t, i32),
+        num_prompt_logprob_rows=np.zeros(1, i32),
         cu_q_lens=np.zeros(s + 1, i32),
         kv_lens=np.zeros(s, i32),
         page_indices=np.zeros((s, pages_per_seq), i32),
@@ -86,7 +97,7 @@ def empty_step_input(bucket: Bucket, pages_per_seq: int, max_model_len: int) -> 
         presence_penalty=np.zeros(s, f32),
         frequency_penalty=np.zeros(s, f32),
         repetition_penalty=np.ones(s, f32),
-        flags=np.zeros(4, i32),
+        flags=np.zeros(NUM_FLAGS, i32),
         penalty_tokens=np.zeros((s, max_model_len), i32),
     )
 
@@ -154,8 +165,32 @@ def pack_step_input(
     inp.flags[FLAG_TOP_LOGPROBS] = num_top_logprobs > 0 and any(
         (p.logprobs or 0) > 0 for p in sampling
     )
+    if any(r.prompt_logprobs is not None for r in reqs):
+        _pack_prompt_logprob_rows(inp, chunks, cu - lens, num_top_logprobs)
     if inp.flags[FLAG_PENALTY]:
         inp.penalty_tokens = np.zeros((bucket.num_seqs, max_model_len), np.int32)
         for s, chunk in enumerate(chunks):
             inp.penalty_tokens[s, : chunk.end] = chunk.request.token_ids[: chunk.end]
     return inp
+
+
+def _pack_prompt_logprob_rows(
+    inp: StepInput, chunks: list[ScheduledChunk], row_starts: np.ndarray, num_top_logprobs: int
+) -> None:
+    """The rows whose logits score the next prompt token, and those tokens, chunk by chunk
+    (the order the engine reads the results back in: engine/logprobs.py)."""
+    rows: list[int] = []
+    targets: list[int] = []
+    want_top = False
+    for chunk, row_start in zip(chunks, row_starts.tolist(), strict=True):
+        positions = chunk.prompt_logprob_positions
+        if not positions:
+            continue
+        first_row = row_start + positions.start - chunk.start
+        rows += range(first_row, first_row + len(positions))
+        targets += chunk.request.prompt_token_ids[positions.start + 1 : positions.stop + 1]
+        want_top |= bool(chunk.request.params.prompt_logprobs)
+    inp.prompt_logprob_rows[: len(rows)] = rows
+    inp.prompt_logprob_targets[: len(targets)] = targets
+    inp.num_prompt_logprob_rows[0] = len(rows)
+    inp.flags[FLAG_PROMPT_TOP_LOGPROBS] = want_top and num_top_logprobs > 0

@@ -1,9 +1,16 @@
 """The JSON shapes of /v1/completions and /v1/chat/completions: whole responses, stream chunks,
 choices, logprobs and usage. Choices are numbered `prompt_index * n + j`.
+
+Completions with `echo` put the prompt before the completion (a stream: in each choice's
+first chunk), and with `logprobs` the prompt tokens' logprobs before the completion's, the
+first token's null, as OpenAI and vLLM do. `echo` with `max_tokens` 0 answers the prompt
+alone: the engine generates one token (it samples at the end of the prompt anyway), which
+the answer leaves out, as vLLM does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import uuid
@@ -17,9 +24,13 @@ from jaxcb.server.submission import Submission
 MIN_LOGPROB = -9999.0  # stands in for -inf, which JSON cannot carry
 
 
-def usage(submission: Submission, outputs: list[RequestOutput]) -> dict[str, int]:
+def usage(
+    submission: Submission, outputs: list[RequestOutput], *, prompt_only: bool = False
+) -> dict[str, int]:
     prompt_tokens = sum(len(ids) for ids in submission.prompt_token_ids)
-    completion_tokens = sum(len(s.token_ids) for out in outputs for s in out.outputs)
+    completion_tokens = 0
+    if not prompt_only:
+        completion_tokens = sum(len(s.token_ids) for out in outputs for s in out.outputs)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -35,6 +46,7 @@ class ChoiceState:
     num_tokens: int = 0
     text_offset: int = 0
     finished: bool = False
+    started: bool = False  # a chunk was sent (an echo goes in the first)
 
 
 class Format:
@@ -52,6 +64,7 @@ class Format:
         self.n = params.n
         self.want_logprobs = params.logprobs is not None
         self.return_token_ids = return_token_ids
+        self.prompt_only = False  # completions' echo with max_tokens 0
 
     def opening_chunks(self, num_prompts: int) -> list[dict[str, Any]]:
         return []
@@ -74,9 +87,9 @@ class Format:
         for index, out in enumerate(outputs):
             for sample in out.outputs:
                 key = index * self.n + sample.index
-                choice = self.final_choice(key, sample, token_texts)
+                choice = self.final_choice(key, out, sample, token_texts)
                 if self.return_token_ids:
-                    choice["token_ids"] = list(sample.token_ids)
+                    choice["token_ids"] = list(self.visible(sample).token_ids)
                 choices.append(choice)
         return {
             "id": self.id,
@@ -84,40 +97,79 @@ class Format:
             "created": self.created,
             "model": self.model,
             "choices": choices,
-            "usage": usage(submission, outputs),
+            "usage": self.usage(submission, outputs),
         }
+
+    def usage(self, submission: Submission, outputs: list[RequestOutput]) -> dict[str, int]:
+        return usage(submission, outputs, prompt_only=self.prompt_only)
+
+    def visible(self, sample: CompletionOutput) -> CompletionOutput:
+        """The sample as the client sees it: without its one token when answering the
+        prompt alone (finish_reason "length": max_tokens 0 reached)."""
+        if not self.prompt_only:
+            return sample
+        finish = "length" if sample.finish_reason in ("stop", "length") else sample.finish_reason
+        return dataclasses.replace(
+            sample, text="", token_ids=[], logprobs=[], top_logprobs=[], finish_reason=finish
+        )
 
     def stream_choice(
         self,
         key: int,
+        out: RequestOutput,
         sample: CompletionOutput,
         state: ChoiceState,
         token_texts: dict[int, str],
     ) -> dict[str, Any] | None:
-        """The next chunk's choice for `sample`, or None if there is nothing new to send."""
+        """The next chunk's choice for `sample` (of `out`), or None if there is nothing new
+        to send."""
+        sample = self.visible(sample)
+        echo = None if state.started else self.echo(key, out, state, token_texts)
         delta = sample.text[state.num_chars :]
         start, end = state.num_tokens, len(sample.token_ids)
         per_token = (self.want_logprobs or self.return_token_ids) and end > start
-        if not delta and sample.finish_reason is None and not per_token:
+        if echo is None and not delta and sample.finish_reason is None and not per_token:
             return None
         logprobs = None
         if self.want_logprobs:
             logprobs = self.logprobs(sample, start, end, token_texts, state)
+        if echo is not None:
+            delta = echo[0] + delta
+            logprobs = self.join_logprobs(echo[1], logprobs)
         choice = self.delta_choice(key, delta, logprobs, sample.finish_reason)
         if self.return_token_ids:
             choice["token_ids"] = list(sample.token_ids[start:end])
         state.num_chars = len(sample.text)
         state.num_tokens = end
         state.finished = sample.finish_reason is not None
+        state.started = True
         return choice
 
     def final_choice(
-        self, key: int, sample: CompletionOutput, token_texts: dict[int, str]
+        self,
+        key: int,
+        out: RequestOutput,
+        sample: CompletionOutput,
+        token_texts: dict[int, str],
     ) -> dict[str, Any]:
+        sample = self.visible(sample)
+        state = ChoiceState()
+        text, prompt_logprobs = self.echo(key, out, state, token_texts) or ("", None)
         logprobs = None
         if self.want_logprobs:
-            logprobs = self.logprobs(sample, 0, len(sample.token_ids), token_texts, ChoiceState())
-        return self.full_choice(key, sample.text, logprobs, sample.finish_reason)
+            logprobs = self.logprobs(sample, 0, len(sample.token_ids), token_texts, state)
+            logprobs = self.join_logprobs(prompt_logprobs, logprobs)
+        return self.full_choice(key, text + sample.text, logprobs, sample.finish_reason)
+
+    def echo(
+        self, key: int, out: RequestOutput, state: ChoiceState, token_texts: dict[int, str]
+    ) -> tuple[str, Any] | None:
+        """(the prompt's text, its tokens' logprobs or None) to put before a choice's
+        completion, or None (no echo: the default)."""
+        return None
+
+    def join_logprobs(self, prompt: Any, completion: Any) -> Any:
+        return completion
 
     # per endpoint
     def delta_choice(
@@ -154,6 +206,50 @@ class CompletionFormat(Format):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
+    def __init__(self, *args: Any, echo: bool = False, prompt_only: bool = False, **kw: Any):
+        """`echo`: the prompts come first (`set_prompts` gives them); `prompt_only`: and
+        nothing else (echo with max_tokens 0)."""
+        super().__init__(*args, **kw)
+        self.want_echo = echo
+        self.prompt_only = prompt_only
+        self.prompt_texts: list[str] = []
+        self.prompt_token_ids: list[list[int]] = []
+
+    def set_prompts(self, texts: list[str], token_ids: list[list[int]]) -> None:
+        self.prompt_texts, self.prompt_token_ids = texts, token_ids
+
+    def echo(self, key, out, state, token_texts):
+        if not self.want_echo:
+            return None
+        index = key // self.n
+        text = self.prompt_texts[index]
+        if not self.want_logprobs:
+            return text, None
+        ids = self.prompt_token_ids[index]
+        entries = out.prompt_logprobs or []
+        tokens = [token_texts.get(t, "") for t in ids]
+        chosen: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        for i, token_id in enumerate(ids):
+            entry = entries[i] if i < len(entries) else None  # None: the first token
+            chosen.append(None if entry is None else _finite(entry[token_id]))
+            tops.append(
+                None
+                if entry is None
+                else {token_texts.get(t, ""): _finite(lp) for t, lp in entry.items()}
+            )
+        return text, {
+            "tokens": tokens,
+            "token_logprobs": chosen,
+            "top_logprobs": tops,
+            "text_offset": _offsets(tokens, state),
+        }
+
+    def join_logprobs(self, prompt, completion):
+        if prompt is None or completion is None:
+            return completion if prompt is None else prompt
+        return {name: prompt[name] + completion[name] for name in completion}
+
     def delta_choice(self, key, delta, logprobs, finish_reason):
         return {"index": key, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
@@ -163,10 +259,6 @@ class CompletionFormat(Format):
     def logprobs(self, sample, start, end, token_texts, state):
         ids = sample.token_ids[start:end]
         tokens = [token_texts.get(t, "") for t in ids]
-        offsets = []
-        for text in tokens:
-            offsets.append(state.text_offset)
-            state.text_offset += len(text)
         return {
             "tokens": tokens,
             "token_logprobs": [_finite(lp) for lp in (sample.logprobs or [])[start:end]],
@@ -174,8 +266,17 @@ class CompletionFormat(Format):
                 {token_texts.get(t, ""): _finite(lp) for t, lp in _top(sample, i).items()}
                 for i in range(start, end)
             ],
-            "text_offset": offsets,
+            "text_offset": _offsets(tokens, state),
         }
+
+
+def _offsets(tokens: list[str], state: ChoiceState) -> list[int]:
+    """Each token's offset in the choice's text (from `state`, which moves past them)."""
+    offsets = []
+    for text in tokens:
+        offsets.append(state.text_offset)
+        state.text_offset += len(text)
+    return offsets
 
 
 class ChatFormat(Format):

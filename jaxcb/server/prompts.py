@@ -62,8 +62,25 @@ class PromptEncoder:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._encode_all, prompts, params)
 
+    async def echo_texts(self, prompts: list[Prompt], token_ids: list[list[int]]) -> list[str]:
+        """The text each prompt echoes (completions' `echo`): a text prompt as given, a
+        prompt of token ids decoded (on the tokenizer thread)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._echo_texts, prompts, token_ids)
+
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _echo_texts(self, prompts: list[Prompt], token_ids: list[list[int]]) -> list[str]:
+        texts = []
+        for prompt, ids in zip(prompts, token_ids, strict=True):
+            if isinstance(prompt, str):
+                texts.append(prompt)
+            elif self.tokenizer is None:  # as the logprobs name such tokens
+                texts.append("".join(f"token_id:{t}" for t in ids))
+            else:
+                texts.append(self.tokenizer.decode(ids))
+        return texts
 
     def _encode_all(self, prompts: list[Prompt], params: SamplingParams) -> list[list[int]]:
         return [self._encode(prompt, params) for prompt in prompts]

@@ -3,8 +3,10 @@
 Bodies are parsed strictly (a string where a number belongs is an error, not a conversion)
 and every problem becomes an `APIError`, which the app turns into OpenAI's error JSON:
 `{"error": {"message", "type", "param", "code"}}`. Fields OpenAI defines that jaxcb cannot
-honour (echo, suffix, logit_bias, tools, ...) are rejected with a 400 rather than ignored;
-unknown fields are ignored, as OpenAI's own clients send a few optional ones.
+honour (suffix, logit_bias, tools, ...) are rejected with a 400 rather than ignored;
+unknown fields are ignored, as OpenAI's own clients send a few optional ones. Completions'
+`echo` returns the prompt before the completion (with `logprobs`, the prompt tokens'
+logprobs too: SamplingParams.prompt_logprobs); `max_tokens` 0 is allowed with echo only.
 
 jaxcb extensions beyond OpenAI's schema, as in vLLM: top_k, min_p, repetition_penalty,
 ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens, priority (with
@@ -104,7 +106,9 @@ class _SamplingBody(_Body):
                 "stream_options is only allowed when stream is true", "stream_options"
             )
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         kwargs: dict[str, Any] = {
             "n": self.n,
             "temperature": self.temperature,
@@ -123,7 +127,12 @@ class _SamplingBody(_Body):
         }
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         try:
-            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+            return SamplingParams(
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                **kwargs,
+            )
         except ValueError as exc:
             raise bad_request(str(exc), param_of(str(exc))) from None
 
@@ -159,8 +168,13 @@ class CompletionRequest(_SamplingBody):
         max_tokens = self.max_tokens
         if "max_tokens" not in self.model_fields_set and max_tokens_cap is not None:
             max_tokens = min(max_tokens, max_tokens_cap)
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
+        if max_tokens == 0:
+            if not self.echo:
+                raise bad_request(
+                    "max_tokens must be >= 1 (0 only with echo, for the prompt alone)",
+                    "max_tokens",
+                )
+            max_tokens = 1  # generated and left out of the answer (formats.py), as vLLM
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if self.logit_bias:
@@ -171,7 +185,13 @@ class CompletionRequest(_SamplingBody):
             raise bad_request(
                 f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs"
             )
-        return self._sampling_params(max_tokens, self.logprobs)
+        prompt_logprobs = self.logprobs if self.echo else None
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt alone."""
+        return bool(self.echo) and self.max_tokens == 0
 
 
 class TextPart(_Body):

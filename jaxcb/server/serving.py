@@ -24,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.engine_loop import EngineLoop
-from jaxcb.server.formats import ChatFormat, ChoiceState, CompletionFormat, Format, usage
+from jaxcb.server.formats import ChatFormat, ChoiceState, CompletionFormat, Format
 from jaxcb.server.prompts import ChatPrompt, Prompt, PromptEncoder, prompt_param
 from jaxcb.server.protocol import (
     APIError,
@@ -72,7 +72,14 @@ class OpenAIServing:
         body = parse_body(await read_json_body(request, self.max_body_bytes), CompletionRequest)
         model = self.resolve_model(body.model)
         params = body.to_sampling_params(self.max_tokens_cap)
-        fmt = CompletionFormat("cmpl", model, params, return_token_ids=bool(body.return_token_ids))
+        fmt = CompletionFormat(
+            "cmpl",
+            model,
+            params,
+            return_token_ids=bool(body.return_token_ids),
+            echo=bool(body.echo),
+            prompt_only=body.prompt_only,
+        )
         return await self._generate(request, fmt, body.prompts(), params, body, arrival)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -107,6 +114,9 @@ class OpenAIServing:
             want_token_texts=params.logprobs is not None,
         )
         submission.prompt_token_ids = await self.encoder.encode(prompts, params)
+        if isinstance(fmt, CompletionFormat) and fmt.want_echo:
+            texts = await self.encoder.echo_texts(prompts, submission.prompt_token_ids)
+            fmt.set_prompts(texts, submission.prompt_token_ids)
         await self.engine_loop.submit(
             submission,
             params,
@@ -184,14 +194,14 @@ async def _stream(submission: Submission, fmt: Format, include_usage: bool) -> A
                 state = states.setdefault(key, ChoiceState())
                 if state.finished:
                     continue
-                choice = fmt.stream_choice(key, sample, state, submission.token_texts)
+                choice = fmt.stream_choice(key, out, sample, state, submission.token_texts)
                 if choice is not None:
                     events.append(_sse(fmt.chunk([choice])))
         if events:
             yield "".join(events)
     tail = ""
     if include_usage:
-        tail = _sse(fmt.chunk([], usage=usage(submission, list(latest.values()))))
+        tail = _sse(fmt.chunk([], usage=fmt.usage(submission, list(latest.values()))))
     yield tail + "data: [DONE]\n\n"
 
 

@@ -91,6 +91,7 @@ class Route:
     last_token_time: list[float]
     num_text_tokens: list[int]  # tokens whose texts were already sent, per sample
     got_first_token: bool = False
+    sent_prompt_texts: bool = False  # the prompt tokens' texts (for echo's logprobs)
 
     @classmethod
     def new(cls, submission: Submission, index: int, arrival_time: float, n: int) -> Route:
@@ -133,6 +134,13 @@ class Route:
                 for token_id in top:
                     texts[token_id] = token_text(token_id)
             self.num_text_tokens[j] = len(sample.token_ids)
+        if out.prompt_logprobs is not None and not self.sent_prompt_texts:
+            for token_id in out.prompt_token_ids:
+                texts[token_id] = token_text(token_id)
+            for entry in out.prompt_logprobs:
+                for token_id in entry or ():
+                    texts[token_id] = token_text(token_id)
+            self.sent_prompt_texts = True
         out.extra["token_texts"] = texts
 
 

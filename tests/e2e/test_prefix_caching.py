@@ -46,9 +46,12 @@ def shared_prefix_prompts(
 
 
 def run_checked(llm: LLM, prompts, params, **kw) -> list:
-    """Generate step by step, checking the page invariant after every step."""
+    """Generate step by step, checking the page invariant after every step. `params`: one
+    SamplingParams for all prompts, or one each."""
     engine = llm.engine
-    ids = [engine.add_request(None, p, params, **kw) for p in prompts]
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    ids = [engine.add_request(None, p, sp, **kw) for p, sp in zip(prompts, params, strict=True)]
     results = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -45,8 +45,9 @@ def prompts() -> list[list[int]]:
 
 def sampling() -> list[SamplingParams]:
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    scored = SamplingParams(max_tokens=12, temperature=0.0, prompt_logprobs=2)  # 100 tokens
     seeded = SamplingParams(max_tokens=12, temperature=0.8, top_k=40, seed=7)
-    return [greedy] * 5 + [seeded]
+    return [greedy] * 4 + [seeded, scored]
 
 
 def spec_of(array: jax.Array | dict[str, jax.Array]) -> list:
@@ -61,6 +62,12 @@ def run(model: Path, *, server: bool = False, **overrides) -> dict:
     engine = llm.engine
     replicas = getattr(engine, "replicas", [engine])
     report = {"tokens": [o.token_ids for o in outs], "replicas": []}
+    # the prompt logprobs (the LM head over a vocab-sharded weight under tensor parallelism)
+    report["prompt_logprobs"] = [
+        [[t, lp] for entry in o.prompt_logprobs[1:] for t, lp in entry.items()]
+        for o in outs
+        if o.prompt_logprobs is not None
+    ]
     for replica in replicas:
         k_pages = replica.runner.state.kv_caches[0][0]
         params = replica.runner.params

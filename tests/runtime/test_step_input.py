@@ -10,6 +10,7 @@ from jaxcb.engine.scheduler import ScheduledChunk, SchedulerOutput
 from jaxcb.runtime.step_input import (
     FLAG_LOGPROBS,
     FLAG_PENALTY,
+    FLAG_PROMPT_TOP_LOGPROBS,
     FLAG_RANDOM,
     FLAG_TOP_LOGPROBS,
     pack_step_input,
@@ -103,3 +104,61 @@ def test_penalty_rows_carry_each_sequence_history():
     assert inp.flags[FLAG_RANDOM] == 1 and inp.flags[FLAG_PENALTY] == 1
     np.testing.assert_array_equal(inp.penalty_tokens, [[1, 2, 3, 4, 0, 0, 0, 0], [0] * 8])
     assert inp.flags[FLAG_TOP_LOGPROBS] == 0
+
+
+def test_prompt_logprob_rows_follow_the_chunks():
+    """Rows score the next prompt token from the first position not scored yet (a recompute
+    after preemption scores nothing twice) to the prompt's last but one; the engine reads
+    the results back in the same order."""
+    from jaxcb.engine.interface import StepResult
+    from jaxcb.engine.logprobs import record_prompt_logprobs
+
+    dec = request("dec", [1, 2, 3, 4, 5], [7, 3], SamplingParams(temperature=0), seed=0)
+    dec.append_token(6)
+    # positions 2..5 of 8, positions 0 and 1 already scored before a preemption
+    mid = request("mid", [10, 11, 12, 13, 14, 15, 16, 17], [0, 5], SamplingParams(), seed=1)
+    mid.prompt_logprobs = [None, {11: -1.0}, {12: -1.0}]
+    # positions 2..6 of 7 recomputed, tokens 1..3 already scored (by positions 0..2);
+    # position 6 samples the first output token instead
+    last = request("last", [20, 21, 22, 23, 24, 25, 26], [2, 9], SamplingParams(), seed=2)
+    last.params.prompt_logprobs = 2
+    last.prompt_logprobs = [None] + [{t: -1.0} for t in (21, 22, 23)]
+    sched = SchedulerOutput(
+        chunks=[ScheduledChunk(dec, 5, 1), ScheduledChunk(mid, 2, 4), ScheduledChunk(last, 2, 5)]
+    )
+    inp = pack(sched, Bucket(16, 4), pages_per_seq=3, max_model_len=32, top_logprobs=5)
+    assert inp.num_prompt_logprob_rows[0] == 7
+    np.testing.assert_array_equal(inp.prompt_logprob_rows[:7], [1, 2, 3, 4, 6, 7, 8])
+    np.testing.assert_array_equal(inp.prompt_logprob_targets[:7], [13, 14, 15, 16, 24, 25, 26])
+    assert inp.flags[FLAG_PROMPT_TOP_LOGPROBS] == 1
+
+    top_ids = np.arange(35, dtype=np.int32).reshape(7, 5)  # row i: 5i .. 5i + 4
+    result = StepResult(
+        np.zeros(3, np.int32),
+        np.zeros(3, np.float32),
+        None,
+        None,
+        prompt_logprobs=-np.arange(7, dtype=np.float32),
+        prompt_top_token_ids=top_ids,
+        prompt_top_logprobs=np.full((7, 5), -9.0, np.float32),
+    )
+    record_prompt_logprobs(sched.chunks, result)
+    assert mid.prompt_logprobs[3:] == [{13: 0.0}, {14: -1.0}, {15: -2.0}, {16: -3.0}]
+    # the prompt token first, then the top 2 (25 is among them at row 5: its value stays)
+    assert last.prompt_logprobs[4:] == [
+        {24: -4.0, 20: -9.0, 21: -9.0},
+        {25: -5.0, 26: -9.0},
+        {26: -6.0, 30: -9.0, 31: -9.0},
+    ]
+    assert list(last.prompt_logprobs[5]) == [25, 26]
+    assert mid.next_prompt_logprob_position == 6  # its next chunk scores 17
+    assert last.next_prompt_logprob_position is None  # done
+
+    plain = pack(
+        SchedulerOutput(chunks=[ScheduledChunk(dec, 5, 1)]),
+        Bucket(16, 4),
+        pages_per_seq=3,
+        max_model_len=32,
+        top_logprobs=5,
+    )
+    assert plain.num_prompt_logprob_rows[0] == 0 and plain.flags[FLAG_PROMPT_TOP_LOGPROBS] == 0

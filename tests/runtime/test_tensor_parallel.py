@@ -51,6 +51,15 @@ def test_same_tokens_as_one_device(report: dict, name: str) -> None:
     assert report[name]["tokens"] == report["tp1"]["tokens"]
 
 
+@pytest.mark.parametrize("name", RUNS)
+def test_same_prompt_logprobs_as_one_device(report: dict, name: str) -> None:
+    (want,) = report["tp1"]["prompt_logprobs"]
+    (got,) = report[name]["prompt_logprobs"]
+    assert len(want) >= 99 * 2  # 99 entries: the prompt token and its top 2 (1 if in them)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-4)
+
+
 @pytest.mark.parametrize(("name", "tp"), [("tp2", 2), ("tp4", 4), ("tp4-xla", 4)])
 def test_kv_pool_is_sharded_by_kv_head(report: dict, name: str, tp: int) -> None:
     (replica,) = report[name]["replicas"]

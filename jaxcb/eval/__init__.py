@@ -1,0 +1,1 @@
+"""Evaluations run through the engine: perplexity (perplexity.py)."""
