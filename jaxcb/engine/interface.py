@@ -69,8 +69,8 @@ class EngineInfo:
 
     model_path: str
     model_name: str  # the model as the user named it (the server's default served name)
-    model_format: str  # "safetensors" (Hugging Face) or "orbax"
-    is_default_model: bool  # the built-in random-weight model
+    model_format: str  # "safetensors" (Hugging Face), "gguf" or "orbax"
+    random_weights: bool  # the built-in tiny random-weight model (its text is noise)
     architecture: str  # Hugging Face class name
     vocab_size: int
     max_model_len: int

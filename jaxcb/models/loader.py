@@ -1,4 +1,5 @@
-"""Resolve a model path (or the built-in default) into spec, params, tokenizer and EOS ids.
+"""Resolve a model (a path, a built-in name, a hub id, or None: the default) into spec,
+params, tokenizer and EOS ids.
 
 A model path is a Hugging Face directory (config.json + safetensors), a jaxcb orbax
 checkpoint (scripts/convert_checkpoint.py; models/checkpoint.py), both holding config.json,
@@ -17,8 +18,11 @@ from typing import Any
 
 from jaxcb.models import registry
 from jaxcb.models.base import ModelSpec, Params
+from jaxcb.models.default_model import NAME as TINY_NAME
+from jaxcb.models.default_model import SMOLLM2_NAME, builtin_model
 from jaxcb.models.gguf import GGUFFile, is_gguf_path
 from jaxcb.models.gguf_tokenizer import gguf_tokenizer
+from jaxcb.models.hub import download, looks_like_hub_id
 from jaxcb.models.registry import spec_from_gguf, spec_from_hf_config
 from jaxcb.models.weights import CheckpointTensors, ModelLoadError, read_hf_config, read_safetensors
 
@@ -32,8 +36,34 @@ class LoadedModel:
     params: Params  # numpy arrays in host memory (HF), or jax arrays already sharded (orbax)
     tokenizer: Any | None  # transformers tokenizer, or None if the directory has none
     eos_token_ids: tuple[int, ...]
-    is_default: bool
+    random_weights: bool  # the built-in tiny random-weight model: its text is noise
     format: str = "safetensors"  # "safetensors" (Hugging Face), "orbax" or "gguf"
+
+
+def resolve_model(model: str | Path | None) -> tuple[Path, bool]:
+    """(local path, random weights) of what `model` names: None (the default,
+    SmolLM2-135M-Instruct) or a built-in name (default_model.py), a directory or .gguf file
+    on this machine, or a Hugging Face hub id ("org/name", through the hub cache)."""
+    builtin = builtin_model(None if model is None else str(model))
+    if builtin is not None:
+        path, random_weights = builtin
+        if random_weights:
+            logger.warning(
+                "using the built-in tiny Llama at %s: its weights are RANDOM, so its text is "
+                "noise (fast tests); the real default is %s",
+                path,
+                SMOLLM2_NAME,
+            )
+        return path, random_weights
+    if looks_like_hub_id(str(model)):
+        return download(str(model)), False
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model not found: {model} is no directory or .gguf file here, no built-in name "
+            f"({SMOLLM2_NAME}, {TINY_NAME}) and no Hugging Face hub id (org/name)"
+        )
+    return path, False
 
 
 def load_model(
@@ -47,20 +77,9 @@ def load_model(
     straight into them; safetensors and GGUF tensors (dequantized) are read into host memory
     (the runner places them). It is called before any weight is read, so a model that cannot
     be sharded fails fast."""
-    is_default = model is None
-    if is_default:
-        from jaxcb.models.default_model import default_model_dir
-
-        path = default_model_dir()
-        logger.warning(
-            "no model given: using the built-in tiny Llama at %s. Its weights are RANDOM, so "
-            "its text is noise; pass a Hugging Face model directory for real output",
-            path,
-        )
-    else:
-        path = Path(model).expanduser()
+    path, random_weights = resolve_model(model)
     if is_gguf_path(path):
-        return _load_gguf(path, tokenizer_path, dtype, shardings, is_default)
+        return _load_gguf(path, tokenizer_path, dtype, shardings, random_weights)
     spec = spec_from_hf_config(read_hf_config(path))
     target = shardings(spec) if shardings is not None else None
     from jaxcb.models.checkpoint import is_orbax_checkpoint, restore_params
@@ -72,7 +91,7 @@ def load_model(
         params = load_params(path, spec, dtype)
     tokenizer = load_tokenizer(Path(tokenizer_path) if tokenizer_path else path)
     eos = _eos_ids(spec, _generation_eos(path), tokenizer)
-    return LoadedModel(path, spec, params, tokenizer, eos, is_default, fmt)
+    return LoadedModel(path, spec, params, tokenizer, eos, random_weights, fmt)
 
 
 def _load_gguf(
@@ -80,7 +99,7 @@ def _load_gguf(
     tokenizer_path: str | Path | None,
     dtype: Any,
     shardings: Callable[[ModelSpec], Any] | None,
-    is_default: bool,
+    random_weights: bool,
 ) -> LoadedModel:
     """A GGUF file: config, tokenizer and stop tokens from its metadata, its tensors
     dequantized to `dtype` in host memory (the runner places them)."""
@@ -91,7 +110,7 @@ def _load_gguf(
     params = load_gguf_params(file, spec, dtype)
     tokenizer = load_tokenizer(Path(tokenizer_path)) if tokenizer_path else gguf_tokenizer(file)
     eos = _eos_ids(spec, set(file.stop_token_ids()), tokenizer)
-    return LoadedModel(path, spec, params, tokenizer, eos, is_default, "gguf")
+    return LoadedModel(path, spec, params, tokenizer, eos, random_weights, "gguf")
 
 
 def _eos_ids(spec: ModelSpec, more: set[int], tokenizer: Any | None) -> tuple[int, ...]:

@@ -28,7 +28,7 @@ from jaxcb.engine.llm_engine import LLMEngine
 from jaxcb.engine.replicated import ReplicatedEngine
 from jaxcb.models import registry
 from jaxcb.models.base import ModelSpec
-from jaxcb.models.default_model import NAME as DEFAULT_MODEL_NAME
+from jaxcb.models.default_model import DEFAULT_NAME
 from jaxcb.models.loader import LoadedModel, load_model
 from jaxcb.models.packed import matmul_backend
 from jaxcb.runtime import compile_cache, sharding
@@ -145,7 +145,7 @@ def build_runner(
         model_path=str(model.path),
         model_name=model_name(config),
         model_format=model.format,
-        is_default_model=model.is_default,
+        random_weights=model.random_weights,
         architecture=spec.architecture,
         vocab_size=spec.vocab_size,
         max_model_len=max_model_len,
@@ -167,8 +167,8 @@ def build_runner(
 
 
 def model_name(config: EngineConfig) -> str:
-    """The model as the user named it: the path given, or the built-in model's name."""
-    return config.model or DEFAULT_MODEL_NAME
+    """The model as the user named it: the path, name or hub id given, else the default's."""
+    return config.model or DEFAULT_NAME
 
 
 def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
@@ -210,7 +210,7 @@ def _log_ready(info: EngineInfo, config: EngineConfig) -> None:
         "buckets from the compilation cache)",
         info.model_path,
         info.architecture,
-        ", RANDOM WEIGHTS" if info.is_default_model else "",
+        ", RANDOM WEIGHTS" if info.random_weights else "",
         config.dtype,
         info.num_pages,
         info.kv_cache_dtype,

@@ -193,7 +193,7 @@ def log_startup(engine: Engine, settings: ServerSettings, url: str, frozen: int 
     config, info = engine.config, engine.info
     sched = config.scheduler
     tokens = info.num_pages * info.page_size
-    model = info.model_path + (" (built-in, RANDOM WEIGHTS)" if info.is_default_model else "")
+    model = info.model_path + (" (built-in, RANDOM WEIGHTS)" if info.random_weights else "")
     auth = ' -H "Authorization: Bearer $API_KEY"' if settings.api_key else ""
     name = settings.served_model_names[0]
     curl = (

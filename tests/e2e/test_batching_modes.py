@@ -7,11 +7,13 @@ import struct
 
 import numpy as np
 import pytest
+from helpers import TINY_MODEL
 
 from jaxcb import LLM, SamplingParams
 from jaxcb.bench.trace import load_trace, recording, save_trace, summarize_trace, trace_meta
 
 CONFIG = dict(
+    model=TINY_MODEL,
     max_num_seqs=4,
     max_num_batched_tokens=32,
     token_buckets=[16, 32],

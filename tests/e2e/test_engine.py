@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import TINY_MODEL
 
 from jaxcb import LLM, SamplingParams
 from jaxcb.native import available as native_available
 from jaxcb.runtime import step as step_module
 
 CONFIG = dict(
+    model=TINY_MODEL,
     max_num_seqs=8,
     max_num_batched_tokens=64,
     token_buckets=[16, 32, 64],
@@ -227,7 +229,7 @@ def test_bad_config_is_rejected():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         LLM(max_num_seqs=64, max_num_batched_tokens=32, token_buckets=[32])
     with pytest.raises(ValueError, match="fewer than max_model_len"):
-        LLM(num_pages=2, page_size=8, max_model_len=256)
+        LLM(TINY_MODEL, num_pages=2, page_size=8, max_model_len=256)
 
 
 def test_bfloat16_model_and_kv_cache_dtypes():

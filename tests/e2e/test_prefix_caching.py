@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import TINY_MODEL
 
 from jaxcb import LLM, SamplingParams
 
 CONFIG = dict(
+    model=TINY_MODEL,
     max_num_seqs=8,
     max_num_batched_tokens=64,
     token_buckets=[16, 64],

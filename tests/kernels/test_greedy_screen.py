@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import random_prompts
+from helpers import TINY_MODEL, random_prompts
 
 from jaxcb import LLM, SamplingParams, native
 
@@ -120,6 +120,7 @@ def test_engine_gives_the_same_tokens_with_and_without_the_screen():
     """Greedy requests alone (the screen), mixed with sampled and logprob requests (the full
     float32 LM head), and penalties: every output, token ids and logprobs, is the same."""
     config = dict(
+        model=TINY_MODEL,
         dtype="float32",
         matmul="avx512",
         max_num_seqs=8,

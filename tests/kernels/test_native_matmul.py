@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY_MODEL
 
 from jaxcb import LLM, SamplingParams, native
 from jaxcb.config import MATMUL_BACKENDS
@@ -188,6 +189,7 @@ def test_engine_on_native_matmul_matches_xla_matmuls(kernel):
     """The same engine with its matmuls on a native kernel and on XLA: same greedy tokens
     (both multiply in the weights' dtype and accumulate in float32)."""
     config = dict(
+        model=TINY_MODEL,
         dtype=jnp.dtype(native.PACKED_MATMULS[kernel].dtype).name,
         max_num_seqs=4,
         max_num_batched_tokens=64,

