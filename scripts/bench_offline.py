@@ -17,13 +17,22 @@ Systems (--systems):
   vllm       vLLM's CPU build in its own venv (--vllm-python, see shared/BENCHMARKS.md for the
              recipe), run by jaxcb/bench/vllm_runner.py in a subprocess: LLM(model,
              skip_tokenizer_init=True).generate on token-id prompts, its prefix cache reset
-             per pass; --vllm-binding tuned (default) binds its OpenMP threads to cores 0-1
-             with the venv's libiomp5.so preloaded
-Default: every system (vllm only when --vllm-python is given).
+             per pass (off with --prefix-caching off); --vllm-binding tuned (default) binds
+             its OpenMP threads to cores 0-1 with the venv's libiomp5.so preloaded
+  llama.cpp  llama-server (--llamacpp-server) with --llamacpp-np parallel slots and continuous
+             batching on a GGUF file of the same weights (--llamacpp-gguf; smollm2-135m's
+             F32/BF16 files follow --dtype, q4_1 is the original file), every request of a
+             pass sent at once over HTTP (jaxcb/bench/llamacpp_system.py); extra files in
+             --llamacpp-gguf become extra rows (llama.cpp-q4_1)
+Default: every system (vllm only with --vllm-python, llama.cpp only with --llamacpp-server).
 
 Model: bench-57m (Llama, seeded random weights, built once in $JAXCB_CACHE_DIR or
-~/.cache/jaxcb), or --model DIR for any Hugging Face model directory. Workloads:
-offline-mixed, offline-long, shared-prefix (--workload).
+~/.cache/jaxcb), smollm2-135m (the real model, SmolLM2-135M-Instruct dequantized from its
+GGUF file, with configs/bench-smollm2-cpu.yaml), or --model DIR for any Hugging Face model
+directory. Workloads: offline-mixed, offline-long, shared-prefix (random token ids, EOS
+ignored); chat-natural, chat-fixed (real chat requests, greedy to the end of the turn or to
+fixed lengths; they need a chat model such as smollm2-135m). Output tok/s counts the tokens
+each system generated (the same for every system when EOS is ignored).
 
 Every jaxcb config field can be overridden as a flag (--max-num-seqs 64, --token-buckets
 16,32,64, --batching static, ...; listed below); --dtype applies to every system. The report
@@ -39,6 +48,8 @@ ratios of one run, not absolute numbers across runs.
     python scripts/bench_offline.py --workload shared-prefix --systems jaxcb,vllm --vllm-python ..
     python scripts/bench_offline.py --systems jaxcb --trace out/trace.json   # then plot_trace.py
     python scripts/bench_offline.py --workload shared-prefix --systems jaxcb --prefix-caching both
+    python scripts/bench_offline.py --model smollm2-135m --workload chat-fixed --prefix-caching \
+        off --vllm-python .. --llamacpp-server ../build/bin/llama-server --llamacpp-gguf f32,q4_1
 
 --prefix-caching both runs jaxcb twice, taking turns: `jaxcb` with the prefix cache and
 `jaxcb-no-prefix-cache` without, and reports the mean TTFT and tok/s ratios of the two.
@@ -50,11 +61,11 @@ the report is printed by jaxcb/bench/offline_report.py.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +76,11 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 from jaxcb.bench.cli import (
     add_config_overrides,
+    add_llamacpp_args,
     add_workload_args,
     args_record,
     config_overrides,
+    llamacpp_context,
     load_model_and_workload,
     make_log,
 )
@@ -95,6 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_workload_args(parser, default_workload="offline-mixed")
     add_system_args(parser)
+    add_llamacpp_args(parser)
     add_output_args(parser)
     add_config_overrides(parser)
     args = parser.parse_args(argv)
@@ -171,7 +185,8 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Turn --systems into a list and reject flag combinations that cannot run."""
     if args.systems is None:
-        args.systems = [n for n in SYSTEMS if n != "vllm" or args.vllm_python]
+        wanted = dict(vllm=args.vllm_python, **{"llama.cpp": args.llamacpp_server})
+        args.systems = [n for n in SYSTEMS if wanted.get(n, True)]
     else:
         args.systems = [s for s in args.systems.split(",") if s]
     unknown = [s for s in args.systems if s not in SYSTEMS]
@@ -181,6 +196,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("the vllm system needs --vllm-python (see shared/BENCHMARKS.md)")
     if args.vllm_python is not None and not args.vllm_python.exists():
         parser.error(f"--vllm-python {args.vllm_python} does not exist")
+    if "llama.cpp" in args.systems and args.llamacpp_server is None:
+        parser.error("the llama.cpp system needs --llamacpp-server (see docs/benchmarks.md)")
+    args.llamacpp_ggufs = [g for g in (args.llamacpp_gguf or "").split(",") if g] or [None]
     if args.trace and "jaxcb" not in args.systems:
         parser.error("--trace records jaxcb's steps: add jaxcb to --systems")
     if min(args.repeats, args.hf_repeats, args.hf_static_batch_size) < 1:
@@ -198,7 +216,7 @@ def prefix_caching_systems(args: argparse.Namespace, ctx: BenchContext) -> dict[
         return {}
     overrides = {**ctx.jaxcb_overrides, "enable_prefix_caching": False}
     log(f"building {NO_PREFIX_CACHE} ...")
-    return {NO_PREFIX_CACHE: SYSTEMS["jaxcb"](dataclasses.replace(ctx, jaxcb_overrides=overrides))}
+    return {NO_PREFIX_CACHE: SYSTEMS["jaxcb"](replace(ctx, jaxcb_overrides=overrides))}
 
 
 def make_context(args: argparse.Namespace, model_dir: Path, workload) -> BenchContext:
@@ -220,7 +238,29 @@ def make_context(args: argparse.Namespace, model_dir: Path, workload) -> BenchCo
         vllm_python=args.vllm_python,
         vllm_binding=args.vllm_binding,
         record_trace=args.trace is not None,
+        prefix_caching=args.prefix_caching != "off",
+        **llamacpp_context(args),
     )
+
+
+def build_systems(args: argparse.Namespace, ctx: BenchContext, systems: dict) -> None:
+    """Build every chosen system into `systems` (in turn order), so the caller can close
+    whatever was built if one fails."""
+    for name in args.systems:
+        variants = [(name, ctx)]
+        if name == "llama.cpp":  # one row per GGUF file: the first is the row, then -<choice>
+            variants = [
+                (name if i == 0 else f"{name}-{Path(g).name}", replace(ctx, llamacpp_gguf_choice=g))
+                for i, g in enumerate(args.llamacpp_ggufs)
+            ]
+        for row, row_ctx in variants:
+            log(f"building {row} ...")
+            start = time.perf_counter()
+            systems[row] = SYSTEMS[name](row_ctx)
+            systems[row].name = row
+            log(f"built {row} in {time.perf_counter() - start:.1f}s")
+            if name == "jaxcb":
+                systems |= prefix_caching_systems(args, ctx)
 
 
 def measure_roofline(args: argparse.Namespace, spec, overrides: dict, before=None) -> dict | None:
@@ -252,10 +292,17 @@ def take_turns(systems: dict, repeats: dict[str, int], workload) -> tuple[dict, 
             log(f"pass {round_ + 1}/{repeats[name]} of {name} ...")
             load = os.getloadavg()[0]  # a busy machine explains a slow pass
             result = last[name] = system.run_pass()
-            passes[name].append(dict(wall_s=result.wall_s, load_avg=load, **result.extra))
-            tok_s = workload.output_tokens / result.wall_s
+            out = sum(map(len, result.token_ids))
+            passes[name].append(dict(wall_s=result.wall_s, output_tokens=out, load_avg=load))
+            passes[name][-1].update(result.extra)
+            tok_s = out / result.wall_s
             log(f"{name}: {result.wall_s:.1f}s, {tok_s:,.0f} output tok/s")
     return passes, last
+
+
+def system_flops(spec, workload, result) -> float:
+    """Useful FLOPs of a system's pass, from the output lengths it really generated."""
+    return workload_flops(spec, workload, [len(t) for t in result.token_ids])["total"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,13 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefix_caching == "off":
         ctx.jaxcb_overrides["enable_prefix_caching"] = False
     try:
-        for name in args.systems:
-            log(f"building {name} ...")
-            start = time.perf_counter()
-            systems[name] = SYSTEMS[name](ctx)
-            log(f"built {name} in {time.perf_counter() - start:.1f}s")
-            if name == "jaxcb":
-                systems |= prefix_caching_systems(args, ctx)
+        build_systems(args, ctx, systems)
         repeats = {n: args.hf_repeats if n.startswith("hf-") else args.repeats for n in systems}
         passes, last = take_turns(systems, repeats, workload)
         infos = {n: s.info() for n, s in systems.items()}
@@ -298,7 +339,10 @@ def main(argv: list[str] | None = None) -> int:
             system.close()
     roofline = measure_roofline(args, spec, ctx.jaxcb_overrides, before=roofline)
     peak = roofline["best_gflops"] if roofline else None
-    rows = [summarize(n, passes[n], workload, flops["total"], peak) for n in systems]
+    rows = [
+        summarize(n, passes[n], workload, system_flops(spec, workload, last[n]), peak)
+        for n in systems
+    ]
     paired_ratios(rows)
     print_report(rows, infos, last, workload, peak)
     agree = cross_check(last)

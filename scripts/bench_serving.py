@@ -15,7 +15,15 @@ goodput (shared/BENCHMARKS.md, "Metrics"). Greedy, `max_tokens` from the dataset
 
 Datasets: `random` sends token-id prompts (lengths exact whatever the tokenizer; the
 vocabulary size comes from --tokenizer's config or --vocab-size); `sharegpt` reads
---dataset-path (a ShareGPT JSON file), filtered as vLLM filters it, and needs --tokenizer.
+--dataset-path (a ShareGPT JSON file), filtered as vLLM filters it, and needs --tokenizer;
+`chat` sends the real chat requests of bench_offline.py's chat workloads (--chat-workload:
+chat-fixed, EOS ignored at drawn lengths, or chat-natural, to the end of the turn), as token
+ids chat-templated by --tokenizer (a preset such as smollm2-135m, or a model dir), in order.
+
+    MODEL=$(python -m jaxcb.bench.models smollm2-135m)
+    python scripts/serve.py --model $MODEL --config configs/serve-smollm2-cpu.yaml --port 8000 &
+    python scripts/bench_serving.py --port 8000 --tokenizer smollm2-135m --dataset-name chat \
+        --num-prompts 128 --request-rate 2 --save-result --result-dir out
 """
 
 from __future__ import annotations
@@ -66,7 +74,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--vocab-size", type=int, help="random token ids below this (default: model's)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    p.add_argument("--dataset-name", default="random", choices=["random", "sharegpt"])
+    p.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "chat"])
+    p.add_argument(
+        "--chat-workload",
+        default="chat-fixed",
+        choices=["chat-fixed", "chat-natural"],
+        help="the chat dataset's workload (%(default)s)",
+    )
     p.add_argument("--dataset-path", help="ShareGPT JSON file (--dataset-name sharegpt)")
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--random-input-len", type=int, default=1024)
@@ -124,6 +138,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--num-prompts and --max-concurrency must be >= 1")
     if args.dataset_name == "sharegpt" and not (args.dataset_path and args.tokenizer):
         p.error("--dataset-name sharegpt needs --dataset-path and --tokenizer")
+    if args.dataset_name == "chat" and not args.tokenizer:
+        p.error("--dataset-name chat needs --tokenizer (e.g. smollm2-135m)")
     args.base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     return args
 
@@ -133,14 +149,37 @@ def load_tokenizer(path: str | None) -> Any:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    from jaxcb.bench.cli import resolve_model
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(path)))
+
+
+def chat_requests(args: argparse.Namespace) -> list[SampleRequest]:
+    """The first --num-prompts requests of --chat-workload, token ids; a fixed-length workload
+    turns --ignore-eos on."""
+    from jaxcb.bench.cli import resolve_model
+    from jaxcb.bench.workloads import make_workload
+
+    workload = make_workload(
+        args.chat_workload, num_requests=args.num_prompts, model_dir=resolve_model(args.tokenizer)
+    )
+    if workload.ignore_eos and not args.ignore_eos:
+        print(f"{workload.name} ignores EOS: sending ignore_eos")
+        args.ignore_eos = True
+    return [
+        SampleRequest(list(r.prompt_token_ids), len(r.prompt_token_ids), r.max_tokens)
+        for r in workload.requests
+    ]
 
 
 def vocab_size(args: argparse.Namespace, tokenizer: Any) -> int:
     if args.vocab_size:
         return args.vocab_size
-    if args.tokenizer and (Path(args.tokenizer) / "config.json").is_file():
-        return int(json.loads((Path(args.tokenizer) / "config.json").read_text())["vocab_size"])
+    from jaxcb.bench.cli import resolve_model
+
+    config = resolve_model(args.tokenizer) / "config.json" if args.tokenizer else None
+    if config is not None and config.is_file():
+        return int(json.loads(config.read_text())["vocab_size"])
     if tokenizer is not None:
         return len(tokenizer)
     raise SystemExit("bench_serving.py: the random dataset needs --tokenizer DIR or --vocab-size")
@@ -148,6 +187,14 @@ def vocab_size(args: argparse.Namespace, tokenizer: Any) -> int:
 
 def sample_requests(args: argparse.Namespace) -> list[SampleRequest]:
     tokenizer = load_tokenizer(args.tokenizer)
+    if args.dataset_name == "chat":
+        requests = chat_requests(args)
+        if args.endpoint.endswith("chat/completions"):
+            raise SystemExit(
+                "bench_serving.py: the chat dataset is already chat-templated: "
+                "send it to /v1/completions"
+            )
+        return requests
     if args.dataset_name == "sharegpt":
         return sharegpt_requests(
             args.dataset_path,

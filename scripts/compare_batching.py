@@ -46,6 +46,7 @@ from jaxcb.bench.cli import (
     load_model_and_workload,
     make_log,
 )
+from jaxcb.bench.offline_report import output_rate
 from jaxcb.bench.systems import BenchContext, JaxcbSystem, environment
 from jaxcb.bench.trace import save_trace
 from jaxcb.config import BATCHING_MODES
@@ -94,8 +95,8 @@ def summarize(mode: str, passes: list[dict], workload) -> dict[str, Any]:
         batching=mode,
         passes=len(passes),
         wall_s=wall,
-        output_tok_s=workload.output_tokens / wall,
-        total_tok_s=(workload.output_tokens + workload.prompt_tokens) / wall,
+        output_tok_s=output_rate(passes),
+        total_tok_s=output_rate(passes, workload.prompt_tokens),
         padding_tokens=last["token_slots"] - last["tokens_scheduled"],
         batch_padding_tokens=last["batch_padding_tokens"],
         padding_fraction=last["padding_fraction"],
@@ -162,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             for mode, system in systems.items():
                 log(f"pass {round_ + 1}/{args.repeats} of {mode} ...")
                 result = system.run_pass()
-                passes[mode].append(dict(wall_s=result.wall_s, **result.extra))
+                out = sum(map(len, result.token_ids))
+                passes[mode].append(dict(wall_s=result.wall_s, output_tokens=out, **result.extra))
                 tokens[mode] = result.token_ids
                 log(f"{mode}: {result.wall_s:.1f}s")
         infos = {m: s.info() for m, s in systems.items()}

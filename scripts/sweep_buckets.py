@@ -43,6 +43,7 @@ from jaxcb.bench.cli import (
     load_model_and_workload,
     make_log,
 )
+from jaxcb.bench.offline_report import output_rate
 from jaxcb.bench.systems import BenchContext, JaxcbSystem, environment
 from jaxcb.bench.workloads import Workload
 from jaxcb.config import EngineConfig, flat_fields
@@ -191,7 +192,8 @@ def run_sets(
             for name, system in systems.items():
                 log(f"pass {round_ + 1}/{args.repeats} of {name} ...")
                 result = system.run_pass()
-                passes[name].append(dict(wall_s=result.wall_s, **result.extra))
+                out = sum(map(len, result.token_ids))
+                passes[name].append(dict(wall_s=result.wall_s, output_tokens=out, **result.extra))
                 log(f"{name}: {result.wall_s:.1f}s")
         infos = {n: s.info() for n, s in systems.items()}
     finally:
@@ -225,7 +227,7 @@ def set_rows(
                 padding_fraction=passes[name][-1]["padding_fraction"],
                 steps=passes[name][-1]["steps"],
                 wall_s=wall,
-                output_tok_s=workload.output_tokens / wall,
+                output_tok_s=output_rate(passes[name]),
                 mean_ttft_ms=1e3 * statistics.median(p["mean_ttft_s"] for p in passes[name]),
                 mean_itl_ms=1e3 * statistics.median(p["mean_itl_s"] for p in passes[name]),
             )

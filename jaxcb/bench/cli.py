@@ -13,7 +13,10 @@ from typing import Any
 from jaxcb.bench.workloads import WORKLOADS, Workload, make_workload
 from jaxcb.config import EngineConfig, flat_fields
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "bench-cpu.yaml"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+DEFAULT_CONFIG = CONFIGS / "bench-cpu.yaml"
+#: model preset -> its jaxcb preset when --config is not given (else DEFAULT_CONFIG)
+MODEL_CONFIGS = {"smollm2-135m": CONFIGS / "bench-smollm2-cpu.yaml"}
 #: Config fields the scripts set themselves (or have their own flag for).
 OWN_FIELDS = ("model", "dtype")
 
@@ -29,7 +32,11 @@ def make_log() -> Callable[[str], None]:
 
 
 def add_workload_args(parser: argparse.ArgumentParser, *, default_workload: str) -> None:
-    parser.add_argument("--model", type=Path, help="Hugging Face model dir (default: bench-57m)")
+    parser.add_argument(
+        "--model",
+        help="a preset (bench-57m, the default; smollm2-135m, the real model) or a Hugging Face "
+        "model dir",
+    )
     parser.add_argument(
         "--workload",
         default=default_workload,
@@ -52,7 +59,10 @@ def add_workload_args(parser: argparse.ArgumentParser, *, default_workload: str)
         help="first N requests served untimed before timing (%(default)s)",
     )
     parser.add_argument(
-        "--config", type=Path, default=DEFAULT_CONFIG, help="jaxcb YAML preset (%(default)s)"
+        "--config",
+        type=Path,
+        help=f"jaxcb YAML preset (default: {DEFAULT_CONFIG.name}; "
+        f"{MODEL_CONFIGS['smollm2-135m'].name} for smollm2-135m)",
     )
 
 
@@ -95,15 +105,29 @@ def config_overrides(
     return overrides
 
 
+def resolve_model(model: str | Path | None) -> Path:
+    """A preset's directory (built on first use), or the given model dir."""
+    from jaxcb.bench.models import MODEL_PRESETS, bench_model_dir
+
+    if model is None or str(model) in MODEL_PRESETS:
+        return bench_model_dir(str(model or "bench-57m"))
+    return Path(model)
+
+
 def load_model_and_workload(args: argparse.Namespace) -> tuple[Path, Any, Workload]:
-    """The model dir (bench-57m unless --model), its ModelSpec, and the drawn workload."""
-    from jaxcb.bench.models import bench_model_dir
+    """The model dir (bench-57m unless --model), its ModelSpec, and the drawn workload; fills
+    in `args.config` (the model's preset) if it was not given."""
     from jaxcb.models.loader import read_hf_config, spec_from_hf_config
 
-    model_dir = Path(args.model or bench_model_dir("bench-57m"))
+    if args.config is None:
+        args.config = MODEL_CONFIGS.get(str(args.model), DEFAULT_CONFIG)
+    model_dir = resolve_model(args.model)
     spec = spec_from_hf_config(read_hf_config(model_dir))
     workload = make_workload(
-        args.workload, num_requests=args.num_requests, vocab_size=spec.vocab_size
+        args.workload,
+        num_requests=args.num_requests,
+        vocab_size=spec.vocab_size,
+        model_dir=model_dir,
     )
     return model_dir, spec, workload
 
@@ -112,3 +136,50 @@ def args_record(args: argparse.Namespace) -> dict[str, Any]:
     """The flags as given, JSON-able (unset config overrides left out)."""
     given = {k: v for k, v in vars(args).items() if not (k.startswith("cfg_") and v is None)}
     return {k: str(v) if isinstance(v, Path) else v for k, v in given.items()}
+
+
+def add_llamacpp_args(parser: argparse.ArgumentParser) -> None:
+    """llama.cpp's binaries, GGUF files and server settings (bench/llamacpp_system.py)."""
+    group = parser.add_argument_group("llama.cpp", "the llama.cpp peer (never a jaxcb dependency)")
+    group.add_argument(
+        "--llamacpp-server", type=Path, help="llama-server binary: adds the llama.cpp system"
+    )
+    group.add_argument(
+        "--llamacpp-gguf",
+        help="comma list of GGUF files, or f32 / bf16 / q4_1 for smollm2-135m's (default: the "
+        "--dtype's precision); the first is the llama.cpp row, others extra rows",
+    )
+    group.add_argument(
+        "--llamacpp-dir",
+        type=Path,
+        help="llama.cpp source dir (default: from --llamacpp-server's build/bin): its "
+        "convert_hf_to_gguf.py writes a missing F32/BF16 file",
+    )
+    group.add_argument(
+        "--convert-python", help="python running the converter (needs sentencepiece)"
+    )
+    group.add_argument(
+        "--llamacpp-np", type=int, default=64, help="llama-server -np, parallel slots (%(default)s)"
+    )
+    group.add_argument("--llamacpp-threads", type=int, default=2, help="-t (%(default)s)")
+    group.add_argument(
+        "--llamacpp-args",
+        default="",
+        help="more llama-server flags, one string, e.g. '-b 2048 -ub 512' (default: none)",
+    )
+
+
+def llamacpp_context(args: argparse.Namespace) -> dict[str, Any]:
+    """BenchContext fields from add_llamacpp_args' flags."""
+    source = args.llamacpp_dir
+    if source is None and args.llamacpp_server is not None:
+        guess = Path(args.llamacpp_server).resolve().parents[2]  # <llama.cpp>/build/bin/
+        source = guess if (guess / "convert_hf_to_gguf.py").is_file() else None
+    return dict(
+        llamacpp_server=args.llamacpp_server,
+        llamacpp_dir=source,
+        convert_python=args.convert_python,
+        llamacpp_parallel=args.llamacpp_np,
+        llamacpp_threads=args.llamacpp_threads,
+        llamacpp_extra_args=args.llamacpp_args.split(),
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from jaxcb.bench.base import BenchContext, PassResult, check_lengths
+from jaxcb.bench.base import BenchContext, PassResult, check_lengths, cut_at_stop
 from jaxcb.bench.workloads import BenchRequest
 
 
@@ -25,7 +25,7 @@ class HFContinuousBatching:
         from transformers.generation.continuous_batching.utils import WorkloadHints
 
         self.ctx, self.log = ctx, ctx.log
-        self.requests = ctx.workload.requests
+        self.requests, self.stops = ctx.workload.requests, ctx.workload.stops
         self.model = ctx.hf_model()
         self.warmup = self.requests[: max(1, min(ctx.warmup_requests, len(self.requests)))]
         self.hints = WorkloadHints(
@@ -55,7 +55,8 @@ class HFContinuousBatching:
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-        gen = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=1)  # -1: no EOS
+        eos = list(self.stops) or -1  # -1: no EOS
+        gen = GenerationConfig(do_sample=False, eos_token_id=eos, max_new_tokens=1)
         manager = self.model.init_continuous_batching(
             generation_config=gen,
             continuous_batching_config=ContinuousBatchingConfig(**self.options),
@@ -75,7 +76,8 @@ class HFContinuousBatching:
         finally:
             manager.stop(block=True)
             manager.destroy()
-        check_lengths(self.name, token_ids, self.requests)
+        token_ids = [cut_at_stop(t, self.stops) for t in token_ids]
+        check_lengths(self.name, token_ids, self.requests, self.stops)
         return PassResult(wall, token_ids)
 
     def _serve(self, manager, requests, prefix: str, progress: bool = False) -> list[list[int]]:
@@ -120,7 +122,7 @@ class HFStaticBatching:
         import torch
 
         self.torch, self.log = torch, ctx.log
-        self.requests = ctx.workload.requests
+        self.requests, self.stops = ctx.workload.requests, ctx.workload.stops
         self.batch_size = ctx.hf_static_batch_size
         self.model = ctx.hf_model()
         warm = self.requests[: max(1, min(ctx.warmup_requests, len(self.requests)))]
@@ -144,7 +146,10 @@ class HFStaticBatching:
             ids[i, width - n :] = torch.tensor(r.prompt_token_ids)
             mask[i, width - n :] = 1
         gen = GenerationConfig(
-            do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=list(self.stops) or None,
+            pad_token_id=0,
         )
         with torch.no_grad():
             out = self.model.generate(ids, attention_mask=mask, generation_config=gen)
@@ -159,12 +164,15 @@ class HFStaticBatching:
             longest = max(r.max_tokens for r in batch)
             rows = self._generate(batch, longest)
             raw += sum(len(row) for row in rows)
-            token_ids += [row[: r.max_tokens] for row, r in zip(rows, batch, strict=True)]
+            token_ids += [
+                cut_at_stop(row[: r.max_tokens], self.stops)
+                for row, r in zip(rows, batch, strict=True)
+            ]
             if time.perf_counter() - last_log > 20:
                 self.log(f"  {self.name}: {len(token_ids)}/{len(self.requests)} requests done")
                 last_log = time.perf_counter()
         wall = time.perf_counter() - start
-        check_lengths(self.name, token_ids, self.requests)
+        check_lengths(self.name, token_ids, self.requests, self.stops)
         return PassResult(wall, token_ids, dict(raw_generated_tokens=raw))
 
     def close(self) -> None:

@@ -27,10 +27,15 @@ class JaxcbSystem:
     def __init__(self, ctx: BenchContext) -> None:
         from jaxcb import LLM, SamplingParams
 
-        self.requests = ctx.workload.requests
+        self.requests, self.stops = ctx.workload.requests, ctx.workload.stops
         self.prompts = [r.prompt_token_ids for r in self.requests]
         self.params = [
-            SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
+            SamplingParams(
+                max_tokens=r.max_tokens,
+                temperature=0.0,
+                ignore_eos=ctx.workload.ignore_eos,
+                stop_token_ids=list(self.stops),
+            )
             for r in self.requests
         ]
         self.record_trace = ctx.record_trace
@@ -69,7 +74,7 @@ class JaxcbSystem:
         if self.record_trace:
             self.last_trace = steps
         token_ids = [list(o.token_ids) for o in outs]
-        check_lengths(self.name, token_ids, self.requests)
+        check_lengths(self.name, token_ids, self.requests, self.stops)
         extra = engine_stats_delta(before, self.llm.stats())
         extra.update(latency_summary(outs))
         if self.record_trace:

@@ -1,4 +1,5 @@
-"""Benchmark models: seeded random-weight Hugging Face checkpoints, built once and cached.
+"""Benchmark models, built once and cached: seeded random-weight Hugging Face checkpoints
+(bench-57m) and the real model, SmolLM2-135M-Instruct (`smollm2-135m`, see bench/smollm2.py).
 
 `bench_model_dir("bench-57m")` returns a model directory written by transformers'
 `save_pretrained` (config.json, model.safetensors, generation_config.json; no tokenizer:
@@ -10,6 +11,11 @@ measured per token. `python -m jaxcb.bench.models bench-57m --with-tokenizer` pr
 
 The weights come from `torch.manual_seed(0)` and transformers' own initialisation, so every
 machine builds the same model, and jaxcb and the peers read the very same file.
+
+`smollm2-135m` is the installed Q4_1 GGUF dequantized to a float32 HF directory with its own
+tokenizer and chat template (so `with_tokenizer` changes nothing); `python -m
+jaxcb.bench.models smollm2-135m --gguf f32 --llamacpp-dir DIR` prints (and writes first) the
+GGUF file llama.cpp runs at that precision.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +44,9 @@ BENCH_MODELS: dict[str, dict[str, Any]] = {
         max_position_embeddings=2048,
     ),
 }
+#: The real model's preset (bench/smollm2.py builds it); every script's --model takes it.
+REAL_MODELS = ("smollm2-135m",)
+MODEL_PRESETS = (*BENCH_MODELS, *REAL_MODELS)
 SEED = 0
 VERSION = "v1"  # bump when a model's recipe changes, so stale caches are not reused
 
@@ -46,35 +56,51 @@ def bench_model_dir(
 ) -> Path:
     """Directory of benchmark model `name`, building it first if this machine has not yet;
     `with_tokenizer`: the variant with a word-level tokenizer (see the module docstring)."""
+    if name in REAL_MODELS:
+        from jaxcb.bench.smollm2 import smollm2_hf_dir
+
+        return smollm2_hf_dir(root)
     if name not in BENCH_MODELS:
-        raise ValueError(f"unknown benchmark model {name!r}; choose from {sorted(BENCH_MODELS)}")
+        raise ValueError(f"unknown benchmark model {name!r}; choose from {list(MODEL_PRESETS)}")
     base = (root or cache_dir()) / f"{name}-{VERSION}"
     target = base.with_name(base.name + "-words") if with_tokenizer else base
     if (target / "config.json").is_file():
         return target
     if with_tokenizer:
         base = bench_model_dir(name, root=root)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        if with_tokenizer:
+
+        def write(tmp: Path) -> None:
             for f in base.iterdir():
                 try:
                     os.link(f, tmp / f.name)
                 except OSError:
                     shutil.copy2(f, tmp / f.name)
             save_word_tokenizer(tmp, BENCH_MODELS[name]["vocab_size"])
-        else:
+    else:
+
+        def write(tmp: Path) -> None:
             write_llama(tmp, BENCH_MODELS[name], seed=SEED)
+
+    build_atomically(target, write)
+    return target
+
+
+def build_atomically(target: Path, write: Callable[[Path], None]) -> None:
+    """write(a fresh temporary dir beside `target`), then rename it to `target`: atomic, and a
+    concurrent builder may win, which is fine."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; other users' venvs read it too
+    try:
+        write(tmp)
         try:
-            os.replace(tmp, target)  # atomic: a concurrent builder may win, which is fine
+            os.replace(tmp, target)
         except OSError:
             if not (target / "config.json").is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("built benchmark model %s in %s", name, target)
-    return target
+    logger.info("built benchmark model %s", target)
 
 
 def write_llama(path: Path, config: dict[str, Any], *, seed: int = SEED) -> None:
@@ -108,7 +134,21 @@ if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description="Build (once) and print a benchmark model dir.")
-    parser.add_argument("name", nargs="?", default="bench-57m", choices=sorted(BENCH_MODELS))
+    parser.add_argument("name", nargs="?", default="bench-57m", choices=MODEL_PRESETS)
     parser.add_argument("--with-tokenizer", action="store_true", help="the word-tokenizer variant")
+    parser.add_argument("--gguf", choices=["f32", "bf16", "q4_1"], help="smollm2-135m's GGUF file")
+    parser.add_argument("--llamacpp-dir", type=Path, help="llama.cpp source dir (its converter)")
+    parser.add_argument("--convert-python", help="python running the converter (default: this)")
     cli = parser.parse_args()
-    print(bench_model_dir(cli.name, with_tokenizer=cli.with_tokenizer))
+    if cli.gguf:
+        from jaxcb.bench.smollm2 import smollm2_gguf_file
+
+        if cli.name not in REAL_MODELS:
+            parser.error(f"--gguf is for {REAL_MODELS}")
+        print(
+            smollm2_gguf_file(
+                cli.gguf, llamacpp_dir=cli.llamacpp_dir, convert_python=cli.convert_python
+            )
+        )
+    else:
+        print(bench_model_dir(cli.name, with_tokenizer=cli.with_tokenizer))

@@ -29,28 +29,36 @@ def compare_prefix_caching(
         out[f"{key}_on"] = statistics.median(p[key] for p in on)
         out[f"{key}_off"] = statistics.median(p[key] for p in off)
     out["ttft_reduction"] = out["mean_ttft_s_off"] / out["mean_ttft_s_on"]
-    out["tok_s_ratio"] = out["wall_s_off"] / out["wall_s_on"]  # same tokens: 1 / wall time
+    rate_on, rate_off = output_rate(on), output_rate(off)
+    out["tok_s_ratio"] = rate_on / rate_off
     print(
         f"prefix caching on vs off: mean TTFT {out['mean_ttft_s_on']:.2f}s vs "
         f"{out['mean_ttft_s_off']:.2f}s ({out['ttft_reduction']:.1f}x lower); output tok/s "
-        f"{workload.output_tokens / out['wall_s_on']:,.0f} vs "
-        f"{workload.output_tokens / out['wall_s_off']:,.0f} ({out['tok_s_ratio']:.2f}x)"
+        f"{rate_on:,.0f} vs {rate_off:,.0f} ({out['tok_s_ratio']:.2f}x)"
     )
     return out
+
+
+def output_rate(passes: list[dict], extra_tokens: int = 0) -> float:
+    """Median over passes of (the pass's output tokens + `extra_tokens`) per second."""
+    return statistics.median((p["output_tokens"] + extra_tokens) / p["wall_s"] for p in passes)
 
 
 def summarize(
     name: str, passes: list[dict], workload: Workload, flops: float, peak: float | None
 ) -> dict[str, Any]:
-    """Medians of one system's passes."""
+    """Medians of one system's passes. Output tokens are the pass's own: on a natural-length
+    workload, each system's greedy outputs may end at different places (in bfloat16)."""
     wall = statistics.median(p["wall_s"] for p in passes)
     out = dict(
         system=name,
         passes=len(passes),
         wall_s=wall,
         wall_s_all=[p["wall_s"] for p in passes],
-        output_tok_s=workload.output_tokens / wall,
-        total_tok_s=(workload.output_tokens + workload.prompt_tokens) / wall,
+        rate_all=[p["output_tokens"] / p["wall_s"] for p in passes],
+        output_tokens=statistics.median(p["output_tokens"] for p in passes),
+        output_tok_s=output_rate(passes),
+        total_tok_s=output_rate(passes, workload.prompt_tokens),
         useful_gflop_s=flops / wall / 1e9,
     )
     out["mfu"] = out["useful_gflop_s"] / peak if peak else None
@@ -58,12 +66,12 @@ def summarize(
 
 
 def paired_ratios(rows: list[dict[str, Any]]) -> None:
-    """Add `paired_x` to each row: the median over rounds of (its pass time / jaxcb's pass time
+    """Add `paired_x` to each row: the median over rounds of (jaxcb's output tok/s / its own
     in the same round). Passes of one round ran back to back, so a neighbour's load shifts
     both alike: steadier than the ratio of medians when the load swings."""
     base = next((r for r in rows if r["system"] == "jaxcb"), None)
     for r in rows:
-        pairs = list(zip(r["wall_s_all"], base["wall_s_all"], strict=False)) if base else []
+        pairs = list(zip(base["rate_all"], r["rate_all"], strict=False)) if base else []
         r["paired_x"] = statistics.median(a / b for a, b in pairs) if pairs else None
 
 
@@ -88,25 +96,26 @@ def print_report(
 ) -> None:
     """The table of medians, then what each system's info and last pass add to it."""
     base = next((r for r in rows if r["system"] == "jaxcb"), None)
+    ends = "at most" if workload.stops else ""
     print(
         f"\n{workload.name}: {len(workload.requests)} requests, {workload.prompt_tokens:,} "
-        f"prompt + {workload.output_tokens:,} output tokens"
+        f"prompt + {ends}{' ' if ends else ''}{workload.output_tokens:,} output tokens"
     )
-    head = f"{'system':<11}{'passes':>7}{'wall s':>9}{'out tok/s':>11}{'total tok/s':>13}"
-    head += f"{'jaxcb x':>9}{'paired x':>10}{'GFLOP/s':>9}{'MFU':>7}"
+    head = f"{'system':<16}{'out tok':>8}{'passes':>7}{'wall s':>9}{'out tok/s':>11}"
+    head += f"{'total tok/s':>13}{'jaxcb x':>9}{'paired x':>10}{'GFLOP/s':>9}{'MFU':>7}"
     print(head + "\n" + "-" * len(head))
     for r in rows:
         ratio = f"{base['output_tok_s'] / r['output_tok_s']:.2f}" if base else "-"
         paired = f"{r['paired_x']:.2f}" if r.get("paired_x") is not None else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         print(
-            f"{r['system']:<11}{r['passes']:>7}{r['wall_s']:>9.1f}{r['output_tok_s']:>11,.0f}"
+            f"{r['system']:<16}{r['output_tokens']:>8,.0f}{r['passes']:>7}{r['wall_s']:>9.1f}{r['output_tok_s']:>11,.0f}"
             f"{r['total_tok_s']:>13,.0f}{ratio:>9}{paired:>10}{r['useful_gflop_s']:>9.1f}{mfu:>7}"
         )
     print(
-        "(jaxcb x = jaxcb's output tok/s over the row's, from the medians; paired x = the "
-        "median over rounds of the row's pass time over jaxcb's in the same round; GFLOP/s "
-        "counts useful work only)"
+        "(out tok = tokens generated per pass; jaxcb x = jaxcb's output tok/s over the row's, "
+        "from the medians; paired x = the median over rounds of the same ratio within a round; "
+        "GFLOP/s counts useful work only)"
     )
     if peak:
         print(f"matmul peak on the model's shapes (best of before/after): {peak:.0f} GFLOP/s")
@@ -132,11 +141,15 @@ def print_report(
             f"vllm: {v['version']}, binding {v['binding']}, load {v['load_seconds']:.0f}s "
             f"(untimed), {v['python']}"
         )
+    for name, info in infos.items():
+        if name.startswith("llama.cpp"):
+            print(f"{name}: {info['file_type']} {info['gguf']}: {' '.join(info['command'])}")
     if "hf-static" in last:
         raw = last["hf-static"].extra["raw_generated_tokens"]
+        useful = sum(map(len, last["hf-static"].token_ids))
         print(
-            f"hf-static: {raw:,} tokens generated for {workload.output_tokens:,} useful "
-            f"({1 - workload.output_tokens / raw:.1%} wasted on batch padding)"
+            f"hf-static: {raw:,} tokens generated for {useful:,} useful "
+            f"({1 - useful / raw:.1%} wasted on batch padding)"
         )
 
 
@@ -154,6 +167,6 @@ def cross_check(last: dict[str, PassResult]) -> dict[str, dict[str, float]]:
     distinct = statistics.mean(len(set(t)) / len(t) for t in last["jaxcb"].token_ids)
     print(
         f"(distinct tokens per jaxcb output: {distinct:.0%} of its length on average; "
-        "random weights tend to repeat tokens, which makes agreement easier)"
+        "repetitive outputs, as random weights or prompts give, make agreement easier)"
     )
     return agree

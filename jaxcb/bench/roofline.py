@@ -22,16 +22,20 @@ from jaxcb.bench.workloads import Workload
 from jaxcb.models.base import ModelSpec
 
 
-def workload_flops(spec: ModelSpec, workload: Workload) -> dict[str, float]:
-    """Useful FLOPs of serving `workload` on a model of shape `spec`, split by kind."""
+def workload_flops(
+    spec: ModelSpec, workload: Workload, output_lens: list[int] | None = None
+) -> dict[str, float]:
+    """Useful FLOPs of serving `workload` on a model of shape `spec`, split by kind;
+    `output_lens`: the tokens each request really generated (default: its max_tokens)."""
     h, d = spec.hidden_size, spec.head_dim
     layer_weights = h * d * (2 * spec.num_q_heads + 2 * spec.num_kv_heads)  # q, o; k, v
     layer_weights += 3 * h * spec.intermediate_size  # gate, up, down
     fed = sampled = pairs = 0
-    for r in workload.requests:
-        n = len(r.prompt_token_ids) + r.max_tokens - 1  # the last token is never fed back
+    lens = output_lens or [r.max_tokens for r in workload.requests]
+    for r, m in zip(workload.requests, lens, strict=True):
+        n = len(r.prompt_token_ids) + m - 1  # the last token is never fed back
         fed += n
-        sampled += r.max_tokens
+        sampled += m
         pairs += n * (n + 1) // 2  # the token at position p sees p + 1 keys
     out = dict(
         matmul=2.0 * spec.num_layers * layer_weights * fed,

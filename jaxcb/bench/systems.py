@@ -8,14 +8,17 @@ a noisy neighbour slows them alike.
 
 To add a system, write a class with `name`, `info()`, `run_pass()` and `close()` and register
 its constructor in `SYSTEMS`. vLLM is one: it runs in its own venv (never a jaxcb dependency),
-as a subprocess (bench/vllm_runner.py) started in `__init__` and driven one pass at a time.
+as a subprocess (bench/vllm_runner.py) started in `__init__` and driven one pass at a time;
+llama.cpp another: a `llama-server` binary started in `__init__`, sent each pass over HTTP.
 
 Every system must return, per request in workload order, exactly `max_tokens` greedy tokens
-(EOS ignored); `check_lengths` enforces it, so a system that stopped early is an error rather
-than a flattering number.
+(EOS ignored), or, on a natural-length workload, the tokens up to and including the first stop
+token; `check_lengths` enforces it, so a system that stopped early is an error rather than a
+flattering number.
 
-The systems live one family per module (jaxcb_system.py, hf_systems.py, vllm_system.py) on
-the shared pieces of base.py; this module registers them and re-exports what the scripts use.
+The systems live one family per module (jaxcb_system.py, hf_systems.py, vllm_system.py,
+llamacpp_system.py) on the shared pieces of base.py; this module registers them and
+re-exports what the scripts use.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 from jaxcb.bench.base import BenchContext, Log, PassResult, System, check_lengths
 from jaxcb.bench.hf_systems import HFContinuousBatching, HFStaticBatching
 from jaxcb.bench.jaxcb_system import JaxcbSystem, engine_stats_delta, latency_summary
+from jaxcb.bench.llamacpp_system import LlamaCppSystem
 from jaxcb.bench.vllm_system import VLLM_RUNNER, VLLMSystem, vllm_environment
 
 __all__ = [
@@ -36,6 +40,7 @@ __all__ = [
     "HFContinuousBatching",
     "HFStaticBatching",
     "JaxcbSystem",
+    "LlamaCppSystem",
     "Log",
     "PassResult",
     "System",
@@ -54,6 +59,7 @@ SYSTEMS: dict[str, Callable[[BenchContext], System]] = {
     "hf-cb": HFContinuousBatching,
     "hf-static": HFStaticBatching,
     "vllm": VLLMSystem,
+    "llama.cpp": LlamaCppSystem,
 }
 
 

@@ -5,8 +5,10 @@ standard library only, never jaxcb (which is not installed there). jaxcb never d
 
     <vllm-venv>/bin/python vllm_runner.py --model DIR --dtype float32 --requests FILE
 
-FILE is JSON: {"prompts": [[token ids], ...], "max_tokens": [int, ...], "warmup": k}. Every
-request is greedy with EOS ignored, its prompt given as token ids (`skip_tokenizer_init`, so
+FILE is JSON: {"prompts": [[token ids], ...], "max_tokens": [int, ...], "warmup": k,
+"ignore_eos": bool, "stop_token_ids": [int, ...], "prefix_caching": bool} (the last three
+default to true, [], true). Every request is greedy, with EOS ignored or stopping at the stop
+ids, its prompt given as token ids (`skip_tokenizer_init`, so
 a model directory without a tokenizer works). The runner loads the model, serves the first k
 requests once untimed, and prints {"event": "ready", ...}; then each "pass" line on stdin
 resets the prefix cache (every pass sends the same prompts), times one `generate` over all
@@ -44,8 +46,16 @@ def main() -> int:
     with open(args.requests) as f:
         spec = json.load(f)
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
+    ignore_eos = bool(spec.get("ignore_eos", True))
+    stops = [] if ignore_eos else list(spec.get("stop_token_ids", []))
     params = [
-        SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, detokenize=False)
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=m,
+            ignore_eos=ignore_eos,
+            stop_token_ids=stops,
+            detokenize=False,
+        )
         for m in spec["max_tokens"]
     ]
     start = time.perf_counter()
@@ -54,6 +64,7 @@ def main() -> int:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         skip_tokenizer_init=True,
+        enable_prefix_caching=bool(spec.get("prefix_caching", True)),
         seed=0,
     )
     load_s = time.perf_counter() - start

@@ -45,7 +45,8 @@ class VLLMSystem:
     """vLLM's offline `LLM.generate` in its own venv (`--vllm-python`), run by
     bench/vllm_runner.py in a subprocess that loads the model once, then times one pass each
     time `run_pass` asks. Token-id prompts, `skip_tokenizer_init`, prefix cache reset per
-    pass, max_model_len 2048 as BENCHMARKS.md runs it (more if the workload needs it)."""
+    pass (or off, as the context says), max_model_len 2048 as BENCHMARKS.md runs it (more if
+    the workload needs it)."""
 
     name = "vllm"
     READY_TIMEOUT_S = 900.0  # loading + torch.compile on a busy 2-core machine
@@ -55,6 +56,7 @@ class VLLMSystem:
         if ctx.vllm_python is None:
             raise ValueError("the vllm system needs --vllm-python (the python of vLLM's venv)")
         self.log, self.requests = ctx.log, ctx.workload.requests
+        self.stops = ctx.workload.stops
         self.python, self.binding = Path(ctx.vllm_python), ctx.vllm_binding
         self.tmp = tempfile.TemporaryDirectory(prefix="jaxcb-vllm-")
         spec = Path(self.tmp.name) / "requests.json"
@@ -64,6 +66,9 @@ class VLLMSystem:
                     prompts=[r.prompt_token_ids for r in self.requests],
                     max_tokens=[r.max_tokens for r in self.requests],
                     warmup=ctx.warmup_requests,
+                    ignore_eos=ctx.workload.ignore_eos,
+                    stop_token_ids=list(self.stops),
+                    prefix_caching=ctx.prefix_caching,
                 )
             )
         )
@@ -128,7 +133,7 @@ class VLLMSystem:
         self.proc.stdin.flush()
         message = self._receive("pass", self.PASS_TIMEOUT_S)
         token_ids = message["token_ids"]
-        check_lengths(self.name, token_ids, self.requests)
+        check_lengths(self.name, token_ids, self.requests, self.stops)
         return PassResult(message["wall_s"], token_ids)
 
     def close(self) -> None:

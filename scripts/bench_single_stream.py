@@ -1,0 +1,232 @@
+"""Single-stream decode: one request, 256 greedy tokens, time per output token, jaxcb against
+llama.cpp (and vLLM) at equal precision, on the same weights and the same prompt.
+
+The prompt is the first short question of the chat workload (chat-templated token ids, ~40
+tokens), EOS ignored, --max-tokens output tokens. Each system serves it --repeats times after
+an untimed warm-up, taking turns; medians are reported:
+
+  wall ms/tok     the request's wall time over its output tokens (prefill included; the same
+                  definition for every system)
+  decode ms/tok   the system's own decode time per token, prefill excluded: jaxcb's mean
+                  inter-token latency (engine clock), llama-server's timings.predicted_per_token_ms
+  llama-bench     `llama-bench -m FILE -n N -p 0 -t 2 -r R -o json` (tg N from an empty
+                  context, llama.cpp's own figure; with --llamacpp-bench)
+
+    python scripts/bench_single_stream.py --model smollm2-135m --dtype float32 \\
+        --llamacpp-server <llama.cpp>/build/bin/llama-server --llamacpp-bench \\
+        --llamacpp-gguf f32,q4_1 --json out/single.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+try:
+    import jaxcb  # noqa: F401
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jaxcb.bench.cli import (
+    add_config_overrides,
+    add_llamacpp_args,
+    add_workload_args,
+    args_record,
+    config_overrides,
+    llamacpp_context,
+    load_model_and_workload,
+    make_log,
+)
+from jaxcb.bench.llamacpp_system import KV_TYPES
+from jaxcb.bench.systems import SYSTEMS, BenchContext, environment
+from jaxcb.bench.workloads import single_request
+
+log = make_log()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_workload_args(parser, default_workload="chat-fixed")
+    parser.add_argument("--max-tokens", type=int, default=256, help="output tokens (%(default)s)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed requests (%(default)s)")
+    parser.add_argument("--systems", default="jaxcb,llama.cpp", help="comma list (%(default)s)")
+    parser.add_argument("--vllm-python", type=Path, help="python of vLLM's venv (adds vllm)")
+    parser.add_argument(
+        "--llamacpp-bench", action="store_true", help="also run llama-bench beside llama-server"
+    )
+    parser.add_argument("--json", type=Path, help="write the results here")
+    add_llamacpp_args(parser)
+    add_config_overrides(parser)
+    args = parser.parse_args(argv)
+    args.systems = [s for s in args.systems.split(",") if s]
+    if args.vllm_python and "vllm" not in args.systems:
+        args.systems.append("vllm")
+    bad = [s for s in args.systems if s not in ("jaxcb", "llama.cpp", "vllm")]
+    if bad:
+        parser.error(f"unknown --systems {bad}; choose from jaxcb, llama.cpp, vllm")
+    if ("llama.cpp" in args.systems or args.llamacpp_bench) and not args.llamacpp_server:
+        parser.error("llama.cpp needs --llamacpp-server")
+    if args.repeats < 1 or args.max_tokens < 2:
+        parser.error("--repeats must be >= 1 and --max-tokens >= 2")
+    args.llamacpp_ggufs = [g for g in (args.llamacpp_gguf or "").split(",") if g] or [None]
+    return args
+
+
+def decode_ms(name: str, extra: dict[str, Any], tokens: int) -> float | None:
+    """The system's own decode time per token (prefill excluded), if it reports one."""
+    if name == "jaxcb":
+        return 1e3 * extra["mean_itl_s"]
+    if name.startswith("llama.cpp") and extra.get("server_predicted_ms"):
+        return extra["server_predicted_ms"] / (tokens - 1)  # the first token comes with prefill
+    return None
+
+
+def llama_bench(args: argparse.Namespace, gguf: Path, file_type: str) -> dict[str, Any]:
+    """llama-bench's tg figure on `gguf` (tokens/s, averaged over --repeats), its KV cache
+    in the weights' precision as the server's."""
+    binary = Path(args.llamacpp_server).with_name("llama-bench")
+    cmd = [str(binary), "-m", str(gguf), "-n", str(args.max_tokens), "-p", "0"]
+    cmd += ["-t", str(args.llamacpp_threads), "-r", str(args.repeats), "-o", "json"]
+    if file_type in KV_TYPES:
+        cmd += ["-ctk", KV_TYPES[file_type], "-ctv", KV_TYPES[file_type]]
+    log(" ".join(cmd))
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return parse_llama_bench(done.stdout) | dict(command=cmd)
+
+
+def parse_llama_bench(stdout: str) -> dict[str, Any]:
+    """The tg row of `llama-bench -o json`: tokens/s (mean, stdev) and ms per token."""
+    rows = [r for r in json.loads(stdout) if r.get("n_gen", 0) > 0 and r.get("n_prompt", 0) == 0]
+    if not rows:
+        raise RuntimeError(f"llama-bench printed no generation row: {stdout[:500]}")
+    row = rows[0]
+    return dict(
+        tok_s=row["avg_ts"], tok_s_stdev=row.get("stddev_ts"), ms_per_token=1e3 / row["avg_ts"]
+    )
+
+
+def build(args: argparse.Namespace, ctx: BenchContext) -> dict[str, Any]:
+    """The systems, in turn order (llama.cpp once per GGUF file, one slot)."""
+    systems: dict[str, Any] = {}
+    try:
+        for name in args.systems:
+            variants = [(name, ctx)]
+            if name == "llama.cpp":
+                variants = [
+                    (f"llama.cpp-{g or 'dtype'}", replace(ctx, llamacpp_gguf_choice=g))
+                    for g in args.llamacpp_ggufs
+                ]
+            for row, row_ctx in variants:
+                log(f"building {row} ...")
+                systems[row] = SYSTEMS[name](row_ctx)
+    except BaseException:
+        for system in systems.values():
+            system.close()
+        raise
+    return systems
+
+
+def run(args: argparse.Namespace, systems: dict[str, Any], tokens: int) -> dict[str, list]:
+    """--repeats rounds, the systems taking turns: (wall ms/tok, decode ms/tok) per pass."""
+    passes: dict[str, list] = {n: [] for n in systems}
+    for round_ in range(args.repeats):
+        for name, system in systems.items():
+            result = system.run_pass()
+            passes[name].append(
+                (1e3 * result.wall_s / tokens, decode_ms(name, result.extra, tokens))
+            )
+            log(f"{name} {round_ + 1}/{args.repeats}: {passes[name][-1][0]:.2f} ms/tok (wall)")
+    return passes
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_dir, _, workload = load_model_and_workload(args)
+    workload = single_request(workload, args.max_tokens)
+    overrides = config_overrides(args, workload.max_seq_len, log)
+    ctx = BenchContext(
+        model_dir=model_dir,
+        workload=workload,
+        dtype=args.dtype,
+        log=log,
+        jaxcb_config=args.config,
+        jaxcb_overrides=overrides,
+        warmup_requests=1,
+        vllm_python=args.vllm_python,
+        **(llamacpp_context(args) | dict(llamacpp_parallel=1)),
+    )
+    log(f"model {model_dir}; one request: {workload.prompt_tokens} prompt + {args.max_tokens}")
+    systems = build(args, ctx)
+    try:
+        passes = run(args, systems, args.max_tokens)
+        infos = {n: s.info() for n, s in systems.items()}
+        ggufs = {
+            n: (Path(i["gguf"]), i["file_type"]) for n, i in infos.items() if n.startswith("llama")
+        }
+    finally:
+        for system in systems.values():
+            system.close()
+    bench = {n: llama_bench(args, *g) for n, g in ggufs.items()} if args.llamacpp_bench else {}
+    rows = summarize(passes, infos, bench, args.dtype)
+    print_table(rows, args)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        record = dict(
+            args=args_record(args),
+            workload=workload.summary(),
+            infos=infos,
+            passes=passes,
+            llama_bench=bench,
+            results=rows,
+            environment=environment(),
+        )
+        args.json.write_text(json.dumps(record, indent=2, default=str) + "\n")
+        log(f"wrote {args.json}")
+    return 0
+
+
+def summarize(
+    passes: dict[str, list], infos: dict, bench: dict, dtype: str
+) -> list[dict[str, Any]]:
+    """Medians per system, with llama-bench's figure beside each llama.cpp row."""
+    rows = []
+    for name, ps in passes.items():
+        decode = [d for _, d in ps if d is not None]
+        rows.append(
+            dict(
+                system=name,
+                precision=infos[name].get("file_type", dtype),
+                wall_ms_per_token=statistics.median(w for w, _ in ps),
+                decode_ms_per_token=statistics.median(decode) if decode else None,
+                llama_bench_ms_per_token=bench.get(name, {}).get("ms_per_token"),
+            )
+        )
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(f"\none request, {args.max_tokens} tokens, {args.dtype} (jaxcb, vLLM), medians")
+    head = f"{'system':<20}{'weights':>10}{'wall ms/tok':>13}{'decode ms/tok':>15}"
+    head += f"{'tok/s':>8}{'llama-bench ms/tok':>20}"
+    print(head + "\n" + "-" * len(head))
+    for r in rows:
+        per_token = r["decode_ms_per_token"] or r["wall_ms_per_token"]
+        decode = f"{r['decode_ms_per_token']:.2f}" if r["decode_ms_per_token"] else "-"
+        bench = r["llama_bench_ms_per_token"]
+        print(
+            f"{r['system']:<20}{r['precision']:>10}{r['wall_ms_per_token']:>13.2f}{decode:>15}"
+            f"{1e3 / per_token:>8.1f}{f'{bench:.2f}' if bench else '-':>20}"
+        )
+    print("(tok/s from decode ms/tok where the system reports it, else from wall ms/tok)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
