@@ -150,7 +150,21 @@ def prepare_cpu_params(
         return params, infos
     params, infos = _embed_as_bits(params, infos)
     if pack:
+        params, infos = _untie_lm_head(params, infos)
         params = _pack_weights(params, infos, pack, greedy_screen=greedy_screen)
+    return params, infos
+
+
+def _untie_lm_head(params: Params, infos: Params) -> tuple[Params, Params]:
+    """A tied embedding's transposed copy as lm_head, so the native kernel (and its greedy
+    screen) runs the output head: XLA's dot over the embedding table ran SmolLM2's float32
+    head (49152 x 576) at a third of the memory bandwidth, 6.9 of a 19 ms decode step."""
+    if "lm_head" in params:
+        return params, infos
+    params, infos = dict(params), dict(infos)
+    params["lm_head"] = np.ascontiguousarray(np.asarray(params["embed"]).T)
+    table = infos["embed"]
+    infos["lm_head"] = ParamInfo(table.shape[::-1], table.axes[::-1], matmul=True)
     return params, infos
 
 
@@ -159,11 +173,7 @@ def _embed_as_bits(params: Params, infos: Params) -> tuple[Params, Params]:
     if embed.dtype != jnp.bfloat16:
         return params, infos
     # Arrays restored from an orbax checkpoint are on the (CPU) devices: read them back.
-    params, infos = dict(params), dict(infos)
-    if "lm_head" not in params:
-        params["lm_head"] = np.ascontiguousarray(np.asarray(embed).T)
-        table = infos["embed"]
-        infos["lm_head"] = ParamInfo(table.shape[::-1], table.axes[::-1], matmul=True)
+    params, infos = _untie_lm_head(dict(params), dict(infos))
     params["embed"] = np.asarray(embed).view(np.uint16)
     return params, infos
 
