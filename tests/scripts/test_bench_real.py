@@ -273,3 +273,18 @@ def test_flags_and_presets(tmp_path, chat_model):
     assert one.requests[0].prompt_token_ids in [r.prompt_token_ids for r in workload.requests]
     rows = [{"n_prompt": 0, "n_gen": 256, "avg_ts": 125.0, "stddev_ts": 1.5}]
     assert single.parse_llama_bench(json.dumps(rows))["ms_per_token"] == pytest.approx(8.0)
+
+
+def test_bench_profile_splits_each_step_by_kind(tmp_path, chat_model):
+    """bench_profile.py on the tiny model: every step traced, its ops sorted into kinds."""
+    profile = load("bench_profile")
+    out = tmp_path / "profile.json"
+    config = SCRIPTS.parent / "configs" / "tiny-cpu.yaml"
+    argv = ["--model", str(chat_model), "--config", str(config), "--single"]
+    assert profile.main([*argv, "--max-tokens", "6", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    decode, prefill = record["phases"]["decode"], record["phases"]["prefill"]
+    assert decode["steps"] == 5 and prefill["steps"] == 1 and len(record["steps"]) == 6
+    for phase in (decode, prefill):
+        assert phase["matmul"] > 0 and phase["attention"] > 0 and phase["lm_head"] > 0
+        assert phase["span"] <= phase["execute"] <= phase["step"]
