@@ -81,6 +81,7 @@ from jaxcb.bench.cli import (
     args_record,
     config_overrides,
     llamacpp_context,
+    llamacpp_ggufs,
     load_model_and_workload,
     make_log,
 )
@@ -198,7 +199,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--vllm-python {args.vllm_python} does not exist")
     if "llama.cpp" in args.systems and args.llamacpp_server is None:
         parser.error("the llama.cpp system needs --llamacpp-server (see docs/benchmarks.md)")
-    args.llamacpp_ggufs = [g for g in (args.llamacpp_gguf or "").split(",") if g] or [None]
+    args.llamacpp_ggufs = llamacpp_ggufs(args)
     if args.trace and "jaxcb" not in args.systems:
         parser.error("--trace records jaxcb's steps: add jaxcb to --systems")
     if min(args.repeats, args.hf_repeats, args.hf_static_batch_size) < 1:

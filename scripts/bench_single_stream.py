@@ -40,6 +40,7 @@ from jaxcb.bench.cli import (
     args_record,
     config_overrides,
     llamacpp_context,
+    llamacpp_ggufs,
     load_model_and_workload,
     make_log,
 )
@@ -76,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("llama.cpp needs --llamacpp-server")
     if args.repeats < 1 or args.max_tokens < 2:
         parser.error("--repeats must be >= 1 and --max-tokens >= 2")
-    args.llamacpp_ggufs = [g for g in (args.llamacpp_gguf or "").split(",") if g] or [None]
+    args.llamacpp_ggufs = llamacpp_ggufs(args)
     return args
 
 

@@ -8,6 +8,7 @@ all import it.
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,3 +125,15 @@ def cut_at_stop(tokens: list[int], stop_token_ids: Collection[int]) -> list[int]
         if t in stop_token_ids:
             return tokens[: i + 1]
     return tokens
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Terminate `proc` if it still runs, then kill it if it has not exited in `timeout` s."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -183,3 +183,8 @@ def llamacpp_context(args: argparse.Namespace) -> dict[str, Any]:
         llamacpp_threads=args.llamacpp_threads,
         llamacpp_extra_args=args.llamacpp_args.split(),
     )
+
+
+def llamacpp_ggufs(args: argparse.Namespace) -> list[str | None]:
+    """--llamacpp-gguf's comma list (None: the --dtype's file), one llama.cpp row each."""
+    return [g for g in (args.llamacpp_gguf or "").split(",") if g] or [None]

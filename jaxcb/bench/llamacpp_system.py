@@ -29,7 +29,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from jaxcb.bench.base import BenchContext, PassResult, check_lengths
+from jaxcb.bench.base import BenchContext, PassResult, check_lengths, stop_process
 from jaxcb.bench.serving_client import post_stream
 from jaxcb.bench.workloads import BenchRequest
 
@@ -122,13 +122,7 @@ class LlamaCppServer:
         return f"llama-server {what}; the end of its log ({self.log_path}):\n{tail}"
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self._log.close()
 
 

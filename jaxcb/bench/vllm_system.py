@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jaxcb.bench.base import BenchContext, PassResult, check_lengths
+from jaxcb.bench.base import BenchContext, PassResult, check_lengths, stop_process
 
 VLLM_RUNNER = Path(__file__).with_name("vllm_runner.py")
 
@@ -143,10 +143,6 @@ class VLLMSystem:
                 self.proc.stdin.close()
                 self.proc.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired):
-                self.proc.terminate()
-                try:
-                    self.proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
+                stop_process(self.proc)
         self._log_file.close()
         self.tmp.cleanup()
