@@ -114,13 +114,9 @@ def take_passage(topic: Topic, target: int, rng: random.Random, tokenizer: Any) 
 
 def stop_token_ids(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:
     """The model's EOS ids (generation_config.json, the tokenizer) and END_TOKENS it has."""
-    import json
+    from jaxcb.models.weights import generation_eos
 
-    ids = set()
-    gen = Path(model_dir) / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    ids = generation_eos(Path(model_dir))
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     vocab = tokenizer.get_vocab()

@@ -8,7 +8,6 @@ or a GGUF file (models/gguf.py), whose metadata holds the config, tokenizer and 
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +23,13 @@ from jaxcb.models.gguf import GGUFFile, is_gguf_path
 from jaxcb.models.gguf_tokenizer import gguf_tokenizer
 from jaxcb.models.hub import download, looks_like_hub_id
 from jaxcb.models.registry import spec_from_gguf, spec_from_hf_config
-from jaxcb.models.weights import CheckpointTensors, ModelLoadError, read_hf_config, read_safetensors
+from jaxcb.models.weights import (
+    CheckpointTensors,
+    ModelLoadError,
+    generation_eos,
+    read_hf_config,
+    read_safetensors,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +95,7 @@ def load_model(
     else:
         params = load_params(path, spec, dtype)
     tokenizer = load_tokenizer(Path(tokenizer_path) if tokenizer_path else path)
-    eos = _eos_ids(spec, _generation_eos(path), tokenizer)
+    eos = _eos_ids(spec, generation_eos(path), tokenizer)
     return LoadedModel(path, spec, params, tokenizer, eos, random_weights, fmt)
 
 
@@ -120,18 +125,6 @@ def _eos_ids(spec: ModelSpec, more: set[int], tokenizer: Any | None) -> tuple[in
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     return tuple(sorted(eos))
-
-
-def _generation_eos(model_dir: Path) -> set[int]:
-    """The EOS ids of the directory's generation_config.json (none without one)."""
-    gen_path = model_dir / "generation_config.json"
-    if not gen_path.is_file():
-        return set()
-    try:
-        gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{gen_path} is not valid JSON: {exc}") from exc
-    return set(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
 
 
 def load_params(model_dir: str | Path, spec: ModelSpec, dtype: Any) -> Params:

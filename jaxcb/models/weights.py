@@ -92,6 +92,18 @@ class ConfigFields:
         return ModelLoadError(f"{self.source}: {key} must be {kind}, got {value!r}")
 
 
+def generation_eos(model_dir: Path) -> set[int]:
+    """The EOS ids of the directory's generation_config.json (none without one)."""
+    gen_path = model_dir / "generation_config.json"
+    if not gen_path.is_file():
+        return set()
+    try:
+        gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{gen_path} is not valid JSON: {exc}") from exc
+    return set(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
+
+
 def _safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
