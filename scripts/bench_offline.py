@@ -83,6 +83,7 @@ from jaxcb.bench.cli import (
     llamacpp_context,
     llamacpp_ggufs,
     load_model_and_workload,
+    machine_record,
     make_log,
 )
 from jaxcb.bench.offline_report import (
@@ -308,6 +309,7 @@ def system_flops(spec, workload, result) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    machine = machine_record()
     if args.torch_threads:
         import torch
 
@@ -353,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         record = dict(
             args=args_record(args),
+            machine=machine,
             model=dict(dir=str(model_dir), params=num_params(spec)),
             workload=workload.summary(),
             useful_flops=flops,

@@ -36,6 +36,7 @@ from jaxcb.bench.cli import (
     args_record,
     config_overrides,
     load_model_and_workload,
+    machine_record,
     make_log,
 )
 from jaxcb.bench.trace import recording
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxcb import LLM, SamplingParams
 
     args = parse_args(argv)
+    machine = machine_record()
     model_dir, _, workload = load_model_and_workload(args)
     if args.single:
         workload = single_request(workload, args.max_tokens or 256)
@@ -180,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        record = dict(args=args_record(args), phases=phases, steps=rows)
+        record = dict(args=args_record(args), machine=machine, phases=phases, steps=rows)
         args.json.write_text(json.dumps(record, indent=1) + "\n")
     return 0
 

@@ -43,6 +43,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from jaxcb.bench.cli import machine_record
 from jaxcb.bench.serving_client import (
     Endpoint,
     SampleRequest,
@@ -293,6 +294,7 @@ async def benchmark(args: argparse.Namespace, requests: list[SampleRequest]) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    machine = machine_record()  # the client's machine: the server's too when local
     requests = sample_requests(args)
     result = asyncio.run(benchmark(args, requests))
     if args.save_result:
@@ -310,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             max_concurrency=args.max_concurrency,
             goodput=args.goodput_slos,
             seed=args.seed,
+            machine=machine,
             **dict(kv.split("=", 1) for kv in args.metadata if "=" in kv),
             **result,
         )

@@ -42,6 +42,7 @@ from jaxcb.bench.cli import (
     llamacpp_context,
     llamacpp_ggufs,
     load_model_and_workload,
+    machine_record,
     make_log,
 )
 from jaxcb.bench.llamacpp_system import KV_TYPES
@@ -152,6 +153,7 @@ def run(args: argparse.Namespace, systems: dict[str, Any], tokens: int) -> dict[
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    machine = machine_record()
     model_dir, _, workload = load_model_and_workload(args)
     workload = single_request(workload, args.max_tokens)
     overrides = config_overrides(args, workload.max_seq_len, log)
@@ -184,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         record = dict(
             args=args_record(args),
+            machine=machine,
             workload=workload.summary(),
             infos=infos,
             passes=passes,

@@ -44,6 +44,7 @@ from jaxcb.bench.cli import (
     args_record,
     config_overrides,
     load_model_and_workload,
+    machine_record,
     make_log,
 )
 from jaxcb.bench.offline_report import output_rate
@@ -134,6 +135,7 @@ def print_table(rows: list[dict], workload, same_tokens: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    machine = machine_record()
     model_dir, _, workload = load_model_and_workload(args)
     log(
         f"model {model_dir}; workload {workload.name}: {len(workload.requests)} requests; "
@@ -200,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         record = dict(
             args=args_record(args),
+            machine=machine,
             workload=workload.summary(),
             modes={m: dict(info=infos[m], passes=passes[m]) for m in args.modes},
             results=rows,

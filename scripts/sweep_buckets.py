@@ -41,6 +41,7 @@ from jaxcb.bench.cli import (
     args_record,
     config_overrides,
     load_model_and_workload,
+    machine_record,
     make_log,
 )
 from jaxcb.bench.offline_report import output_rate
@@ -237,6 +238,7 @@ def set_rows(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    machine = machine_record()
     model_dir, _, workload = load_model_and_workload(args)
     # The preset's buckets are replaced by each set's (and must not clash with the flags).
     overrides = config_overrides(args, workload.max_seq_len, log, base=dict(token_buckets=None))
@@ -263,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         record = dict(
             args=args_record(args),
+            machine=machine,
             workload=workload.summary(),
             sets={n: dict(info=infos[n], passes=passes[n]) for n in sets},
             results=rows,

@@ -4,6 +4,7 @@ sweep_buckets): model, workload, dtype, jaxcb preset and one flag per jaxcb conf
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -130,6 +131,28 @@ def load_model_and_workload(args: argparse.Namespace) -> tuple[Path, Any, Worklo
         model_dir=model_dir,
     )
     return model_dir, spec, workload
+
+
+def machine_record() -> dict[str, Any]:
+    """The CPU a figure was taken on (model, the flags that pick jaxcb's kernels) and the ISA
+    level jaxcb's native kernels ran at: every benchmark prints it and stores it in its JSON."""
+    from jaxcb.native import build
+
+    flags = build.cpu_flags()
+    record = {
+        "cpu": build.cpu_model(),
+        "flags": [f for f in build.RELEVANT_FLAGS if f in flags],
+        "isa_level": build.active_level(),
+        "isa_cap": os.environ.get(build.ISA_ENV) or None,
+        "cores": os.cpu_count(),
+    }
+    print(
+        f"machine: {build.cpu_summary()}, {record['cores']} cores; jaxcb's native kernels at "
+        f"{record['isa_level']}"
+        + (f" ({build.ISA_ENV}={record['isa_cap']})" if record["isa_cap"] else ""),
+        flush=True,
+    )
+    return record
 
 
 def args_record(args: argparse.Namespace) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from jaxcb.config.values import check_types as _check_types
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "native", "xla", "pallas", "pallas-tpu", "pallas-gpu")
-MATMUL_BACKENDS = ("auto", "amx", "avx512_bf16", "avx512", "xla")
+MATMUL_BACKENDS = ("auto", "amx", "avx512_bf16", "avx512", "avx2_bf16", "avx2", "xla")
 SCHEDULING_POLICIES = ("fcfs", "priority", "srpf")
 BATCHING_MODES = ("continuous", "static", "dynamic")
 
@@ -63,7 +63,8 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64  # running requests at most
     max_num_batched_tokens: int = 512  # tokens per step at most (the largest bucket)
-    # Precompiled token buckets; None = powers of two from 16 up to max_num_batched_tokens.
+    # Precompiled token buckets; None = powers of two from 16 (from 1 where XLA's CPU dots
+    # run the matmuls: they compute padding rows) up to max_num_batched_tokens.
     token_buckets: tuple[int, ...] | None = None
     # Sequence-row sizes compiled for each token bucket besides min(T, max_num_seqs): a step
     # with few sequences (a lone prompt's prefill) then runs the lm_head and sampling on few
@@ -144,10 +145,13 @@ class KernelConfig:
 
     Matmul path: "amx" (jaxcb's native bf16 kernel on AMX tiles, weights packed at load: CPU,
     bfloat16 weights, no tensor parallelism), "avx512_bf16" (the same with AVX512-BF16 dot
-    products, for CPUs without AMX), "avx512" (float32 weights, AVX-512 FMAs), "xla", or
-    "auto" (the first native kernel that can run, else xla).
+    products, for CPUs without AMX), "avx512" (float32 weights, AVX-512 FMAs), "avx2_bf16"
+    (bfloat16 weights widened to float32 in AVX2 registers: any x86 CPU with AVX2 + FMA),
+    "avx2" (float32 weights, AVX2 FMAs), "xla", or "auto" (the first native kernel that can
+    run, else xla). The environment variable JAXCB_CPU_ISA (avx2, avx512, ...) caps what
+    "auto" and the native attention may use.
 
-    greedy_screen: with "avx512" on a CPU that also has AVX512-BF16, steps whose rows are all
+    greedy_screen: with a float32 native kernel ("avx512", "avx2"), steps whose rows are all
     greedy (no sampling, penalties or logprobs) find each row's token with a bf16 LM head
     and recompute in float32 only the few columns that could hold its maximum: the same
     tokens as the float32 LM head at about half its cost (a bf16 copy of lm_head in memory)."""
@@ -155,7 +159,7 @@ class KernelConfig:
     SECTION: ClassVar[str] = "kernels"
 
     attention: str = "auto"  # auto | native | xla | pallas | pallas-tpu | pallas-gpu
-    matmul: str = "auto"  # auto | amx | avx512_bf16 | avx512 | xla
+    matmul: str = "auto"  # auto | amx | avx512_bf16 | avx512 | avx2_bf16 | avx2 | xla
     greedy_screen: bool = True
 
     def __post_init__(self) -> None:

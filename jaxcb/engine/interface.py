@@ -86,6 +86,9 @@ class EngineInfo:
     compile_seconds: float
     compile_seconds_per_bucket: dict[int, float] = field(default_factory=dict)
     compile_cache: dict[str, Any] = field(default_factory=dict)
+    # On CPU: the CPU and its relevant flags, the ISA level the native kernels run at, and
+    # each native matmul kernel with why it is not the one in use ("in use" for that one).
+    cpu_kernels: dict[str, Any] = field(default_factory=dict)
 
     @property
     def token_buckets(self) -> list[int]:

@@ -370,6 +370,11 @@ class LLMEngine(Engine):
             "compile_seconds": info.compile_seconds,
             "compile_cache": dict(info.compile_cache),
             "compile_seconds_per_bucket": dict(info.compile_seconds_per_bucket),
+            "kernels": {
+                "attention": info.attention_backend,
+                "matmul": info.matmul_backend,
+                **info.cpu_kernels,
+            },
             "preemptions": s["preemptions"],
             "failed": s["failed"],
             "prefix_queries": queries,

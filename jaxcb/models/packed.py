@@ -2,10 +2,10 @@
 
 Every family multiplies through `matmul` (and `swiglu` / `lm_head` where it fits): a plain
 [in, out] weight goes to XLA (`layers.dense`); a weight packed for one of jaxcb's native CPU
-kernels, stored as {kernel: packed} ("amx" or "avx512_bf16" for bfloat16, "avx512" for
-float32; jaxcb.native.PACKED_MATMULS), goes to that kernel. The runner decides (through
-`matmul_backend`) and packs once at load (`prepare_cpu_params`), so the forward code is the
-same on every backend.
+kernels, stored as {kernel: packed} ("amx", "avx512_bf16" or "avx2_bf16" for bfloat16,
+"avx512" or "avx2" for float32; jaxcb.native.PACKED_MATMULS), goes to that kernel. The
+runner decides (through `matmul_backend`) and packs once at load (`prepare_cpu_params`), so
+the forward code is the same on every backend.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ Weight = jax.Array | dict[str, jax.Array]
 
 def matmul(x: jax.Array, w: Weight, rows: jax.Array | None = None) -> jax.Array:
     """x @ w for a [in, ...] weight viewed as [in, out] (float32 result), or a weight packed
-    for a native kernel ({"amx" | "avx512_bf16" | "avx512": packed}). `rows` (i32 scalar):
-    how many leading rows of x are real, the rest a bucket's padding; the native kernels skip
-    the padding and return zeros there, other paths compute it."""
+    for a native kernel ({kernel name: packed}). `rows` (i32 scalar): how many leading rows of
+    x are real, the rest a bucket's padding; the native kernels skip the padding and return
+    zeros there, XLA computes it."""
     if isinstance(w, dict):
         ((kernel, packed),) = w.items()
         return native.PACKED_MATMULS[kernel].kernel(x, packed, rows)
@@ -77,9 +77,11 @@ def lm_head(
     if "lm_head_screen" not in params:
         return exact(h)
 
+    ((kernel, packed),) = weight.items()
+
     def screened(h: jax.Array) -> tuple[jax.Array, jax.Array]:  # the same tokens
         return native.matmul_argmax_screened_f32(
-            h, weight["avx512"], params["lm_head_screen"], rows
+            h, packed, params["lm_head_screen"], rows, kernel=kernel
         )
 
     return jax.lax.cond(need_logits, exact, screened, h)
@@ -105,32 +107,54 @@ def embed_lookup(embed: jax.Array, input_ids: jax.Array) -> jax.Array:
 
 def matmul_backend(name: str, *, dtype: Any, tensor_parallel_size: int) -> str:
     """The matmul path for `kernels.matmul` = name: one of jaxcb's native CPU kernels over
-    packed weights ("amx" or "avx512_bf16" for bfloat16 weights on a CPU with AMX or with
-    AVX512-BF16, "avx512" for float32 weights on a CPU with AVX-512; one device per replica)
-    or "xla". "auto" picks the first native kernel that can run, else xla; a native kernel
-    named where it cannot run is a ValueError saying why."""
-
-    def reasons(kernel: str) -> list[str]:
-        spec = native.PACKED_MATMULS[kernel]
-        found = []
-        if jax.default_backend() != "cpu":
-            found.append(f"the platform is {jax.default_backend()}, not cpu")
-        if jnp.dtype(dtype) != jnp.dtype(spec.dtype):
-            want = jnp.dtype(spec.dtype).name
-            found.append(f"the weights are {jnp.dtype(dtype).name}, not {want}")
-        if tensor_parallel_size > 1:
-            found.append("tensor parallelism shards the weights (the kernel is per device)")
-        if not found and not spec.available():
-            found.append(f"this CPU, compiler or OS gives no {spec.isa}")
-        return found
-
-    if name == "auto":
-        return next((k for k in native.PACKED_MATMULS if not reasons(k)), "xla")
+    packed weights (jaxcb.native.PACKED_MATMULS: "amx", "avx512_bf16" or "avx2_bf16" for
+    bfloat16 weights, "avx512" or "avx2" for float32 ones, each on a CPU with its ISA; one
+    device per replica) or "xla". "auto" picks the first native kernel that can run, else
+    xla; a native kernel named where it cannot run is a ValueError saying why."""
     if name == "xla":
         return name
-    if why := reasons(name):
+    if name == "auto":
+        return next(
+            (k for k in native.PACKED_MATMULS if not _cannot_run(k, dtype, tensor_parallel_size)),
+            "xla",
+        )
+    if why := _cannot_run(name, dtype, tensor_parallel_size):
         raise ValueError(f"kernels.matmul={name!r} cannot run: " + "; ".join(why))
     return name
+
+
+def matmul_report(
+    chosen: str, *, requested: str, dtype: Any, tensor_parallel_size: int
+) -> dict[str, str]:
+    """Each native matmul kernel with why it is not the one in use (the one in use: "in
+    use"): what stats() and the start-up log say. Kernels that `auto` would only have tried
+    after the chosen one are not probed (that would build their library for nothing)."""
+    order = list(native.PACKED_MATMULS)
+    report = {}
+    for kernel in order:
+        if kernel == chosen:
+            report[kernel] = "in use"
+        elif requested != "auto":
+            report[kernel] = f"kernels.matmul={requested}"
+        elif chosen in order and order.index(kernel) > order.index(chosen):
+            report[kernel] = f"auto prefers {chosen}"
+        else:
+            report[kernel] = "; ".join(_cannot_run(kernel, dtype, tensor_parallel_size))
+    return report
+
+
+def _cannot_run(kernel: str, dtype: Any, tensor_parallel_size: int) -> list[str]:
+    spec = native.PACKED_MATMULS[kernel]
+    found = []
+    if jax.default_backend() != "cpu":
+        found.append(f"the platform is {jax.default_backend()}, not cpu")
+    if jnp.dtype(dtype) != jnp.dtype(spec.dtype):
+        found.append(f"the weights are {jnp.dtype(dtype).name}, not {jnp.dtype(spec.dtype).name}")
+    if tensor_parallel_size > 1:
+        found.append("tensor parallelism shards the weights (the kernel is per device)")
+    if not found and (why := spec.unavailable_reason()):
+        found.append(why)
+    return found
 
 
 def prepare_cpu_params(
@@ -143,8 +167,8 @@ def prepare_cpu_params(
       step (23 ms for 32000 x 512); gathering uint16 rows and viewing them as bfloat16 costs
       nothing. Tied embeddings then keep a bf16 copy as lm_head.
     - `pack`: a native matmul kernel (see `matmul_backend`); every matmul weight of its dtype
-      that fits its layout becomes {pack: packed}, and a float32 lm_head packed for "avx512"
-      gains its bf16 screen (`greedy_screen`, where this CPU can run it).
+      that fits its layout becomes {pack: packed}, and a float32 lm_head packed for a float32
+      kernel gains its bf16 screen (`greedy_screen`).
     """
     if jax.default_backend() != "cpu":
         return params, infos
@@ -194,10 +218,9 @@ def _pack_weights(params: Params, infos: Params, kernel: str, *, greedy_screen: 
     lm_head = packed.get("lm_head")
     if (
         greedy_screen
-        and kernel == "avx512"
+        and jnp.dtype(spec.dtype) == jnp.float32
         and isinstance(lm_head, dict)
         and native.can_pack_bf16(np.shape(params["lm_head"]))
-        and native.argmax_screen_available()
     ):
         packed["lm_head_screen"] = native.pack_argmax_screen(np.asarray(params["lm_head"]))
     return packed

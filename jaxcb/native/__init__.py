@@ -1,9 +1,10 @@
 """jaxcb's native CPU kernels (C++ through XLA FFI): ragged paged attention, the in-place KV
-write, and matmuls over weights packed once at load time (AMX, AVX512-BF16, AVX-512 f32).
+write, and matmuls over weights packed once at load time (AMX, AVX512-BF16, AVX-512 and AVX2,
+float32 and bfloat16), compiled per ISA level and chosen by what the CPU has.
 
-    build.py   compile the sources (attention.cc, matmul.cc, common.h) on first use into one
-               library in the jaxcb cache directory, load it, register its FFI targets, and
-               say which kernels this CPU can run
+    build.py   the ISA levels, what this CPU fits (capped by JAXCB_CPU_ISA), compiling the
+               sources (attention.cc, matmul.cc, common.h, simd.h) once per level into the
+               jaxcb cache directory, loading a level's library and registering its FFI targets
     ops.py     the kernels as jax functions, the weight packing, the PACKED_MATMULS table
 
 This package imports nothing from jaxcb but the cache directory (jaxcb.paths): the attention
@@ -11,12 +12,15 @@ choice and the model code call into it, never the other way round.
 """
 
 from jaxcb.native.build import (
+    ISA_ENV,
+    ISA_LEVELS,
     NativeBuildError,
-    amx_available,
-    argmax_screen_available,
+    active_level,
     available,
-    avx512_available,
-    avx512_bf16_available,
+    cpu_flags,
+    cpu_model,
+    cpu_summary,
+    supported_levels,
 )
 from jaxcb.native.ops import (
     ARGMAX_SLOTS,
@@ -24,44 +28,39 @@ from jaxcb.native.ops import (
     PackedMatmul,
     can_pack_bf16,
     can_pack_f32,
-    matmul_amx,
-    matmul_argmax_avx512_bf16,
-    matmul_argmax_avx512_f32,
     matmul_argmax_screened_f32,
-    matmul_avx512_bf16,
-    matmul_avx512_f32,
     pack_argmax_screen,
     pack_bf16,
     pack_f32,
+    packed_matmul,
+    packed_matmul_argmax,
+    packed_swiglu,
     ragged_paged_attention_native,
-    swiglu_avx512_bf16,
-    swiglu_avx512_f32,
     write_kv_native,
 )
 
 __all__ = [
     "ARGMAX_SLOTS",
+    "ISA_ENV",
+    "ISA_LEVELS",
     "PACKED_MATMULS",
     "NativeBuildError",
     "PackedMatmul",
-    "amx_available",
-    "argmax_screen_available",
+    "active_level",
     "available",
-    "avx512_available",
-    "avx512_bf16_available",
     "can_pack_bf16",
     "can_pack_f32",
-    "matmul_amx",
-    "matmul_argmax_avx512_bf16",
-    "matmul_argmax_avx512_f32",
+    "cpu_flags",
+    "cpu_model",
+    "cpu_summary",
     "matmul_argmax_screened_f32",
-    "matmul_avx512_bf16",
-    "matmul_avx512_f32",
     "pack_argmax_screen",
     "pack_bf16",
     "pack_f32",
+    "packed_matmul",
+    "packed_matmul_argmax",
+    "packed_swiglu",
     "ragged_paged_attention_native",
-    "swiglu_avx512_bf16",
-    "swiglu_avx512_f32",
+    "supported_levels",
     "write_kv_native",
 ]

@@ -1,11 +1,22 @@
-"""Building and loading jaxcb's native CPU kernels: compile the C++ sources once per machine
-into one library in the jaxcb cache directory (keyed by the sources, jaxlib version, compiler
-flags and CPU), load it with ctypes and register its functions with jax as XLA FFI targets for
-the CPU platform. `available()` is False (and the engine takes the XLA path) when no compiler
-is found or the build fails.
+"""Building and loading jaxcb's native CPU kernels, one library per ISA level.
 
-The op wrappers that call these targets live in ops.py; this module knows nothing of them but
-their target names. It imports nothing from jaxcb but the cache directory (jaxcb.paths).
+The C++ sources (attention.cc, matmul.cc over common.h / simd.h) are compiled once per ISA
+level into the jaxcb cache directory, never with -march=native: a library is built for a named
+level (x86-64-v3 for "avx2", x86-64-v4 for "avx512", ...), keyed by the sources, jaxlib
+version and flags, and loaded only on a CPU whose flags hold everything that level needs, so
+a cache directory shared between machines never hands one CPU another's code.
+
+The *active* level is the highest this CPU fits (capped by the JAXCB_CPU_ISA environment
+variable: the forced-ISA switch, e.g. JAXCB_CPU_ISA=avx2 runs the AVX2 kernels on an AVX-512
+machine); attention, the KV write and the AVX-512 / AMX matmuls run from its library. The
+AVX2 matmuls always run from the "avx2" library, so a test can check both on one machine.
+Each library's functions are registered with jax as XLA FFI targets named `<base>_<level>`.
+`available()` is False (and the engine takes the XLA path) when no compiler is found or the
+build fails; a CPU below AVX2 (or not x86) gets the "generic" library: attention and the KV
+write, matmuls on XLA.
+
+The op wrappers that call these targets live in ops.py; this module knows nothing of them
+but their target names. It imports nothing from jaxcb but the cache directory (jaxcb.paths).
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -29,25 +41,31 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "attention.cc", _HERE / "matmul.cc"]
-HEADERS = [_HERE / "common.h"]
+HEADERS = [_HERE / "common.h", _HERE / "simd.h"]
 FLAGS = [
     "-O3",
-    "-march=native",
     "-fopenmp-simd",
     "-std=c++17",
     "-shared",
     "-fPIC",
     "-fno-math-errno",
+    "-Wl,-Bsymbolic",  # a library's calls stay in it, whatever else the process loaded
 ]
+#: The environment variable that caps the ISA level (a name of ISA_LEVELS).
+ISA_ENV = "JAXCB_CPU_ISA"
+
 ATTENTION_TARGET = "jaxcb_ragged_paged_attention"
 KV_WRITE_TARGET = "jaxcb_kv_write"
 MATMUL_AMX_TARGET = "jaxcb_matmul_amx"
-MATMUL_AVX512_BF16_TARGET = "jaxcb_matmul_avx512_bf16"
-MATMUL_AVX512_F32_TARGET = "jaxcb_matmul_avx512_f32"
-SWIGLU_AVX512_BF16_TARGET = "jaxcb_swiglu_avx512_bf16"
-SWIGLU_AVX512_F32_TARGET = "jaxcb_swiglu_avx512_f32"
-MATMUL_ARGMAX_AVX512_BF16_TARGET = "jaxcb_matmul_argmax_avx512_bf16"
-MATMUL_ARGMAX_AVX512_F32_TARGET = "jaxcb_matmul_argmax_avx512_f32"
+MATMUL_F32_TARGET = "jaxcb_matmul_f32"
+SWIGLU_F32_TARGET = "jaxcb_swiglu_f32"
+MATMUL_ARGMAX_F32_TARGET = "jaxcb_matmul_argmax_f32"
+MATMUL_BF16_DOT_TARGET = "jaxcb_matmul_bf16_dot"
+SWIGLU_BF16_DOT_TARGET = "jaxcb_swiglu_bf16_dot"
+MATMUL_ARGMAX_BF16_DOT_TARGET = "jaxcb_matmul_argmax_bf16_dot"
+MATMUL_BF16_WIDE_TARGET = "jaxcb_matmul_bf16_wide"
+SWIGLU_BF16_WIDE_TARGET = "jaxcb_swiglu_bf16_wide"
+MATMUL_ARGMAX_BF16_WIDE_TARGET = "jaxcb_matmul_argmax_bf16_wide"
 MATMUL_ARGMAX_SCREENED_F32_TARGET = "jaxcb_matmul_argmax_screened_f32"
 
 
@@ -55,116 +73,216 @@ class NativeBuildError(RuntimeError):
     pass
 
 
+class IsaLevel(NamedTuple):
+    name: str
+    cpu_flags: frozenset[str]  # /proc/cpuinfo flags the CPU must show
+    compile_flags: tuple[str, ...]
+    about: str
+
+
+_V3 = frozenset(
+    {"sse4_1", "sse4_2", "ssse3", "popcnt", "cx16", "xsave"}  # x86-64-v2 and the OS state
+    | {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"}  # x86-64-v3
+)
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+_V4_ARGS = ("-march=x86-64-v4",)
+#: The ISA levels, lowest first: each library holds everything its level can run.
+ISA_LEVELS = {
+    level.name: level
+    for level in (
+        IsaLevel("generic", frozenset(), (), "no vector ISA assumed: attention, KV write"),
+        IsaLevel("avx2", _V3, ("-march=x86-64-v3",), "AVX2 + FMA (x86-64-v3)"),
+        IsaLevel("avx512", _V4, _V4_ARGS, "AVX-512 F/BW/CD/DQ/VL (x86-64-v4)"),
+        IsaLevel(
+            "avx512_bf16",
+            _V4 | {"avx512_bf16"},
+            (*_V4_ARGS, "-mavx512bf16"),
+            "AVX-512 with AVX512-BF16 dot products",
+        ),
+        IsaLevel(
+            "amx",
+            _V4 | {"avx512_bf16", "amx_tile", "amx_bf16"},
+            (*_V4_ARGS, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+            "AVX512-BF16 and AMX bf16 tiles",
+        ),
+    )
+}
+#: The CPU flags worth printing beside a figure (benchmarks, stats()).
+RELEVANT_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere: the generic level)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name ("AMD EPYC 9R45", ...), or the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def cpu_summary() -> str:
+    """The model and the flags that decide the kernels, for a line beside a figure."""
+    flags = cpu_flags()
+    shown = " ".join(f for f in RELEVANT_FLAGS if f in flags) or "none of avx2/avx512/amx"
+    return f"{cpu_model()} ({shown})"
+
+
+def supported_levels() -> list[str]:
+    """The ISA levels this CPU can run, lowest first ("generic" always)."""
+    flags = cpu_flags()
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386"):
+        return ["generic"]
+    return [name for name, level in ISA_LEVELS.items() if level.cpu_flags <= flags]
+
+
+def isa_cap() -> str | None:
+    """The level named by JAXCB_CPU_ISA, or None; a name that is not a level is an error."""
+    value = os.environ.get(ISA_ENV, "").strip().lower()
+    if not value or value == "auto":
+        return None
+    if value not in ISA_LEVELS:
+        raise ValueError(f"{ISA_ENV}={value!r}: expected auto or one of {', '.join(ISA_LEVELS)}")
+    return value
+
+
+def active_level() -> str:
+    """The highest level this CPU fits, at most JAXCB_CPU_ISA."""
+    levels = supported_levels()
+    cap = isa_cap()
+    if cap is not None:
+        order = list(ISA_LEVELS)
+        levels = [lv for lv in levels if order.index(lv) <= order.index(cap)]
+    return levels[-1]
+
+
+def level_at_least(level: str, floor: str) -> bool:
+    order = list(ISA_LEVELS)
+    return order.index(level) >= order.index(floor)
+
+
+def target(base: str, level: str) -> str:
+    """The FFI target name of `base` in the library of `level`."""
+    return f"{base}_{level}"
+
+
 def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
 
 
-def _cpu_signature() -> bytes:
-    """What -march=native depends on: a library built for one CPU may not run on another
-    (a cache directory shared between machines)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        import platform
-
-        return platform.processor().encode()
-    return "\n".join(
-        sorted({ln for ln in lines if ln.startswith(("flags", "model name"))})
-    ).encode()
-
-
-def _library_path() -> Path:
+def _library_path(level: IsaLevel) -> Path:
     key = hashlib.sha256(
         b"".join(p.read_bytes() for p in SOURCES + HEADERS)
         + jax.__version__.encode()
-        + " ".join(FLAGS).encode()
-        + _cpu_signature()
+        + " ".join(FLAGS + list(level.compile_flags)).encode()
     ).hexdigest()[:16]
-    return cache_dir() / "native" / f"jaxcb_cpu_kernels-{key}.so"
+    return cache_dir() / "native" / f"jaxcb_cpu_kernels-{level.name}-{key}.so"
 
 
-def _build(target: Path) -> None:
+def _build(level: IsaLevel, target_path: Path) -> None:
     compiler = _compiler()
     if compiler is None:
         raise NativeBuildError("no C++ compiler found (set CXX, or install g++)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(out)]
-        logger.info("compiling jaxcb's native CPU kernels: %s", " ".join(cmd))
+    target_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target_path.parent) as tmp:
+        out = Path(tmp) / target_path.name
+        cmd = [
+            compiler,
+            *FLAGS,
+            *level.compile_flags,
+            f"-I{jax.ffi.include_dir()}",
+            *map(str, SOURCES),
+            "-o",
+            str(out),
+        ]
+        logger.info("compiling jaxcb's native CPU kernels (%s): %s", level.name, " ".join(cmd))
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             names = ", ".join(p.name for p in SOURCES)
-            raise NativeBuildError(f"compiling {names} failed:\n{result.stderr[-4000:]}")
-        os.replace(out, target)  # atomic: concurrent builders are fine
+            raise NativeBuildError(
+                f"compiling {names} for {level.name} failed:\n{result.stderr[-4000:]}"
+            )
+        os.replace(out, target_path)  # atomic: concurrent builders are fine
 
 
 class Features(NamedTuple):
-    """What the loaded library can run on this CPU (each beyond attention and the KV write)."""
+    """What one loaded library runs (beyond attention and the KV write)."""
 
-    amx: bool  # built with AMX and the tile state granted by the kernel
-    avx512_bf16: bool  # built with -mavx512bf16
-    avx512: bool  # built with -mavx512f
+    level: str
+    v16: bool  # the f32 and widened-bf16 matmuls and the screened argmax (AVX2 or better)
+    avx512: bool  # ... on AVX-512 vectors
+    bf16_dot: bool  # the vdpbf16ps matmuls (AVX512-BF16)
+    amx: bool  # the AMX matmul, with the tile state granted by the kernel
 
 
 @functools.cache
-def load() -> Features:
-    """Build the library if needed, load it, register its FFI targets (once per process)."""
-    path = _library_path()
+def _load_level(name: str) -> Features:
+    level = ISA_LEVELS[name]
+    path = _library_path(level)
     if not path.is_file():
-        _build(path)
+        _build(level, path)
     lib = ctypes.cdll.LoadLibrary(str(path))
-    features = Features(
-        amx=bool(lib.JaxcbAmxAvailable()),
-        avx512_bf16=bool(lib.JaxcbAvx512Bf16Available()),
-        avx512=bool(lib.JaxcbAvx512Available()),
-    )
-    targets = [
-        (ATTENTION_TARGET, lib.JaxcbRaggedPagedAttention),
-        (KV_WRITE_TARGET, lib.JaxcbKvWrite),
+    bits = int(lib.JaxcbIsaFeatures())
+    features = Features(name, bool(bits & 1), bool(bits & 2), bool(bits & 4), bool(bits & 8))
+    symbols = [
+        (ATTENTION_TARGET, "JaxcbRaggedPagedAttention"),
+        (KV_WRITE_TARGET, "JaxcbKvWrite"),
     ]
+    if features.v16:
+        symbols += [
+            (MATMUL_F32_TARGET, "JaxcbMatmulF32"),
+            (SWIGLU_F32_TARGET, "JaxcbSwigluF32"),
+            (MATMUL_ARGMAX_F32_TARGET, "JaxcbMatmulArgmaxF32"),
+            (MATMUL_BF16_WIDE_TARGET, "JaxcbMatmulBf16Wide"),
+            (SWIGLU_BF16_WIDE_TARGET, "JaxcbSwigluBf16Wide"),
+            (MATMUL_ARGMAX_BF16_WIDE_TARGET, "JaxcbMatmulArgmaxBf16Wide"),
+            (MATMUL_ARGMAX_SCREENED_F32_TARGET, "JaxcbMatmulArgmaxScreenedF32"),
+        ]
+    if features.bf16_dot:
+        symbols += [
+            (MATMUL_BF16_DOT_TARGET, "JaxcbMatmulBf16Dot"),
+            (SWIGLU_BF16_DOT_TARGET, "JaxcbSwigluBf16Dot"),
+            (MATMUL_ARGMAX_BF16_DOT_TARGET, "JaxcbMatmulArgmaxBf16Dot"),
+        ]
     if features.amx:
-        targets.append((MATMUL_AMX_TARGET, lib.JaxcbMatmulAmx))
-    if features.avx512_bf16:
-        targets.append((MATMUL_AVX512_BF16_TARGET, lib.JaxcbMatmulBf16Avx512))
-        targets.append((SWIGLU_AVX512_BF16_TARGET, lib.JaxcbSwigluBf16Avx512))
-        targets.append((MATMUL_ARGMAX_AVX512_BF16_TARGET, lib.JaxcbMatmulArgmaxBf16Avx512))
-        targets.append((MATMUL_ARGMAX_SCREENED_F32_TARGET, lib.JaxcbMatmulArgmaxScreenedF32))
-    if features.avx512:
-        targets.append((MATMUL_AVX512_F32_TARGET, lib.JaxcbMatmulF32Avx512))
-        targets.append((SWIGLU_AVX512_F32_TARGET, lib.JaxcbSwigluF32Avx512))
-        targets.append((MATMUL_ARGMAX_AVX512_F32_TARGET, lib.JaxcbMatmulArgmaxF32Avx512))
-    for name, symbol in targets:
-        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
+        symbols.append((MATMUL_AMX_TARGET, "JaxcbMatmulAmx"))
+    for base, symbol in symbols:
+        capsule = jax.ffi.pycapsule(getattr(lib, symbol))
+        jax.ffi.register_ffi_target(target(base, name), capsule, platform="cpu")
+    logger.info("jaxcb native CPU kernels loaded: %s (%s)", name, path.name)
     return features
 
 
-def available() -> bool:
-    """Whether the kernels are built (building them now if needed) and registered."""
+def load(level: str | None = None) -> Features:
+    """Build the library of `level` (default: the active one) if needed, load it and register
+    its FFI targets (once per process and level)."""
+    name = level or active_level()
+    if name not in supported_levels():
+        raise NativeBuildError(f"this CPU cannot run the {name} kernels ({cpu_summary()})")
+    return _load_level(name)
+
+
+def available(level: str | None = None) -> bool:
+    """Whether the library of `level` (default: the active one) is built (building it now if
+    needed) and registered."""
     try:
-        load()
+        load(level)
     except (NativeBuildError, OSError) as exc:
         logger.warning("native CPU kernels unavailable, using the XLA path: %s", exc)
         return False
     return True
-
-
-def amx_available() -> bool:
-    """Whether `matmul_amx` can run: the kernels built, this CPU has AMX (bf16 tiles), and
-    the operating system granted the process its tile state."""
-    return available() and load().amx
-
-
-def avx512_bf16_available() -> bool:
-    """Whether `matmul_avx512_bf16` can run: the kernels built for a CPU with AVX512-BF16."""
-    return available() and load().avx512_bf16
-
-
-def avx512_available() -> bool:
-    """Whether `matmul_avx512_f32` can run: the kernels built for a CPU with AVX-512."""
-    return available() and load().avx512
-
-
-def argmax_screen_available() -> bool:
-    """Whether `matmul_argmax_screened_f32` can run (AVX-512 and AVX512-BF16)."""
-    return avx512_available() and avx512_bf16_available()

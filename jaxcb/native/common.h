@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AMX_TILE__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 

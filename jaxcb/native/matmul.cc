@@ -1,17 +1,35 @@
 // Matmuls over weights packed once at load time, as XLA FFI handlers for XLA's CPU backend:
-// bf16 on AMX tiles, bf16 with AVX512-BF16 dot products, f32 with AVX-512 FMAs (SiLU * up
-// fused into the gate/up matmul's epilogue, an LM head's greedy argmax taken from its
-// accumulators), and the screened greedy argmax of a float32 LM head. The weight layouts are
-// written by pack_bf16 / pack_f32 / pack_argmax_screen in __init__.py.
+// bf16 on AMX tiles; bf16 with AVX512-BF16 dot products, or widened to f32 in registers
+// (AVX2 / AVX-512 without BF16); f32 with FMAs (SiLU * up fused into the gate/up matmul's
+// epilogue, an LM head's greedy argmax taken from its accumulators); and the screened greedy
+// argmax of a float32 LM head. The weight layouts are written by pack_bf16 / pack_f32 /
+// pack_argmax_screen in ops.py. build.py compiles this file once per ISA level: what a level
+// defines is reported by JaxcbIsaFeatures().
 
-#include "common.h"
+#include "simd.h"
 
 namespace {
+
+// The rows of a that are real: `rows` holds the count (the rest of the bucket is padding);
+// out of range means all. Padding rows of the result are zeros: they cost no arithmetic.
+template <typename Dims>
+int64_t RealRows(const Dims& ad, ffi::Buffer<ffi::S32>& rows) {
+  const int64_t m = ad[0];
+  if (rows.element_count() < 1) return m;
+  const int64_t r = rows.typed_data()[0];
+  return r < 0 || r > m ? m : r;
+}
+
+// Rows [m, rows) of a [rows, ...] result are zeros.
+inline void ZeroRowsFrom(ffi::AnyBuffer& out, int64_t rows, int64_t m) {
+  const int64_t row_bytes = out.size_bytes() / std::max<int64_t>(rows, 1);
+  std::memset(static_cast<char*>(out.untyped_data()) + m * row_bytes, 0, (rows - m) * row_bytes);
+}
 
 // ---- bf16 matmul on AMX tiles ----------------------------------------------------------
 //
 // out[M, N] (f32) = a[M, K] (bf16) x w[K, N] (bf16), with w packed once at load time into
-// the tile layout the AMX B operand wants (pack_amx in __init__.py): [N/16, K/32, 16, 32],
+// the tile layout the AMX B operand wants (pack_bf16 in ops.py): [N/16, K/32, 16, 32],
 // block (n, k) holding rows k*32 .. k*32+31 and columns n*16 .. n*16+15 as 16 rows of
 // (even row, odd row) pairs per column. XLA's own bf16 dots reach about half the AMX peak
 // on the narrow batches of decode steps; here each thread streams its own columns of w once
@@ -107,14 +125,16 @@ void MatmulColumns(const uint16_t* a, int64_t m, int64_t m_begin, int64_t m_end,
 }
 
 ffi::Error MatmulAmxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a,
-                         ffi::Buffer<ffi::BF16> w, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+                         ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::S32> rows,
+                         ffi::Result<ffi::AnyBuffer> out) {
   auto ad = a.dimensions();
   auto wd = w.dimensions();
   if (ad.size() != 2 || wd.size() != 4 || wd[2] != 16 || wd[3] != 32 || wd[1] * 32 != ad[1]) {
     return ffi::Error::InvalidArgument("a must be [M, K] and w [N/16, K/32, 16, 32]");
   }
   if (!AmxEnabled()) return ffi::Error::Internal("the kernel refused AMX state (arch_prctl)");
-  const int64_t m = ad[0], k = ad[1], n = wd[0] * 16, n_blocks = wd[0];
+  const int64_t m = RealRows(ad, rows), k = ad[1], n = wd[0] * 16, n_blocks = wd[0];
+  ZeroRowsFrom(*out, ad[0], m);
   if (m == 0) return ffi::Error::Success();
   const int64_t m_pad = (m + 31) / 32 * 32;
   const uint16_t* a_data = reinterpret_cast<const uint16_t*>(a.typed_data());
@@ -125,7 +145,7 @@ ffi::Error MatmulAmxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a,
     a_data = padded.data();
   }
   const uint16_t* w_data = reinterpret_cast<const uint16_t*>(w.typed_data());
-  float* out_data = out->typed_data();
+  float* out_data = static_cast<float*>(out->untyped_data());
   // Work items: pairs of 16-column blocks, in a few contiguous runs per thread.
   const int64_t pairs = (n_blocks + 1) / 2;
   const int64_t items = std::min<int64_t>(pairs, 8 * (pool.num_threads() + 1));
@@ -148,28 +168,36 @@ ffi::Error MatmulAmxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a,
 #endif  // AMX
 
 
-// ---- AVX-512 matmuls over packed weights: bf16 (vdpbf16ps) and f32 (FMA) -------------
+// ---- matmuls over packed weights with 16-lane vectors (V16: AVX-512 or AVX2) -----------
 //
 // out[M, N] (f32) = a[M, K] x w[K, N], w packed once at load time in 16-column blocks that
-// run contiguous along K, so that each 4-byte step of K is one 64-byte vector of w:
-// - bf16 (pack_bf16, the AMX layout): a step is a k-pair (rows 2p, 2p+1), the vector holds
-//   (even row, odd row) for each of the 16 columns, which vdpbf16ps takes against a
-//   broadcast pair of a (CPUs with AVX512-BF16 but no AMX: AMD Zen 4 and later);
-// - f32 (pack_f32, [N/16, K, 16]): a step is one row k, FMA against a broadcast of a[m, k].
-// A micro-tile keeps kMr x kNr accumulators (rows x 16-column blocks) in registers; XLA's
-// own dots lose a third of that on the narrow batches of decode steps.
-#if defined(__AVX512F__)
-constexpr int kPackedMr = 6, kPackedNr = 4;
+// run contiguous along K, each 64-byte step of a block one vector of w:
+// - kF32 (pack_f32, [N/16, K, 16]): a step is one row k, FMA against a broadcast of a[m, k];
+// - kBf16Dot (pack_bf16, the AMX layout): a step is a k-pair (rows 2p, 2p+1), the vector holds
+//   (even row, odd row) for each of the 16 columns, which vdpbf16ps takes against a broadcast
+//   pair of a (bf16); CPUs with AVX512-BF16 (AMD Zen 4 and later, Intel Cooper Lake and later);
+// - kBf16Wide: the same weights widened to f32 in registers (a shift and a mask per pair),
+//   two FMAs against a[m, 2p] and a[m, 2p + 1] (f32): every CPU with AVX2 + FMA.
+// A micro-tile keeps MR x NR accumulators (rows x 16-column blocks) in registers; XLA's own
+// dots lose a third of that on the narrow batches of decode steps.
+#if defined(JAXCB_HAVE_V16)
+enum class Kind { kF32, kBf16Dot, kBf16Wide };
 
-// silu(g) * u on 16 lanes: g * sigmoid(g), sigmoid from e = exp(-|g|) <= 1.
-inline __m512 Swiglu512(__m512 g, __m512 u) {
-  const __m512 abs = _mm512_abs_ps(g);
-  const __m512 e = Exp512(_mm512_sub_ps(_mm512_setzero_ps(), abs));
-  const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, abs, _CMP_EQ_OQ), e,
-                                          _mm512_set1_ps(1.0f));  // g >= 0: 1, else e
-  const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-  return _mm512_mul_ps(_mm512_mul_ps(g, sig), u);
-}
+// Rows x 16-column blocks of a micro-tile: as many accumulators as the registers hold beside
+// the vectors of w and the broadcasts of a (32 zmm with AVX-512; 16 ymm with AVX2, where a
+// V16 takes two).
+template <Kind kKind, bool kSwiglu>
+struct TileShape {
+#if defined(__AVX512F__)
+  static constexpr int kMr = kKind == Kind::kBf16Wide ? 4 : 6;
+  static constexpr int kNr = 4;
+#else
+  // (Measured on SmolLM2's shapes, M = 64, an AMD Zen 5 core running AVX2 code: 2 x 3 blocks
+  // ~210 GFLOP/s on two cores, 6 x 1 (BLIS's classic 6 x 16) ~110, 2 x 2 ~150.)
+  static constexpr int kMr = 2;
+  static constexpr int kNr = kSwiglu ? 2 : 3;
+#endif
+};
 
 // Running (max, first column holding it) of the rows of a tile, over the columns seen so far:
 // the greedy token of an LM head's rows, taken from the accumulators on the way out.
@@ -182,9 +210,9 @@ struct RowArgmax {
 // Micro-tile of MR rows x NR 16-column blocks. Plain: blocks j at w + j * w_stride, written
 // as f32 to out (row stride n; non-temporal if `stream`), and folded into `argmax` if given.
 // kSwiglu: blocks j < NR/2 are gate columns, j >= NR/2 the matching up columns at up_offset
-// bytes further; silu(gate) * up (NR/2 blocks) is written to out in the weights' dtype (bf16
-// feeds the next matmul as it is).
-template <bool kBf16, bool kSwiglu, int MR, int NR>
+// bytes further; silu(gate) * up (NR/2 blocks) is written to out, in bf16 for kBf16Dot (it
+// feeds the next matmul as it is), else in f32.
+template <Kind kKind, bool kSwiglu, int MR, int NR>
 void PackedMicroTile(const char* a, int64_t a_stride, int64_t steps, const char* w,
                      int64_t w_stride, int64_t up_offset, void* out, int64_t n,
                      const char* prefetch, int64_t prefetch_bytes, bool stream,
@@ -197,47 +225,60 @@ void PackedMicroTile(const char* a, int64_t a_stride, int64_t steps, const char*
   for (int j = 0; j < NR; ++j) {
     wj[j] = kSwiglu && j >= NR / 2 ? w + up_offset + (j - NR / 2) * w_stride : w + j * w_stride;
   }
-  __m512 acc[MR][NR];
+  V16 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NR; ++j) acc[i][j] = V16::Zero();
   for (int64_t p = 0; p < steps; ++p) {
-    __m512i b[NR];
-    for (int j = 0; j < NR; ++j) b[j] = _mm512_loadu_si512(wj[j] + p * 64);
-    for (int i = 0; i < MR; ++i) {
-      int32_t bits;
-      std::memcpy(&bits, a + i * a_stride + p * 4, sizeof(bits));
-      const __m512i av = _mm512_set1_epi32(bits);
+    if constexpr (kKind == Kind::kF32) {
+      V16 b[NR];
+      for (int j = 0; j < NR; ++j) b[j] = V16::Load(wj[j] + p * 64);
+      for (int i = 0; i < MR; ++i) {
+        const V16 av = V16::Set(reinterpret_cast<const float*>(a + i * a_stride)[p]);
+        for (int j = 0; j < NR; ++j) acc[i][j] = Fma(av, b[j], acc[i][j]);
+      }
+    } else if constexpr (kKind == Kind::kBf16Wide) {
       for (int j = 0; j < NR; ++j) {
-        if constexpr (kBf16) {
-#if defined(__AVX512BF16__)
-          acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)av, (__m512bh)b[j]);
-#endif
-        } else {
-          acc[i][j] = _mm512_fmadd_ps(_mm512_castsi512_ps(av), _mm512_castsi512_ps(b[j]),
-                                      acc[i][j]);
+        V16 even, odd;
+        WidenBf16Pairs(wj[j] + p * 64, even, odd);
+        for (int i = 0; i < MR; ++i) {
+          const float* ai = reinterpret_cast<const float*>(a + i * a_stride) + 2 * p;
+          acc[i][j] = Fma(V16::Set(ai[1]), odd, Fma(V16::Set(ai[0]), even, acc[i][j]));
         }
       }
+    } else {
+#if defined(__AVX512BF16__)
+      __m512i b[NR];
+      for (int j = 0; j < NR; ++j) b[j] = _mm512_loadu_si512(wj[j] + p * 64);
+      for (int i = 0; i < MR; ++i) {
+        int32_t bits;
+        std::memcpy(&bits, a + i * a_stride + p * 4, sizeof(bits));
+        const __m512i av = _mm512_set1_epi32(bits);
+        for (int j = 0; j < NR; ++j) {
+          acc[i][j] = {_mm512_dpbf16_ps(acc[i][j].v, (__m512bh)av, (__m512bh)b[j])};
+        }
+      }
+#endif
     }
   }
   if constexpr (!kSwiglu) {
     float* o = static_cast<float*>(out);
-    if (stream) {
-      for (int i = 0; i < MR; ++i)
-        for (int j = 0; j < NR; ++j) _mm512_stream_ps(o + i * n + 16 * j, acc[i][j]);
-    } else {
-      for (int i = 0; i < MR; ++i)
-        for (int j = 0; j < NR; ++j) _mm512_storeu_ps(o + i * n + 16 * j, acc[i][j]);
+    for (int i = 0; i < MR; ++i) {
+      for (int j = 0; j < NR; ++j) {
+        if (stream) {
+          acc[i][j].Stream(o + i * n + 16 * j);
+        } else {
+          acc[i][j].Store(o + i * n + 16 * j);
+        }
+      }
     }
     if (argmax != nullptr) {
       for (int i = 0; i < MR; ++i) {
-        __m512 mx = acc[i][0];
-        for (int j = 1; j < NR; ++j) mx = _mm512_max_ps(mx, acc[i][j]);
-        const float best = _mm512_reduce_max_ps(mx);
+        V16 mx = acc[i][0];
+        for (int j = 1; j < NR; ++j) mx = Max(mx, acc[i][j]);
+        const float best = mx.MaxLane();
         if (best > argmax->val[i]) {  // strictly: an earlier column keeps a tie
-          const __m512 target = _mm512_set1_ps(best);
           for (int j = 0; j < NR; ++j) {
-            const __mmask16 hit = _mm512_cmp_ps_mask(acc[i][j], target, _CMP_EQ_OQ);
-            if (hit) {
+            if (const uint32_t hit = acc[i][j].LanesEqual(best)) {
               argmax->idx[i] = static_cast<int32_t>(argmax->col0 + 16 * j + __builtin_ctz(hit));
               break;
             }
@@ -249,61 +290,53 @@ void PackedMicroTile(const char* a, int64_t a_stride, int64_t steps, const char*
   } else {
     for (int i = 0; i < MR; ++i) {
       for (int j = 0; j < NR / 2; ++j) {
-        const __m512 v = Swiglu512(acc[i][j], acc[i][j + NR / 2]);
-        if constexpr (kBf16) {
-#if defined(__AVX512BF16__)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i * n) +
-                                  j,
-                              (__m256i)_mm512_cvtneps_pbh(v));
-#endif
+        const V16 v = Swiglu(acc[i][j], acc[i][j + NR / 2]);
+        if constexpr (kKind == Kind::kBf16Dot) {
+          StoreBf16(v, static_cast<uint16_t*>(out) + i * n + 16 * j);
         } else {
-          _mm512_storeu_ps(static_cast<float*>(out) + i * n + 16 * j, v);
+          v.Store(static_cast<float*>(out) + i * n + 16 * j);
         }
       }
     }
   }
 }
 
-template <bool kBf16, bool kSwiglu, int NR, typename... Args>
-void PackedRowsTile(int64_t rows, Args... args) {
-  switch (rows) {
-    case 6: return PackedMicroTile<kBf16, kSwiglu, 6, NR>(args...);
-    case 5: return PackedMicroTile<kBf16, kSwiglu, 5, NR>(args...);
-    case 4: return PackedMicroTile<kBf16, kSwiglu, 4, NR>(args...);
-    case 3: return PackedMicroTile<kBf16, kSwiglu, 3, NR>(args...);
-    case 2: return PackedMicroTile<kBf16, kSwiglu, 2, NR>(args...);
-    default: return PackedMicroTile<kBf16, kSwiglu, 1, NR>(args...);
-  }
-}
-
-template <bool kBf16, bool kSwiglu, typename... Args>
+// PackedMicroTile<..., rows, blocks> for 1 <= rows <= MR and 1 <= blocks <= NR (kSwiglu:
+// blocks even: gate and up blocks come in pairs).
+template <Kind kKind, bool kSwiglu, int MR, int NR, typename... Args>
 void PackedTile(int64_t rows, int64_t blocks, Args... args) {
-  if (blocks == 4) return PackedRowsTile<kBf16, kSwiglu, 4>(rows, args...);
-  if (blocks == 2) return PackedRowsTile<kBf16, kSwiglu, 2>(rows, args...);
-  if constexpr (!kSwiglu) {  // fused: gate and up blocks come in pairs
-    if (blocks == 3) return PackedRowsTile<kBf16, kSwiglu, 3>(rows, args...);
-    return PackedRowsTile<kBf16, kSwiglu, 1>(rows, args...);
+  if (blocks < NR) {
+    if constexpr (NR > (kSwiglu ? 2 : 1)) {
+      return PackedTile<kKind, kSwiglu, MR, NR - (kSwiglu ? 2 : 1)>(rows, blocks, args...);
+    }
   }
+  if (rows < MR) {
+    if constexpr (MR > 1) return PackedTile<kKind, kSwiglu, MR - 1, NR>(rows, blocks, args...);
+  }
+  PackedMicroTile<kKind, kSwiglu, MR, NR>(args...);
 }
 
-// a: [M, K] of 2-byte (bf16) or 4-byte (f32) elements; w: its packed blocks, n_blocks of
-// them. kSwiglu: w is [K, 2 * I] (gate columns, then up), out [M, I] = silu(gate) * up.
-// best_val / best_idx ([M, slots], or null): per row and work item, the largest output and
-// its first column (items cover increasing column ranges; unused slots keep -inf).
-template <bool kBf16, bool kSwiglu>
+// a: [M, K] of 2-byte (bf16, kBf16Dot) or 4-byte (f32) elements; w: its packed blocks,
+// n_blocks of them. kSwiglu: w is [K, 2 * I] (gate columns, then up), out [M, I] =
+// silu(gate) * up. best_val / best_idx ([M, slots], or null): per row and work item, the
+// largest output and its first column (items cover increasing column ranges; unused slots
+// keep -inf).
+template <Kind kKind, bool kSwiglu>
 void PackedMatmul(ffi::ThreadPool& pool, const char* a, const char* w, void* out, int64_t m,
                   int64_t k, int64_t n_blocks, float* best_val = nullptr,
                   int32_t* best_idx = nullptr, int64_t slots = 0) {
-  constexpr int64_t kElem = kBf16 ? 2 : 4;
+  using Shape = TileShape<kKind, kSwiglu>;
+  constexpr int64_t kMr = Shape::kMr, kNr = Shape::kNr;
+  constexpr int64_t kElem = kKind == Kind::kBf16Dot ? 2 : 4;
   constexpr int64_t kOutElem = kSwiglu ? kElem : 4;
-  const int64_t a_stride = k * kElem, steps = k * kElem / 4;
+  const int64_t a_stride = k * kElem, steps = kKind == Kind::kF32 ? k : k / 2;
   const int64_t w_stride = steps * 64;  // bytes of one 16-column block of w
   // Output blocks: with kSwiglu, each pairs a gate block with its up block.
   const int64_t out_blocks = kSwiglu ? n_blocks / 2 : n_blocks, n = out_blocks * 16;
   const int64_t up_offset = kSwiglu ? out_blocks * w_stride : 0;
-  constexpr int64_t kGroup = kSwiglu ? kPackedNr / 2 : kPackedNr;  // output blocks per tile
+  constexpr int64_t kGroup = kSwiglu ? kNr / 2 : kNr;  // output blocks per tile
   // Work items: groups of output blocks, in a few contiguous runs per thread; a group's
-  // slice of w (K x 64 columns) stays in L2 while the rows of a pass over it.
+  // slice of w (K x 16 * kGroup columns) stays in L2 while the rows of a pass over it.
   const int64_t groups = (out_blocks + kGroup - 1) / kGroup;
   int64_t items = std::min<int64_t>(groups, 8 * (pool.num_threads() + 1));
   if (best_val != nullptr) {
@@ -312,8 +345,7 @@ void PackedMatmul(ffi::ThreadPool& pool, const char* a, const char* w, void* out
     std::fill(best_idx, best_idx + m * slots, 0);
   }
   // Rows in chunks whose slice of a stays in L2 too (prefill's long batches).
-  const int64_t chunk =
-      std::max<int64_t>(kPackedMr, (256 * 1024 / a_stride) / kPackedMr * kPackedMr);
+  const int64_t chunk = std::max<int64_t>(kMr, (256 * 1024 / a_stride) / kMr * kMr);
   char* out_bytes = static_cast<char*>(out);
   // An output of several MB (the LM head's logits: 16 MB at 128 rows) is written with
   // non-temporal stores: it leaves the cache by the time it is read anyway, and ordinary
@@ -330,7 +362,7 @@ void PackedMatmul(ffi::ThreadPool& pool, const char* a, const char* w, void* out
     }
     for (int64_t mc = 0; mc < m; mc += chunk) {
       const int64_t mc_end = std::min(mc + chunk, m);
-      const int64_t tiles = (mc_end - mc + kPackedMr - 1) / kPackedMr;
+      const int64_t tiles = (mc_end - mc + kMr - 1) / kMr;
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t ob0 = g * kGroup, blocks = std::min<int64_t>(kGroup, out_blocks - ob0);
         // The next group's slice of w is requested into L2 in equal parts by this group's
@@ -339,11 +371,11 @@ void PackedMatmul(ffi::ThreadPool& pool, const char* a, const char* w, void* out
             g + 1 < g1 ? std::min<int64_t>(kGroup, out_blocks - ob0 - kGroup) * w_stride : 0;
         const int64_t part = (next_bytes / tiles + 63) / 64 * 64;
         const char* next = w + (ob0 + kGroup) * w_stride;
-        for (int64_t m0 = mc, t = 0; m0 < mc_end; m0 += kPackedMr, ++t) {
+        for (int64_t m0 = mc, t = 0; m0 < mc_end; m0 += kMr, ++t) {
           const int64_t from = std::min(t * part, next_bytes);
           const RowArgmax argmax{row_val.data() + m0, row_idx.data() + m0, ob0 * 16};
-          PackedTile<kBf16, kSwiglu>(
-              std::min<int64_t>(kPackedMr, mc_end - m0), kSwiglu ? 2 * blocks : blocks,
+          PackedTile<kKind, kSwiglu, kMr, kNr>(
+              std::min<int64_t>(kMr, mc_end - m0), kSwiglu ? 2 * blocks : blocks,
               a + m0 * a_stride, a_stride, steps, w + ob0 * w_stride, w_stride, up_offset,
               static_cast<void*>(out_bytes + (m0 * n + ob0 * 16) * kOutElem), n, next + from,
               std::min(part, next_bytes - from), stream,
@@ -361,48 +393,46 @@ void PackedMatmul(ffi::ThreadPool& pool, const char* a, const char* w, void* out
   });
 }
 
+// Buffers of a and of the packed w: bf16 weights with f32 rows for kBf16Wide.
+template <Kind kKind>
+struct KindTypes {
+  static constexpr ffi::DataType kA =
+      kKind == Kind::kBf16Dot ? ffi::DataType::BF16 : ffi::DataType::F32;
+  static constexpr ffi::DataType kW =
+      kKind == Kind::kF32 ? ffi::DataType::F32 : ffi::DataType::BF16;
+};
+
 // a is [M, K]; w is packed from a [K, N] weight (pack_bf16 / pack_f32 layout).
-template <bool kBf16, typename Dims>
+template <Kind kKind, typename Dims>
 bool PackedShapesOk(const Dims& ad, const Dims& wd) {
+  constexpr bool kBf16 = kKind != Kind::kF32;
   const bool w_ok = kBf16 ? (wd.size() == 4 && wd[2] == 16 && wd[3] == 32)
                           : (wd.size() == 3 && wd[2] == 16);
   return ad.size() == 2 && w_ok && wd[1] * (kBf16 ? 32 : 1) == ad[1];
 }
 
-// The rows of a that are real: `rows` holds the count (the rest of the bucket is padding);
-// out of range means all. Padding rows of the result are zeros: they cost no arithmetic.
-template <typename Dims>
-int64_t RealRows(const Dims& ad, ffi::Buffer<ffi::S32>& rows) {
-  const int64_t m = ad[0];
-  if (rows.element_count() < 1) return m;
-  const int64_t r = rows.typed_data()[0];
-  return r < 0 || r > m ? m : r;
+template <Kind kKind>
+ffi::Error ShapeError() {
+  return ffi::Error::InvalidArgument(kKind != Kind::kF32
+                                         ? "a must be [M, K] and w [N/16, K/32, 16, 32]"
+                                         : "a must be [M, K] and w [N/16, K, 16]");
 }
 
-// Rows [m, rows) of a [rows, ...] result are zeros.
-inline void ZeroRowsFrom(ffi::AnyBuffer& out, int64_t rows, int64_t m) {
-  const int64_t row_bytes = out.size_bytes() / std::max<int64_t>(rows, 1);
-  std::memset(static_cast<char*>(out.untyped_data()) + m * row_bytes, 0, (rows - m) * row_bytes);
-}
-
-template <ffi::DataType T, bool kSwiglu>
-ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<T> a, ffi::Buffer<T> w,
-                            ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> out) {
-  constexpr bool kBf16 = T == ffi::DataType::BF16;
+template <Kind kKind, bool kSwiglu>
+ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<KindTypes<kKind>::kA> a,
+                            ffi::Buffer<KindTypes<kKind>::kW> w, ffi::Buffer<ffi::S32> rows,
+                            ffi::Result<ffi::AnyBuffer> out) {
   auto ad = a.dimensions();
   auto wd = w.dimensions();
-  if (!PackedShapesOk<kBf16>(ad, wd)) {
-    return ffi::Error::InvalidArgument(kBf16 ? "a must be [M, K] and w [N/16, K/32, 16, 32]"
-                                             : "a must be [M, K] and w [N/16, K, 16]");
-  }
+  if (!PackedShapesOk<kKind>(ad, wd)) return ShapeError<kKind>();
   if (kSwiglu && wd[0] % 2) {
     return ffi::Error::InvalidArgument("swiglu: w must hold as many up blocks as gate blocks");
   }
   const int64_t m = RealRows(ad, rows);
   ZeroRowsFrom(*out, ad[0], m);
   if (m == 0) return ffi::Error::Success();
-  PackedMatmul<kBf16, kSwiglu>(pool, reinterpret_cast<const char*>(a.typed_data()),
-                               reinterpret_cast<const char*>(w.typed_data()),
+  PackedMatmul<kKind, kSwiglu>(pool, reinterpret_cast<const char*>(a.untyped_data()),
+                               reinterpret_cast<const char*>(w.untyped_data()),
                                out->untyped_data(), m, ad[1], wd[0]);
   return ffi::Error::Success();
 }
@@ -410,19 +440,16 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<T> a, ffi::Buffer<
 // The plain matmul that also returns, per row, the max and first argmax of each work item's
 // columns ([M, slots] each; the caller reduces over slots). Padding rows: zeros, and every
 // slot -inf at column 0.
-template <ffi::DataType T>
-ffi::Error MatmulArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<T> a, ffi::Buffer<T> w,
-                            ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> out,
+template <Kind kKind>
+ffi::Error MatmulArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<KindTypes<kKind>::kA> a,
+                            ffi::Buffer<KindTypes<kKind>::kW> w, ffi::Buffer<ffi::S32> rows,
+                            ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::Buffer<ffi::F32>> best_val,
                             ffi::Result<ffi::Buffer<ffi::S32>> best_idx) {
-  constexpr bool kBf16 = T == ffi::DataType::BF16;
   auto ad = a.dimensions();
   auto wd = w.dimensions();
   auto bd = best_val->dimensions();
-  if (!PackedShapesOk<kBf16>(ad, wd)) {
-    return ffi::Error::InvalidArgument(kBf16 ? "a must be [M, K] and w [N/16, K/32, 16, 32]"
-                                             : "a must be [M, K] and w [N/16, K, 16]");
-  }
+  if (!PackedShapesOk<kKind>(ad, wd)) return ShapeError<kKind>();
   if (bd.size() != 2 || bd[0] != ad[0] || bd[1] < 1) {
     return ffi::Error::InvalidArgument("best_val / best_idx must be [M, slots]");
   }
@@ -432,24 +459,25 @@ ffi::Error MatmulArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<T> a, ffi::Buffer<
             -std::numeric_limits<float>::infinity());
   std::fill(best_idx->typed_data() + m * slots, best_idx->typed_data() + ad[0] * slots, 0);
   if (m == 0) return ffi::Error::Success();
-  PackedMatmul<kBf16, false>(pool, reinterpret_cast<const char*>(a.typed_data()),
-                             reinterpret_cast<const char*>(w.typed_data()), out->untyped_data(),
-                             m, ad[1], wd[0], best_val->typed_data(), best_idx->typed_data(),
-                             slots);
+  PackedMatmul<kKind, false>(pool, reinterpret_cast<const char*>(a.untyped_data()),
+                             reinterpret_cast<const char*>(w.untyped_data()),
+                             out->untyped_data(), m, ad[1], wd[0], best_val->typed_data(),
+                             best_idx->typed_data(), slots);
   return ffi::Error::Success();
 }
 
-#if defined(__AVX512BF16__)
 // The greedy token of each row of a[M, K] x w[K, N] in float32: exactly the argmax of the
-// logits MatmulArgmaxImpl<F32> computes (first column on ties), for about the cost of a bf16
+// logits MatmulArgmaxImpl<kF32> computes (first column on ties), for about the cost of a bf16
 // matmul. The rows are multiplied once in bf16 (w_screen: w rounded to bf16, pack_bf16
-// layout); every output then lies within a bound of its float32 value,
+// layout; with vdpbf16ps where the CPU has it, else widened); every output then lies within a
+// bound of its float32 value,
 //   |bf16 result - f32 result| <= ||a~|| ||w~_j - w_j|| + ||a~ - a|| ||w_j|| + rounding,
 // a~ and w~ the bf16 roundings (col_stats holds ||w_j|| and ||w~_j - w_j||, rounded up). Only
 // the columns whose upper bound reaches the row's best lower bound can hold the argmax
 // (usually one or two of 32000); their 16-column blocks are recomputed in float32, with the
-// FMA sequence of the float32 kernel, so the values compared are bit for bit that kernel's.
-// out gets the bf16-product logits (what a caller reading them sees: a screen, not logits).
+// FMA sequence of the float32 kernel (one chain per column, the same at every ISA level), so
+// the values compared are bit for bit that kernel's. out gets the bf16-product logits (what a
+// caller reading them sees: a screen, not logits).
 ffi::Error MatmulArgmaxScreenedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
                                     ffi::Buffer<ffi::BF16> w_screen, ffi::Buffer<ffi::F32> w,
                                     ffi::Buffer<ffi::F32> col_stats,
@@ -459,7 +487,8 @@ ffi::Error MatmulArgmaxScreenedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   auto sd = w_screen.dimensions();
   auto wd = w.dimensions();
   auto cd = col_stats.dimensions();
-  if (!PackedShapesOk<true>(ad, sd) || !PackedShapesOk<false>(ad, wd) || sd[0] != wd[0]) {
+  if (!PackedShapesOk<Kind::kBf16Wide>(ad, sd) || !PackedShapesOk<Kind::kF32>(ad, wd) ||
+      sd[0] != wd[0]) {
     return ffi::Error::InvalidArgument(
         "a must be [M, K], w_screen [N/16, K/32, 16, 32] and w [N/16, K, 16]");
   }
@@ -472,11 +501,22 @@ ffi::Error MatmulArgmaxScreenedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   std::fill(id_data + m, id_data + ad[0], 0);
   if (m == 0) return ffi::Error::Success();
 
-  // a in bf16, and each row's share of the bound.
+  // a rounded to bf16 (kept as bf16, or as the f32 values of those bf16 for the widened
+  // kernel: the products are exact either way), and each row's share of the bound.
+  constexpr bool kDot =
+#if defined(__AVX512BF16__)
+      true;
+#else
+      false;
+#endif
   thread_local std::vector<uint16_t> a_bf16;
-  thread_local std::vector<float> row_a, row_b;
+  thread_local std::vector<float> a_rounded, row_a, row_b;
   thread_local std::vector<char> exhaustive;
-  a_bf16.resize(m * k);
+  if (kDot) {
+    a_bf16.resize(m * k);
+  } else {
+    a_rounded.resize(m * k);
+  }
   row_a.resize(m);
   row_b.resize(m);
   exhaustive.assign(m, 0);
@@ -489,10 +529,14 @@ ffi::Error MatmulArgmaxScreenedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
     for (int64_t kk = 0; kk < k; ++kk) {
       const float x = a_data[i * k + kk];
       const uint16_t xb = F32ToBf16(x);
-      const double xt = Bf16ToF32(xb);
-      a_bf16[i * k + kk] = xb;
-      s_screen += xt * xt;
-      s_diff += (xt - x) * (xt - x);
+      const float xt = Bf16ToF32(xb);
+      if (kDot) {
+        a_bf16[i * k + kk] = xb;
+      } else {
+        a_rounded[i * k + kk] = xt;
+      }
+      s_screen += static_cast<double>(xt) * xt;
+      s_diff += (static_cast<double>(xt) - x) * (static_cast<double>(xt) - x);
       s_exact += static_cast<double>(x) * x;
     }
     const double n_screen = std::sqrt(s_screen), n_exact = std::sqrt(s_exact);
@@ -504,44 +548,45 @@ ffi::Error MatmulArgmaxScreenedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   }
 
   float* screen = static_cast<float*>(out->untyped_data());
-  PackedMatmul<true, false>(pool, reinterpret_cast<const char*>(a_bf16.data()),
-                            reinterpret_cast<const char*>(w_screen.typed_data()), screen, m, k,
-                            n_blocks);
+  const char* screen_w = reinterpret_cast<const char*>(w_screen.untyped_data());
+  if constexpr (kDot) {
+    PackedMatmul<Kind::kBf16Dot, false>(pool, reinterpret_cast<const char*>(a_bf16.data()),
+                                        screen_w, screen, m, k, n_blocks);
+  } else {
+    PackedMatmul<Kind::kBf16Wide, false>(pool, reinterpret_cast<const char*>(a_rounded.data()),
+                                         screen_w, screen, m, k, n_blocks);
+  }
 
   const float *w_data = w.typed_data(), *col_n = col_stats.typed_data(), *col_r = col_n + n;
   // (The thread-local vectors by pointer: in a worker thread their names are its own.)
   const float *a_bound = row_a.data(), *b_bound = row_b.data();
   const char* scan_all = exhaustive.data();
   ParallelFor(pool, m, [&](int64_t i) {
-    const __m512 ra = _mm512_set1_ps(a_bound[i]), rb = _mm512_set1_ps(b_bound[i]);
+    const V16 ra = V16::Set(a_bound[i]), rb = V16::Set(b_bound[i]);
     const float* row = screen + i * n;
     auto bound = [&](int64_t c) {  // of columns c .. c + 15
-      return _mm512_fmadd_ps(ra, _mm512_loadu_ps(col_r + c),
-                             _mm512_mul_ps(rb, _mm512_loadu_ps(col_n + c)));
+      return Fma(ra, V16::Load(col_r + c), Mul(rb, V16::Load(col_n + c)));
     };
     // The row's largest lower bound: its argmax in float32 is at least this.
-    __m512 lo = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    V16 lo = V16::Set(-std::numeric_limits<float>::infinity());
     for (int64_t c = 0; c < n; c += 16) {
-      lo = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(row + c), bound(c)), lo);  // drops NaN
+      lo = Max(Sub(V16::Load(row + c), bound(c)), lo);  // drops NaN
     }
-    const __m512 floor = _mm512_set1_ps(_mm512_reduce_max_ps(lo));
+    const V16 floor = V16::Set(lo.MaxLane());
     const float* x = a_data + i * k;
     float best = -std::numeric_limits<float>::infinity();
     int32_t best_col = 0;
     for (int64_t b = 0; b < n_blocks; ++b) {
       const int64_t c = b * 16;
-      const __m512 upper = _mm512_add_ps(_mm512_loadu_ps(row + c), bound(c));
-      const __mmask16 cand =
-          scan_all[i] ? __mmask16(0xffff) : _mm512_cmp_ps_mask(upper, floor, _CMP_GE_OQ);
+      const V16 upper = Add(V16::Load(row + c), bound(c));
+      const uint32_t cand = scan_all[i] ? 0xffffu : upper.LanesAtLeast(floor);
       if (!cand) continue;
-      // The block in float32, as PackedMicroTile<false, ...> sums it: one FMA chain per column.
+      // The block in float32, as PackedMicroTile<kF32, ...> sums it: one FMA chain per column.
       const float* wb = w_data + b * k * 16;
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t kk = 0; kk < k; ++kk) {
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(x[kk]), _mm512_loadu_ps(wb + kk * 16), acc);
-      }
+      V16 acc = V16::Zero();
+      for (int64_t kk = 0; kk < k; ++kk) acc = Fma(V16::Set(x[kk]), V16::Load(wb + kk * 16), acc);
       alignas(64) float exact[16];
-      _mm512_store_ps(exact, acc);
+      acc.Store(exact);
       for (int lane = 0; lane < 16; ++lane) {
         if (((cand >> lane) & 1) && exact[lane] > best) {  // strictly: the first column wins a tie
           best = exact[lane];
@@ -553,10 +598,29 @@ ffi::Error MatmulArgmaxScreenedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   });
   return ffi::Error::Success();
 }
-#endif  // __AVX512BF16__
-#endif  // __AVX512F__
+#endif  // JAXCB_HAVE_V16
 
 }  // namespace
+
+// What this build of the library defines (bits): 1 the V16 kernels (f32, widened bf16, the
+// screened argmax), 2 with AVX-512 vectors, 4 the vdpbf16ps kernels, 8 the AMX kernel (and the
+// OS granted the tile state).
+extern "C" int JaxcbIsaFeatures() {
+  int features = 0;
+#if defined(JAXCB_HAVE_V16)
+  features |= 1;
+#endif
+#if defined(__AVX512F__)
+  features |= 2;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  features |= 4;
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (AmxEnabled()) features |= 8;
+#endif
+  return features;
+}
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbMatmulAmx, MatmulAmxImpl,
@@ -564,47 +628,38 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbMatmulAmx, MatmulAmxImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // a [M, K]
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // w packed
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]
-
-extern "C" int JaxcbAmxAvailable() { return AmxEnabled() ? 1 : 0; }
-#else
-extern "C" int JaxcbAmxAvailable() { return 0; }
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // real rows [1]
+                                  .Ret<ffi::AnyBuffer>());        // f32 [M, N]
 #endif
 
-#if defined(__AVX512F__)
-#define JAXCB_PACKED_MATMUL(name, T, swiglu)                                            \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (MatmulPackedImpl<ffi::DataType::T, swiglu>),   \
-                                ffi::Ffi::Bind()                                        \
-                                    .Ctx<ffi::ThreadPool>()                             \
-                                    .Arg<ffi::Buffer<ffi::DataType::T>>() /* a [M, K] */ \
-                                    .Arg<ffi::Buffer<ffi::DataType::T>>() /* w packed */ \
-                                    .Arg<ffi::Buffer<ffi::S32>>() /* real rows [1] */    \
+#if defined(JAXCB_HAVE_V16)
+#define JAXCB_PACKED_MATMUL(name, kind, swiglu)                                              \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (MatmulPackedImpl<Kind::kind, swiglu>),                \
+                                ffi::Ffi::Bind()                                             \
+                                    .Ctx<ffi::ThreadPool>()                                  \
+                                    .Arg<ffi::Buffer<KindTypes<Kind::kind>::kA>>() /* a */   \
+                                    .Arg<ffi::Buffer<KindTypes<Kind::kind>::kW>>() /* w */   \
+                                    .Arg<ffi::Buffer<ffi::S32>>() /* real rows [1] */        \
                                     .Ret<ffi::AnyBuffer>());
 
 // -> f32 [M, N], f32 [M, slots], i32 [M, slots]
-#define JAXCB_MATMUL_ARGMAX(name, T)                                                    \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (MatmulArgmaxImpl<ffi::DataType::T>),             \
-                                ffi::Ffi::Bind()                                        \
-                                    .Ctx<ffi::ThreadPool>()                             \
-                                    .Arg<ffi::Buffer<ffi::DataType::T>>() /* a [M, K] */ \
-                                    .Arg<ffi::Buffer<ffi::DataType::T>>() /* w packed */ \
-                                    .Arg<ffi::Buffer<ffi::S32>>() /* real rows [1] */    \
-                                    .Ret<ffi::AnyBuffer>()                              \
-                                    .Ret<ffi::Buffer<ffi::F32>>()                       \
+#define JAXCB_MATMUL_ARGMAX(name, kind)                                                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (MatmulArgmaxImpl<Kind::kind>),                        \
+                                ffi::Ffi::Bind()                                             \
+                                    .Ctx<ffi::ThreadPool>()                                  \
+                                    .Arg<ffi::Buffer<KindTypes<Kind::kind>::kA>>() /* a */   \
+                                    .Arg<ffi::Buffer<KindTypes<Kind::kind>::kW>>() /* w */   \
+                                    .Arg<ffi::Buffer<ffi::S32>>() /* real rows [1] */        \
+                                    .Ret<ffi::AnyBuffer>()                                   \
+                                    .Ret<ffi::Buffer<ffi::F32>>()                            \
                                     .Ret<ffi::Buffer<ffi::S32>>());
 
-JAXCB_PACKED_MATMUL(JaxcbMatmulF32Avx512, F32, false)    // -> f32 [M, N]
-JAXCB_PACKED_MATMUL(JaxcbSwigluF32Avx512, F32, true)     // -> f32 [M, N / 2]
-JAXCB_MATMUL_ARGMAX(JaxcbMatmulArgmaxF32Avx512, F32)
-extern "C" int JaxcbAvx512Available() { return 1; }
-#else
-extern "C" int JaxcbAvx512Available() { return 0; }
-#endif
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-JAXCB_PACKED_MATMUL(JaxcbMatmulBf16Avx512, BF16, false)  // -> f32 [M, N]
-JAXCB_PACKED_MATMUL(JaxcbSwigluBf16Avx512, BF16, true)   // -> bf16 [M, N / 2]
-JAXCB_MATMUL_ARGMAX(JaxcbMatmulArgmaxBf16Avx512, BF16)
+JAXCB_PACKED_MATMUL(JaxcbMatmulF32, kF32, false)          // -> f32 [M, N]
+JAXCB_PACKED_MATMUL(JaxcbSwigluF32, kF32, true)           // -> f32 [M, N / 2]
+JAXCB_MATMUL_ARGMAX(JaxcbMatmulArgmaxF32, kF32)
+JAXCB_PACKED_MATMUL(JaxcbMatmulBf16Wide, kBf16Wide, false)  // f32 a -> f32 [M, N]
+JAXCB_PACKED_MATMUL(JaxcbSwigluBf16Wide, kBf16Wide, true)   // -> f32 [M, N / 2]
+JAXCB_MATMUL_ARGMAX(JaxcbMatmulArgmaxBf16Wide, kBf16Wide)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbMatmulArgmaxScreenedF32, MatmulArgmaxScreenedImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -615,7 +670,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbMatmulArgmaxScreenedF32, MatmulArgmaxScreened
                                   .Arg<ffi::Buffer<ffi::S32>>()   // real rows [1]
                                   .Ret<ffi::AnyBuffer>()          // f32 [M, N] (the screen)
                                   .Ret<ffi::Buffer<ffi::S32>>());  // i32 [M]
-extern "C" int JaxcbAvx512Bf16Available() { return 1; }
-#else
-extern "C" int JaxcbAvx512Bf16Available() { return 0; }
+#endif
+
+#if defined(JAXCB_HAVE_V16) && defined(__AVX512BF16__)
+JAXCB_PACKED_MATMUL(JaxcbMatmulBf16Dot, kBf16Dot, false)  // bf16 a -> f32 [M, N]
+JAXCB_PACKED_MATMUL(JaxcbSwigluBf16Dot, kBf16Dot, true)   // -> bf16 [M, N / 2]
+JAXCB_MATMUL_ARGMAX(JaxcbMatmulArgmaxBf16Dot, kBf16Dot)
 #endif

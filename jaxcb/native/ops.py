@@ -1,14 +1,16 @@
 """The native CPU kernels as jax functions: ragged paged attention, the in-place KV write,
-and matmuls over weights packed once at load time: bfloat16 on AMX tiles (CPUs with AMX) or
-with AVX512-BF16 dot products (vdpbf16ps: AMD Zen 4 and later, Intel Cooper Lake and later),
-and float32 with AVX-512 FMAs, whose LM head can also find greedy tokens through a bf16
-screen. Each wrapper makes sure the library is built and registered (build.py) and calls its
-FFI target; `PACKED_MATMULS` is the table of packed matmul kernels the model code dispatches
-to (jaxcb/models/packed.py).
+and matmuls over weights packed once at load time: bfloat16 on AMX tiles, with AVX512-BF16 dot
+products (vdpbf16ps: AMD Zen 4 and later, Intel Cooper Lake and later) or widened to float32
+in registers (any CPU with AVX2 + FMA), and float32 with FMAs on AVX-512 or AVX2 vectors, whose
+LM head can also find greedy tokens through a bf16 screen. Each wrapper makes sure its ISA
+level's library is built and registered (build.py) and calls its FFI target;
+`PACKED_MATMULS` is the table of packed matmul kernels the model code dispatches to
+(jaxcb/models/packed.py), with the ISA level each needs.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -18,20 +20,34 @@ import numpy as np
 
 from jaxcb.native.build import (
     ATTENTION_TARGET,
+    ISA_ENV,
+    ISA_LEVELS,
     KV_WRITE_TARGET,
     MATMUL_AMX_TARGET,
-    MATMUL_ARGMAX_AVX512_BF16_TARGET,
-    MATMUL_ARGMAX_AVX512_F32_TARGET,
+    MATMUL_ARGMAX_BF16_DOT_TARGET,
+    MATMUL_ARGMAX_BF16_WIDE_TARGET,
+    MATMUL_ARGMAX_F32_TARGET,
     MATMUL_ARGMAX_SCREENED_F32_TARGET,
-    MATMUL_AVX512_BF16_TARGET,
-    MATMUL_AVX512_F32_TARGET,
-    SWIGLU_AVX512_BF16_TARGET,
-    SWIGLU_AVX512_F32_TARGET,
-    amx_available,
-    avx512_available,
-    avx512_bf16_available,
+    MATMUL_BF16_DOT_TARGET,
+    MATMUL_BF16_WIDE_TARGET,
+    MATMUL_F32_TARGET,
+    SWIGLU_BF16_DOT_TARGET,
+    SWIGLU_BF16_WIDE_TARGET,
+    SWIGLU_F32_TARGET,
+    NativeBuildError,
+    active_level,
+    cpu_summary,
+    level_at_least,
     load,
+    supported_levels,
+    target,
 )
+
+
+def _active_target(base: str) -> str:
+    level = active_level()
+    load(level)
+    return target(base, level)
 
 
 def ragged_paged_attention_native(
@@ -48,8 +64,9 @@ def ragged_paged_attention_native(
     soft_cap: float | None = None,
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """Ragged paged attention on CPU (same contract as the jnp reference)."""
-    load()
-    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    call = jax.ffi.ffi_call(
+        _active_target(ATTENTION_TARGET), jax.ShapeDtypeStruct(q.shape, q.dtype)
+    )
     return call(
         q,
         k_pages,
@@ -72,12 +89,13 @@ def write_kv_native(
     slot_mapping: jax.Array,  # i32[T]
 ) -> tuple[jax.Array, jax.Array]:
     """In-place KV page write on CPU, for float32 and bfloat16 pools alike."""
-    load()
     shapes = (
         jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
         jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
     )
-    call = jax.ffi.ffi_call(KV_WRITE_TARGET, shapes, input_output_aliases={0: 0, 1: 1})
+    call = jax.ffi.ffi_call(
+        _active_target(KV_WRITE_TARGET), shapes, input_output_aliases={0: 0, 1: 1}
+    )
     return call(k_pages, v_pages, k, v, slot_mapping.astype(jnp.int32))
 
 
@@ -113,38 +131,17 @@ def pack_f32(w: np.ndarray) -> np.ndarray:
 
 
 def _real_rows(x: jax.Array, rows: jax.Array | int | None) -> jax.Array:
-    """i32[1]: how many leading rows of x are real (all of them if None); the AVX-512
-    kernels compute only those and write zeros to the rest (a bucket's padding)."""
+    """i32[1]: how many leading rows of x are real (all of them if None); the kernels compute
+    only those and write zeros to the rest (a bucket's padding)."""
     if rows is None:
         return jnp.full((1,), x.shape[0], jnp.int32)
     return jnp.reshape(jnp.asarray(rows, jnp.int32), (1,))
 
 
-def _packed_matmul(target: str, x: jax.Array, w_packed: jax.Array, *extra: jax.Array) -> jax.Array:
-    load()
-    n = w_packed.shape[0] * 16
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    return call(x.astype(w_packed.dtype), w_packed, *extra)
-
-
-def matmul_amx(x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:  # f32[M, N]
-    """x [M, K] @ w [K, N] on AMX tiles, w from `pack_bf16`: bfloat16 inputs, float32
-    accumulation and result (like `jnp.dot(x.astype(bf16), w, preferred_element_type=f32)`).
-    Computes every row (`rows` is accepted for the common signature and ignored)."""
-    return _packed_matmul(MATMUL_AMX_TARGET, x, w_packed)
-
-
-def matmul_avx512_bf16(x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:
-    """`matmul_amx`'s contract (f32[M, N]) with AVX512-BF16 dot products (vdpbf16ps) instead
-    of tiles. `rows` (i32 scalar or [1], default M): only the first `rows` rows of x are real;
-    the others are not computed and come out zero."""
-    return _packed_matmul(MATMUL_AVX512_BF16_TARGET, x, w_packed, _real_rows(x, rows))
-
-
-def matmul_avx512_f32(x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:
-    """x [M, K] @ w [K, N] in float32 with AVX-512 FMAs, w from `pack_f32` (f32[M, N]);
-    `rows` as for `matmul_avx512_bf16`."""
-    return _packed_matmul(MATMUL_AVX512_F32_TARGET, x, w_packed, _real_rows(x, rows))
+def _kernel_input(spec: PackedMatmul, x: jax.Array) -> jax.Array:
+    """x rounded to the weights' dtype (every kernel multiplies in it, as XLA's dot of the
+    same weights does: the same tokens on every ISA), in the dtype the kernel reads."""
+    return x.astype(spec.dtype).astype(spec.x_dtype)
 
 
 #: Work-item slots of the argmax matmuls' partial results (the kernel uses at most this many
@@ -152,40 +149,53 @@ def matmul_avx512_f32(x: jax.Array, w_packed: jax.Array, rows: Any = None) -> ja
 ARGMAX_SLOTS = 64
 
 
-def _packed_matmul_argmax(
-    target: str, x: jax.Array, w_packed: jax.Array, rows: Any
-) -> tuple[jax.Array, jax.Array]:
-    load()
+def packed_matmul(kernel: str, x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:
+    """x [M, K] @ w [K, N] on the native kernel `kernel` (a PACKED_MATMULS name), w packed by
+    its `pack`: f32[M, N], accumulated in float32. `rows` (i32 scalar or [1], default M): only
+    the first `rows` rows of x are real; the others are not computed and come out zero."""
+    spec = PACKED_MATMULS[kernel]
+    n = w_packed.shape[0] * 16
+    call = jax.ffi.ffi_call(
+        spec.target(spec.matmul_target), jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    )
+    return call(_kernel_input(spec, x), w_packed, _real_rows(x, rows))
+
+
+def packed_matmul_argmax(
+    kernel: str, x: jax.Array, w_packed: jax.Array, rows: Any = None
+) -> tuple[jax.Array, jax.Array]:  # (f32[M, N], i32[M])
+    """`packed_matmul`, plus the argmax of each output row (first index on ties) taken from
+    the accumulators on the way out: an LM head's greedy tokens without another pass over its
+    [M, vocab] logits. Padding rows (past `rows`) get token 0."""
+    spec = PACKED_MATMULS[kernel]
     m, n = x.shape[0], w_packed.shape[0] * 16
     call = jax.ffi.ffi_call(
-        target,
+        spec.target(spec.argmax_target),
         (
             jax.ShapeDtypeStruct((m, n), jnp.float32),
             jax.ShapeDtypeStruct((m, ARGMAX_SLOTS), jnp.float32),
             jax.ShapeDtypeStruct((m, ARGMAX_SLOTS), jnp.int32),
         ),
     )
-    out, best_val, best_idx = call(x.astype(w_packed.dtype), w_packed, _real_rows(x, rows))
+    out, best_val, best_idx = call(_kernel_input(spec, x), w_packed, _real_rows(x, rows))
     # Slots cover increasing column ranges: the first slot holding the row's max holds its
     # first argmax, as jnp.argmax would pick it.
     slot = jnp.argmax(best_val, axis=1)
     return out, jnp.take_along_axis(best_idx, slot[:, None], axis=1)[:, 0]
 
 
-def matmul_argmax_avx512_bf16(
-    x: jax.Array, w_packed: jax.Array, rows: Any = None
-) -> tuple[jax.Array, jax.Array]:  # (f32[M, N], i32[M])
-    """`matmul_avx512_bf16`, plus the argmax of each output row (first index on ties) taken
-    from the accumulators on the way out: an LM head's greedy tokens without another pass
-    over its [M, vocab] logits. Padding rows (past `rows`) get token 0."""
-    return _packed_matmul_argmax(MATMUL_ARGMAX_AVX512_BF16_TARGET, x, w_packed, rows)
-
-
-def matmul_argmax_avx512_f32(
-    x: jax.Array, w_packed: jax.Array, rows: Any = None
-) -> tuple[jax.Array, jax.Array]:  # (f32[M, N], i32[M])
-    """`matmul_argmax_avx512_bf16` for `matmul_avx512_f32`."""
-    return _packed_matmul_argmax(MATMUL_ARGMAX_AVX512_F32_TARGET, x, w_packed, rows)
+def packed_swiglu(kernel: str, x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:
+    """silu(gate) * up for gate_up = x @ w, w [K, 2 * I] (gate columns, then up) packed for
+    `kernel`: its matmul with the activation in the epilogue, [M, I] in the kernel's
+    `act_dtype` (bf16 after vdpbf16ps: the next matmul's input as it is); `rows` as there."""
+    spec = PACKED_MATMULS[kernel]
+    if w_packed.shape[0] % 2:
+        raise ValueError(f"swiglu needs a [K, 2 * I] weight, I a multiple of 16: {w_packed.shape}")
+    i = w_packed.shape[0] * 8
+    call = jax.ffi.ffi_call(
+        spec.target(spec.swiglu_target), jax.ShapeDtypeStruct((x.shape[0], i), spec.act_dtype)
+    )
+    return call(_kernel_input(spec, x), w_packed, _real_rows(x, rows))
 
 
 def pack_argmax_screen(w: np.ndarray) -> dict[str, np.ndarray]:
@@ -204,7 +214,7 @@ def pack_argmax_screen(w: np.ndarray) -> dict[str, np.ndarray]:
     # Rounded up to float32 (and never 0: the bound also covers subnormals flushed to zero).
     stats = np.stack([np.maximum(norms, 2.0**-30), errors]) * (1 + 2.0**-20)
     return {
-        "avx512_bf16": pack_bf16(screen),
+        "screen_bf16": pack_bf16(screen),
         "screen_stats": np.nextafter(stats.astype(np.float32), np.inf),
     }
 
@@ -214,85 +224,156 @@ def matmul_argmax_screened_f32(
     w_packed: jax.Array,  # pack_f32(w)
     screen: dict[str, jax.Array],  # pack_argmax_screen(w)
     rows: Any = None,
+    *,
+    kernel: str = "avx512",
 ) -> tuple[jax.Array, jax.Array]:  # (f32[M, N], i32[M])
-    """The greedy tokens of `matmul_argmax_avx512_f32(x, w_packed, rows)`, bit for bit (first
-    index on ties), for about the cost of a bf16 matmul: x @ w in bf16, then only the few
-    columns whose error bound lets them hold a row's maximum recomputed in float32. The first
-    result is the bf16 products, not float32 logits: for callers that need only the tokens."""
-    load()
+    """The greedy tokens of `packed_matmul_argmax(kernel, x, w_packed, rows)` (a float32
+    kernel), bit for bit (first index on ties), for about the cost of a bf16 matmul: x @ w in
+    bf16, then only the few columns whose error bound lets them hold a row's maximum
+    recomputed in float32. The first result is the bf16 products, not float32 logits: for
+    callers that need only the tokens."""
+    spec = PACKED_MATMULS[kernel]
+    if spec.dtype != jnp.float32:
+        raise ValueError(f"the greedy screen is for float32 kernels, not {kernel!r}")
     m, n = x.shape[0], w_packed.shape[0] * 16
     call = jax.ffi.ffi_call(
-        MATMUL_ARGMAX_SCREENED_F32_TARGET,
+        spec.target(MATMUL_ARGMAX_SCREENED_F32_TARGET),
         (jax.ShapeDtypeStruct((m, n), jnp.float32), jax.ShapeDtypeStruct((m,), jnp.int32)),
     )
     return call(
         x.astype(jnp.float32),
-        screen["avx512_bf16"],
+        screen["screen_bf16"],
         w_packed,
         screen["screen_stats"],
         _real_rows(x, rows),
     )
 
 
-def _packed_swiglu(target: str, x: jax.Array, w_packed: jax.Array, rows: Any) -> jax.Array:
-    load()
-    if w_packed.shape[0] % 2:
-        raise ValueError(f"swiglu needs a [K, 2 * I] weight, I a multiple of 16: {w_packed.shape}")
-    i = w_packed.shape[0] * 8
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], i), w_packed.dtype))
-    return call(x.astype(w_packed.dtype), w_packed, _real_rows(x, rows))
-
-
-def swiglu_avx512_bf16(x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:
-    """silu(gate) * up for gate_up = x @ w, w [K, 2 * I] (gate columns, then up) from
-    `pack_bf16`: the matmul of `matmul_avx512_bf16` with the activation in its epilogue,
-    written in bfloat16 (the input of the down projection), bf16[M, I]; `rows` as there."""
-    return _packed_swiglu(SWIGLU_AVX512_BF16_TARGET, x, w_packed, rows)
-
-
-def swiglu_avx512_f32(x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:
-    """`swiglu_avx512_bf16` in float32 (f32[M, I]), w from `pack_f32`."""
-    return _packed_swiglu(SWIGLU_AVX512_F32_TARGET, x, w_packed, rows)
-
-
 class PackedMatmul(NamedTuple):
-    # (x, packed weight, real rows=None) -> f32 result; every kernel takes the real-row count
-    # of x (the rest is a bucket's padding), the AVX-512 ones skip the padding rows.
-    kernel: Callable[..., jax.Array]
-    available: Callable[[], bool]  # whether this machine can run it
+    """One native matmul kernel: what it takes, the ISA level it needs and its FFI targets.
+    Every kernel takes the real-row count of x (the rest is a bucket's padding) and skips
+    the padding rows."""
+
+    name: str
     dtype: Any  # the weights' dtype it takes
+    x_dtype: Any  # the dtype it reads activations in (rounded to `dtype` first)
+    act_dtype: Any  # what its fused SwiGLU writes
+    level: str  # the ISA level it needs (build.ISA_LEVELS)
+    # Its library: its own level's ("avx2": the AVX2 code even on an AVX-512 CPU), or else the
+    # active level's (the widest vectors this CPU runs).
+    own_library: bool
+    feature: str  # the build.Features flag its library must report
     can_pack: Callable[[tuple[int, ...]], bool]
     pack: Callable[[np.ndarray], np.ndarray]
-    isa: str  # what the CPU must have, for errors
+    matmul_target: str
+    swiglu_target: str | None = None
+    argmax_target: str | None = None
+    about: str = ""
+
+    def library_level(self) -> str:
+        return self.level if self.own_library else active_level()
+
+    def target(self, base: str) -> str:
+        """The FFI target of `base` in this kernel's library (built and registered now)."""
+        level = self.library_level()
+        load(level)
+        return target(base, level)
+
+    def unavailable_reason(self) -> str | None:
+        """Why this kernel cannot run here (None: it can), in a few words."""
+        active = active_level()
+        if not level_at_least(active, self.level):
+            if self.level in supported_levels():
+                return f"{ISA_ENV} caps the kernels at {active}"
+            return f"this CPU has no {ISA_LEVELS[self.level].about}: {cpu_summary()}"
+        try:
+            features = load(self.library_level())
+        except (NativeBuildError, OSError) as exc:
+            return f"the {self.library_level()} kernels did not build: {str(exc).splitlines()[0]}"
+        if not getattr(features, self.feature):
+            return f"the {self.library_level()} library has no {self.about}"
+        return None
+
+    def available(self) -> bool:
+        return self.unavailable_reason() is None
+
+    # (x, packed weight, rows=None) -> f32[M, N]
+    def kernel(self, x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:
+        return packed_matmul(self.name, x, w_packed, rows)
+
     # (x, packed [K, 2 * I] gate_up weight, rows=None) -> silu(gate) * up, or None (not fused)
-    swiglu: Callable[..., jax.Array] | None = None
+    @property
+    def swiglu(self) -> Callable[..., jax.Array] | None:
+        return None if self.swiglu_target is None else functools.partial(packed_swiglu, self.name)
+
     # (x, packed weight, rows=None) -> (x @ w, argmax of each row), or None
-    argmax: Callable[..., tuple[jax.Array, jax.Array]] | None = None
+    @property
+    def argmax(self) -> Callable[..., tuple[jax.Array, jax.Array]] | None:
+        if self.argmax_target is None:
+            return None
+        return functools.partial(packed_matmul_argmax, self.name)
 
 
-#: kernels.matmul name -> its kernel, in the order "auto" prefers them
-PACKED_MATMULS = {
-    "amx": PackedMatmul(
-        matmul_amx, amx_available, jnp.bfloat16, can_pack_bf16, pack_bf16, "AMX (bf16 tiles)"
-    ),
-    "avx512_bf16": PackedMatmul(
-        matmul_avx512_bf16,
-        avx512_bf16_available,
+def _table(*specs: PackedMatmul) -> dict[str, PackedMatmul]:
+    return {spec.name: spec for spec in specs}
+
+
+_F32 = dict(dtype=jnp.float32, x_dtype=jnp.float32, act_dtype=jnp.float32, feature="v16")
+_F32_TARGETS = dict(
+    can_pack=can_pack_f32,
+    pack=pack_f32,
+    matmul_target=MATMUL_F32_TARGET,
+    swiglu_target=SWIGLU_F32_TARGET,
+    argmax_target=MATMUL_ARGMAX_F32_TARGET,
+)
+
+#: kernels.matmul name -> its kernel, in the order "auto" prefers them (per weight dtype)
+PACKED_MATMULS = _table(
+    PackedMatmul(
+        "amx",
         jnp.bfloat16,
+        jnp.bfloat16,
+        jnp.bfloat16,
+        "amx",
+        False,
+        "amx",
         can_pack_bf16,
         pack_bf16,
-        "AVX512-BF16",
-        swiglu_avx512_bf16,
-        matmul_argmax_avx512_bf16,
+        MATMUL_AMX_TARGET,
+        about="AMX bf16 tiles (or the OS refused the tile state)",
     ),
-    "avx512": PackedMatmul(
-        matmul_avx512_f32,
-        avx512_available,
+    PackedMatmul(
+        "avx512_bf16",
+        jnp.bfloat16,
+        jnp.bfloat16,
+        jnp.bfloat16,
+        "avx512_bf16",
+        False,
+        "bf16_dot",
+        can_pack_bf16,
+        pack_bf16,
+        MATMUL_BF16_DOT_TARGET,
+        SWIGLU_BF16_DOT_TARGET,
+        MATMUL_ARGMAX_BF16_DOT_TARGET,
+        about="AVX512-BF16 dot products",
+    ),
+    PackedMatmul(
+        "avx512", **_F32, level="avx512", own_library=False, **_F32_TARGETS, about="AVX-512 FMAs"
+    ),
+    PackedMatmul(
+        "avx2_bf16",
+        jnp.bfloat16,
         jnp.float32,
-        can_pack_f32,
-        pack_f32,
-        "AVX-512",
-        swiglu_avx512_f32,
-        matmul_argmax_avx512_f32,
+        jnp.float32,
+        "avx2",
+        True,
+        "v16",
+        can_pack_bf16,
+        pack_bf16,
+        MATMUL_BF16_WIDE_TARGET,
+        SWIGLU_BF16_WIDE_TARGET,
+        MATMUL_ARGMAX_BF16_WIDE_TARGET,
+        about="bf16 weights widened in AVX2 registers",
     ),
-}
+    PackedMatmul("avx2", **_F32, level="avx2", own_library=True, **_F32_TARGETS, about="AVX2 FMAs"),
+)

@@ -163,6 +163,8 @@ def ragged_paged_attention_xla(
     # per prefill sequence (each has >= 2 rows, so there are at most T // 2 of them).
     max_blocks = num_tokens // block_q + min(max_num_seqs, num_tokens // 2)
     max_blocks = -(-max_blocks // block_group) * block_group
+    if max_blocks == 0:  # a one-token batch: its row, if any, is on the decode path
+        return out[:num_tokens]
     b = jnp.arange(max_blocks)
     blk_seq = jnp.clip(jnp.searchsorted(cu_blocks[1:], b, side="right"), 0, max_num_seqs - 1)
     blk_first = cu_q_lens[blk_seq] + (b - cu_blocks[blk_seq]) * block_q  # first row

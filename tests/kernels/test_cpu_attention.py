@@ -73,6 +73,13 @@ def test_one_block_many_sequences(backend):
     check(backend, shape, seqs, seed=3)
 
 
+@backends
+@pytest.mark.parametrize("seqs", [[(1, 9)], []])
+def test_one_token_batch(backend, seqs):
+    """A one-row bucket (the XLA matmul path's single stream): no room for a prefill block."""
+    check(backend, Shape(num_tokens=1, max_num_seqs=1), seqs)
+
+
 def test_xla_default_blocks():
     shape = Shape(num_tokens=64, max_num_seqs=16, num_pages=64, pages_per_seq=4)
     batch = make_batch(shape, [(1, 9), (20, 40), (7, 7), (1, 64)], seed=3)
@@ -132,7 +139,7 @@ def test_engine_falls_back_to_xla_without_a_compiler(monkeypatch):
     """No C++ compiler: `auto` resolves to the XLA path, never an error."""
     from jaxcb import attention
 
-    def no_compiler():
+    def no_compiler(*args):
         raise native.NativeBuildError("no C++ compiler found")
 
     monkeypatch.setattr(native.build, "load", no_compiler)

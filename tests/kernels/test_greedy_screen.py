@@ -13,12 +13,24 @@ from helpers import TINY_MODEL, random_prompts
 
 from jaxcb import LLM, SamplingParams, native
 
-pytestmark = pytest.mark.skipif(
-    not native.argmax_screen_available(), reason="no AVX-512 with AVX512-BF16 on this CPU"
-)
+#: The float32 kernels (each ISA level's screen: vdpbf16ps where the CPU has it, else the
+#: bf16 screen widened in registers), skipped where this CPU cannot run them.
+F32_KERNELS = [
+    pytest.param(
+        name, marks=pytest.mark.skipif(not spec.available(), reason=f"no {name} on this CPU")
+    )
+    for name, spec in native.PACKED_MATMULS.items()
+    if spec.dtype == jnp.float32
+]
+pytestmark = pytest.mark.parametrize("kernel", F32_KERNELS)
 
-exact_argmax = jax.jit(native.matmul_argmax_avx512_f32)
-screened_argmax = jax.jit(native.matmul_argmax_screened_f32)
+
+def exact_argmax(kernel: str, *args):
+    return jax.jit(native.PACKED_MATMULS[kernel].argmax)(*args)
+
+
+def screened_argmax(kernel: str, *args):
+    return jax.jit(lambda *a: native.matmul_argmax_screened_f32(*a, kernel=kernel))(*args)
 
 
 def _pack(w: np.ndarray) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -44,7 +56,7 @@ def _near_ties(rng: np.random.Generator, k: int, n: int) -> tuple[np.ndarray, np
 @pytest.mark.parametrize(
     "m, k, n", [(1, 32, 16), (5, 64, 48), (13, 128, 4000), (130, 96, 2048), (70, 512, 32000)]
 )
-def test_screened_argmax_is_the_float32_argmax(m, k, n):
+def test_screened_argmax_is_the_float32_argmax(kernel, m, k, n):
     rng = np.random.default_rng(m * k + n)
     w, bases = _near_ties(rng, k, n)
     # Rows pointing at the near-tie groups make their members the top logits.
@@ -52,14 +64,13 @@ def test_screened_argmax_is_the_float32_argmax(m, k, n):
     x[::2] = w[:, rng.choice(bases, size=len(x[::2]))].T * 4 + x[::2] * 0.01
     w_packed, screen = _pack(w)
     x = jnp.asarray(x)
-    logits, want = exact_argmax(x, w_packed)
-    out, got = screened_argmax(x, w_packed, screen)
+    logits, want = exact_argmax(kernel, x, w_packed)
+    out, got = screened_argmax(kernel, x, w_packed, screen)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    # The first output is the bf16 product, as the bf16 kernel computes it.
-    w_bf16 = jnp.asarray(native.pack_bf16(w.astype(jnp.bfloat16)))
-    np.testing.assert_array_equal(
-        np.asarray(out), np.asarray(jax.jit(native.matmul_avx512_bf16)(x, w_bf16))
-    )
+    # The first output is the product of the bf16-rounded rows and weights.
+    x_bf16 = np.asarray(x.astype(jnp.bfloat16), np.float32)
+    w_bf16 = w.astype(jnp.bfloat16).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(out), x_bf16 @ w_bf16, rtol=1e-4, atol=1e-3)
     # Sanity: the test does not pass trivially: greedy on the bf16 products alone would
     # have picked other tokens (except for the smallest cases).
     if m >= 13:
@@ -67,7 +78,7 @@ def test_screened_argmax_is_the_float32_argmax(m, k, n):
     assert (np.asarray(logits).argmax(axis=1) == np.asarray(want)).all()
 
 
-def test_exact_ties_and_degenerate_rows():
+def test_exact_ties_and_degenerate_rows(kernel):
     """Equal float32 maxima go to the first column, in one block or across blocks; a zero
     row ties everywhere (token 0); a row with a NaN or an infinity costs a full float32 scan
     and leaves the other rows alone; bf16-exact weights make the weight error bound 0."""
@@ -83,8 +94,8 @@ def test_exact_ties_and_degenerate_rows():
     x[4] = w[:, 3001] * 3 + 1e-3
     w_packed, screen = _pack(w)
     assert (np.asarray(screen["screen_stats"])[1] < 1e-40).all()  # ||bf16(w_j) - w_j|| ~ 0
-    _, want = exact_argmax(jnp.asarray(x), w_packed)
-    _, got = screened_argmax(jnp.asarray(x), w_packed, screen)
+    _, want = exact_argmax(kernel, jnp.asarray(x), w_packed)
+    _, got = screened_argmax(kernel, jnp.asarray(x), w_packed, screen)
     got, want = np.asarray(got), np.asarray(want)
     assert got[0] == want[0] == 40 and got[1] == want[1] == 0
     assert got[4] == want[4] and got[5] == want[5]
@@ -92,18 +103,18 @@ def test_exact_ties_and_degenerate_rows():
 
 
 @pytest.mark.parametrize("rows", [0, 3, 9])
-def test_padding_rows_get_token_zero(rows):
+def test_padding_rows_get_token_zero(kernel, rows):
     rng = np.random.default_rng(rows)
     w = rng.standard_normal((64, 480)).astype(np.float32)
     x = jnp.asarray(rng.standard_normal((9, 64)), jnp.float32) + 1.0
     w_packed, screen = _pack(w)
-    out, ids = screened_argmax(x, w_packed, screen, jnp.int32(rows))
-    _, full = exact_argmax(x, w_packed)
+    out, ids = screened_argmax(kernel, x, w_packed, screen, jnp.int32(rows))
+    _, full = exact_argmax(kernel, x, w_packed)
     assert np.asarray(ids).tolist() == np.asarray(full)[:rows].tolist() + [0] * (9 - rows)
     assert not np.asarray(out)[rows:].any()
 
 
-def test_column_statistics_bound_the_columns():
+def test_column_statistics_bound_the_columns(kernel):
     rng = np.random.default_rng(1)
     w = rng.standard_normal((64, 32)).astype(np.float32)
     stats = native.pack_argmax_screen(w)["screen_stats"]
@@ -116,13 +127,13 @@ def test_column_statistics_bound_the_columns():
         native.pack_argmax_screen(np.zeros((48, 32), np.float32))
 
 
-def test_engine_gives_the_same_tokens_with_and_without_the_screen():
+def test_engine_gives_the_same_tokens_with_and_without_the_screen(kernel):
     """Greedy requests alone (the screen), mixed with sampled and logprob requests (the full
     float32 LM head), and penalties: every output, token ids and logprobs, is the same."""
     config = dict(
         model=TINY_MODEL,
         dtype="float32",
-        matmul="avx512",
+        matmul=kernel,
         max_num_seqs=8,
         max_num_batched_tokens=64,
         token_buckets=[16, 64],

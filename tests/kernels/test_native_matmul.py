@@ -1,7 +1,9 @@
 """jaxcb's native matmuls over packed weights (jaxcb/native): the packed layouts, each kernel
-(bfloat16 on AMX tiles or with AVX512-BF16 dot products, float32 with AVX-512 FMAs) against
-XLA's dot, and the engine choosing one (kernels.matmul). Kernel tests skip on CPUs without
-that instruction set; the layouts and the choice are checked everywhere."""
+(bfloat16 on AMX tiles, with AVX512-BF16 dot products or widened in AVX2 registers; float32
+with AVX-512 or AVX2 FMAs) against XLA's dot, the ISA levels and the forced-ISA switch, and the
+engine choosing one (kernels.matmul). Kernel tests skip on CPUs without that instruction set
+(the AVX2 ones run on every AVX-512 CPU too); the layouts and the choice are checked
+everywhere."""
 
 from __future__ import annotations
 
@@ -13,14 +15,14 @@ from helpers import TINY_MODEL
 
 from jaxcb import LLM, SamplingParams, native
 from jaxcb.config import MATMUL_BACKENDS
-from jaxcb.models.packed import matmul_backend
+from jaxcb.models.packed import matmul_backend, matmul_report
 
 KERNELS = [
     pytest.param(
         name,
-        marks=pytest.mark.skipif(not can_run(), reason=f"no {name} on this CPU"),
+        marks=pytest.mark.skipif(not spec.available(), reason=f"no {name} on this CPU"),
     )
-    for name, (_, can_run, *_) in native.PACKED_MATMULS.items()
+    for name, spec in native.PACKED_MATMULS.items()
 ]
 
 
@@ -73,7 +75,9 @@ def test_matmul_matches_xla_dot(kernel, m, k, n):
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((k, n)), spec.dtype)
     expected = jnp.dot(
-        x.astype(spec.dtype), w, preferred_element_type=jnp.float32, precision="highest"
+        x.astype(spec.dtype).astype(jnp.float32),
+        w.astype(jnp.float32),
+        precision="highest",
     )
     got = jax.jit(spec.kernel)(x, jnp.asarray(spec.pack(np.asarray(w))))
     assert got.shape == (m, n) and got.dtype == jnp.float32
@@ -112,26 +116,25 @@ def test_matmul_argmax_ties_go_to_the_first_column(kernel):
 @pytest.mark.parametrize("m, k, i", [(1, 32, 16), (7, 64, 48), (13, 96, 64), (64, 512, 1536)])
 def test_swiglu_matches_xla(kernel, m, k, i):
     """silu(x @ w_gate) * (x @ w_up) from one packed [K, 2 * I] weight, written in the
-    weights' dtype; I/16 odd exercises the last gate block paired alone."""
+    kernel's act_dtype; I/16 odd exercises the last gate block paired alone."""
     spec = native.PACKED_MATMULS[kernel]
     rng = np.random.default_rng(m + k + i)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
     x = x.at[0, :].set(40.0)  # large |gate| on both sides: silu's tails
     w = jnp.asarray(rng.standard_normal((k, 2 * i)), spec.dtype)
-    gu = jnp.dot(x.astype(spec.dtype), w, preferred_element_type=jnp.float32, precision="highest")
-    expected = (jax.nn.silu(gu[:, :i]) * gu[:, i:]).astype(spec.dtype)
+    gu = jnp.dot(
+        x.astype(spec.dtype).astype(jnp.float32), w.astype(jnp.float32), precision="highest"
+    )
+    expected = (jax.nn.silu(gu[:, :i]) * gu[:, i:]).astype(spec.act_dtype)
     got = jax.jit(spec.swiglu)(x, jnp.asarray(spec.pack(np.asarray(w))))
-    assert got.shape == (m, i) and got.dtype == spec.dtype
-    tol = 1e-2 if spec.dtype == jnp.bfloat16 else 1e-5
+    assert got.shape == (m, i) and got.dtype == spec.act_dtype
+    tol = 1e-2 if spec.act_dtype == jnp.bfloat16 else 1e-5
     np.testing.assert_allclose(
         np.asarray(got, np.float32), np.asarray(expected, np.float32), rtol=tol, atol=tol
     )
 
 
-AVX512 = [p for p in KERNELS if p.values[0] != "amx"]  # the kernels that skip padding rows
-
-
-@pytest.mark.parametrize("kernel", AVX512)
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("rows", [0, 5, 13])
 def test_padding_rows_are_skipped_and_zero(kernel, rows):
     """With `rows` real rows of 13, every entry point returns the full-batch result on those
@@ -142,19 +145,78 @@ def test_padding_rows_are_skipped_and_zero(kernel, rows):
     x = jnp.asarray(rng.standard_normal((13, 64)), jnp.float32) + 1.0  # no zero rows
     packed = jnp.asarray(spec.pack(rng.standard_normal((64, 4000)).astype(spec.dtype)))
     n = jnp.int32(rows)
-    for fn in (spec.kernel, spec.swiglu):
+    for fn in filter(None, (spec.kernel, spec.swiglu)):
         full, got = np.asarray(jax.jit(fn)(x, packed)), np.asarray(jax.jit(fn)(x, packed, n))
         np.testing.assert_array_equal(got[:rows], full[:rows])
         assert not got[rows:].any() and full[rows:].all()
-    out, ids = jax.jit(spec.argmax)(x, packed, n)
-    full_out, full_ids = jax.jit(spec.argmax)(x, packed)
-    np.testing.assert_array_equal(np.asarray(out)[:rows], np.asarray(full_out)[:rows])
-    assert np.asarray(ids).tolist() == np.asarray(full_ids)[:rows].tolist() + [0] * (13 - rows)
     for out_of_range in (-1, 14):
         np.testing.assert_array_equal(
             np.asarray(jax.jit(spec.kernel)(x, packed, jnp.int32(out_of_range))),
             np.asarray(jax.jit(spec.kernel)(x, packed)),
         )
+    if spec.argmax is not None:
+        out, ids = jax.jit(spec.argmax)(x, packed, n)
+        full_out, full_ids = jax.jit(spec.argmax)(x, packed)
+        np.testing.assert_array_equal(np.asarray(out)[:rows], np.asarray(full_out)[:rows])
+        want = np.asarray(full_ids)[:rows].tolist() + [0] * (13 - rows)
+        assert np.asarray(ids).tolist() == want
+
+
+F32_PAIR = pytest.mark.skipif(
+    not (native.PACKED_MATMULS["avx512"].available() and native.PACKED_MATMULS["avx2"].available()),
+    reason="needs AVX-512 (the AVX2 kernels run there too)",
+)
+
+
+@F32_PAIR
+@pytest.mark.parametrize("m, k, n", [(1, 64, 48), (13, 96, 4000), (64, 512, 1536)])
+def test_float32_kernels_agree_bit_for_bit_across_isa_levels(m, k, n):
+    """Each output column is one FMA chain over k in the AVX2 kernel (two 8-lane halves) and
+    the AVX-512 one (16 lanes): the same float32 results, bit for bit, so greedy tokens do not
+    depend on the machine's vector width."""
+    rng = np.random.default_rng(m + n)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    packed = jnp.asarray(native.pack_f32(rng.standard_normal((k, 2 * n)).astype(np.float32)))
+    wide, narrow = native.PACKED_MATMULS["avx512"], native.PACKED_MATMULS["avx2"]
+    for fn in ("kernel", "swiglu"):
+        np.testing.assert_array_equal(
+            np.asarray(jax.jit(getattr(wide, fn))(x, packed)),
+            np.asarray(jax.jit(getattr(narrow, fn))(x, packed)),
+        )
+
+
+def test_isa_levels_and_the_forced_isa_switch(monkeypatch):
+    """Libraries are built per named ISA level (never -march=native) and a level this CPU
+    cannot run is never loaded; JAXCB_CPU_ISA caps the level: with avx2 on an AVX-512 CPU,
+    auto picks the AVX2 kernels and says why the AVX-512 ones were not."""
+    from jaxcb.native import build
+
+    assert not any("native" in f for f in build.FLAGS)
+    paths = {build._library_path(level) for level in build.ISA_LEVELS.values()}
+    assert len(paths) == len(build.ISA_LEVELS)
+    levels = native.supported_levels()
+    assert levels[0] == "generic" and native.active_level() == levels[-1]
+    for name in build.ISA_LEVELS:
+        if name not in levels:
+            with pytest.raises(native.NativeBuildError, match=f"cannot run the {name} kernels"):
+                build.load(name)
+    monkeypatch.setenv(native.ISA_ENV, "avx3")
+    with pytest.raises(ValueError, match="JAXCB_CPU_ISA='avx3': expected auto or one of"):
+        native.active_level()
+    monkeypatch.setenv(native.ISA_ENV, "generic")
+    assert native.active_level() == "generic"
+    assert matmul_backend("auto", dtype=jnp.float32, tensor_parallel_size=1) == "xla"
+    if "avx512" not in levels:
+        return
+    monkeypatch.setenv(native.ISA_ENV, "avx2")
+    assert native.active_level() == "avx2"
+    assert matmul_backend("auto", dtype=jnp.float32, tensor_parallel_size=1) == "avx2"
+    assert matmul_backend("auto", dtype=jnp.bfloat16, tensor_parallel_size=1) == "avx2_bf16"
+    with pytest.raises(ValueError, match="JAXCB_CPU_ISA caps the kernels at avx2"):
+        matmul_backend("avx512", dtype=jnp.float32, tensor_parallel_size=1)
+    report = matmul_report("avx2", requested="auto", dtype=jnp.float32, tensor_parallel_size=1)
+    assert report["avx2"] == "in use" and "caps the kernels at avx2" in report["avx512"]
+    assert report["amx"] == "the weights are float32, not bfloat16"
 
 
 def test_matmul_backend_choice():
@@ -176,6 +238,15 @@ def test_matmul_backend_choice():
             matmul_backend(kernel, dtype=spec.dtype, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="matmul must be one of"):
         LLM(matmul="onednn")
+
+
+def test_xla_matmuls_get_buckets_from_one_row():
+    """XLA's CPU dots compute every padding row: on that path the default buckets start at
+    one token, so a single stream is not sixteen rows; the native kernels skip padding."""
+    from jaxcb.runtime.setup import smallest_token_bucket
+
+    assert smallest_token_bucket("xla") == 1
+    assert {smallest_token_bucket(k) for k in native.PACKED_MATMULS} == {16}
 
 
 def test_config_names_every_packed_kernel():
@@ -201,6 +272,10 @@ def test_engine_on_native_matmul_matches_xla_matmuls(kernel):
     packed = LLM(matmul=kernel, **config)
     xla = LLM(matmul="xla", **config)
     assert (packed.engine.info.matmul_backend, xla.engine.info.matmul_backend) == (kernel, "xla")
+    kernels = packed.stats()["kernels"]
+    assert kernels["matmul"] == kernel and kernels["matmul_kernels"][kernel] == "in use"
+    assert kernels["cpu"] == native.cpu_summary() and kernels["isa_level"] in native.ISA_LEVELS
+    assert xla.stats()["kernels"]["matmul_kernels"][kernel] == "kernels.matmul=xla"
     layer = packed.engine.runner.params["layers"][0]
     for name in ("wqkv", "wo", "w_gate_up", "w_down"):
         assert list(layer[name]) == [kernel]

@@ -1,0 +1,174 @@
+// 16 float lanes, the unit of jaxcb's packed weight layouts (a 16-column block): one AVX-512
+// register, or two AVX2 registers. matmul.cc writes its kernels once over V16; build.py
+// compiles them at each ISA level (AVX2 + FMA, AVX-512, ...), so the same source gives the
+// AVX2 kernels and the AVX-512 ones. Nothing here is defined below AVX2 + FMA.
+#pragma once
+
+#include "common.h"
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define JAXCB_HAVE_V16 1
+#include <immintrin.h>
+
+namespace {
+
+#if defined(__AVX512F__)
+
+struct V16 {
+  __m512 v;
+  static V16 Zero() { return {_mm512_setzero_ps()}; }
+  static V16 Set(float x) { return {_mm512_set1_ps(x)}; }
+  static V16 Load(const void* p) { return {_mm512_loadu_ps(static_cast<const float*>(p))}; }
+  void Store(float* p) const { _mm512_storeu_ps(p, v); }
+  void Stream(float* p) const { _mm512_stream_ps(p, v); }  // p 64-byte aligned
+  float MaxLane() const { return _mm512_reduce_max_ps(v); }
+  // Bit i set where lane i == x (ordered), or >= bound (ordered).
+  uint32_t LanesEqual(float x) const {
+    return _mm512_cmp_ps_mask(v, _mm512_set1_ps(x), _CMP_EQ_OQ);
+  }
+  uint32_t LanesAtLeast(V16 bound) const { return _mm512_cmp_ps_mask(v, bound.v, _CMP_GE_OQ); }
+};
+
+inline V16 Fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c
+inline V16 Add(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V16 Sub(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline V16 Mul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V16 Max(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }  // b where either is NaN
+
+// The two rows of one k-pair of a pack_bf16 vector (16 columns x (even row, odd row) bf16).
+inline void WidenBf16Pairs(const void* p, V16& even, V16& odd) {
+  const __m512i x = _mm512_loadu_si512(p);
+  even = {_mm512_castsi512_ps(_mm512_slli_epi32(x, 16))};
+  odd = {_mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(int(0xffff0000u))))};
+}
+
+// silu(g) * u: g * sigmoid(g), sigmoid from e = exp(-|g|) <= 1.
+inline V16 Swiglu(V16 g, V16 u) {
+  const __m512 abs = _mm512_abs_ps(g.v);
+  const __m512 e = Exp512(_mm512_sub_ps(_mm512_setzero_ps(), abs));
+  const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g.v, abs, _CMP_EQ_OQ), e,
+                                          _mm512_set1_ps(1.0f));  // g >= 0: 1, else e
+  const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+  return {_mm512_mul_ps(_mm512_mul_ps(g.v, sig), u.v)};
+}
+
+// 16 bfloat16 values at p, rounded to nearest even (NaN stays NaN).
+inline void StoreBf16(V16 x, uint16_t* p) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x.v));
+#else
+  const __m512i u = _mm512_castps_si512(x.v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+#endif
+}
+
+#else  // AVX2 + FMA: two halves of 8 lanes
+
+// exp(x) for x <= 0 on 8 lanes (Exp512's algorithm).
+inline __m256 Exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_setzero_ps());
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 e = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i bits =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
+}
+
+inline uint32_t Mask8(__m256 m) { return static_cast<uint32_t>(_mm256_movemask_ps(m)); }
+
+struct V16 {
+  __m256 lo, hi;
+  static V16 Zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static V16 Set(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+  static V16 Load(const void* p) {
+    const float* f = static_cast<const float*>(p);
+    return {_mm256_loadu_ps(f), _mm256_loadu_ps(f + 8)};
+  }
+  void Store(float* p) const {
+    _mm256_storeu_ps(p, lo);
+    _mm256_storeu_ps(p + 8, hi);
+  }
+  void Stream(float* p) const {  // p 32-byte aligned
+    _mm256_stream_ps(p, lo);
+    _mm256_stream_ps(p + 8, hi);
+  }
+  float MaxLane() const {
+    __m256 m = _mm256_max_ps(lo, hi);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+  }
+  uint32_t LanesEqual(float x) const {
+    const __m256 t = _mm256_set1_ps(x);
+    return Mask8(_mm256_cmp_ps(lo, t, _CMP_EQ_OQ)) | Mask8(_mm256_cmp_ps(hi, t, _CMP_EQ_OQ)) << 8;
+  }
+  uint32_t LanesAtLeast(V16 b) const {
+    return Mask8(_mm256_cmp_ps(lo, b.lo, _CMP_GE_OQ)) |
+           Mask8(_mm256_cmp_ps(hi, b.hi, _CMP_GE_OQ)) << 8;
+  }
+};
+
+inline V16 Fma(V16 a, V16 b, V16 c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline V16 Add(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V16 Sub(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline V16 Mul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 Max(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+
+inline void WidenBf16Pairs(const void* p, V16& even, V16& odd) {
+  const __m256i* q = static_cast<const __m256i*>(p);
+  const __m256i x0 = _mm256_loadu_si256(q), x1 = _mm256_loadu_si256(q + 1);
+  const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
+  even = {_mm256_castsi256_ps(_mm256_slli_epi32(x0, 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(x1, 16))};
+  odd = {_mm256_castsi256_ps(_mm256_and_si256(x0, high)),
+         _mm256_castsi256_ps(_mm256_and_si256(x1, high))};
+}
+
+inline __m256 Swiglu256(__m256 g, __m256 u) {
+  const __m256 abs = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), g);
+  const __m256 e = Exp256(_mm256_sub_ps(_mm256_setzero_ps(), abs));
+  const __m256 num = _mm256_blendv_ps(e, _mm256_set1_ps(1.0f), _mm256_cmp_ps(g, abs, _CMP_EQ_OQ));
+  const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+  return _mm256_mul_ps(_mm256_mul_ps(g, sig), u);
+}
+
+inline V16 Swiglu(V16 g, V16 u) { return {Swiglu256(g.lo, u.lo), Swiglu256(g.hi, u.hi)}; }
+
+// 8 lanes rounded to bf16 (nearest even, NaN stays NaN), as 32-bit lanes holding the bits.
+inline __m256i Bf16Bits256(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  return _mm256_blendv_epi8(r, quiet, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+
+inline void StoreBf16(V16 x, uint16_t* p) {
+  // packus interleaves the 128-bit halves: lo0-3 hi0-3 lo4-7 hi4-7 -> put them in order.
+  const __m256i packed = _mm256_packus_epi32(Bf16Bits256(x.lo), Bf16Bits256(x.hi));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xD8));
+}
+
+#endif  // AVX-512 / AVX2
+
+}  // namespace
+
+#endif  // JAXCB_HAVE_V16
