@@ -114,16 +114,33 @@ def sample(
     penalty_args: tuple[jax.Array, ...],  # apply_penalties' arguments after logits
     num_top_logprobs: int,
     greedy_ids: jax.Array | None = None,  # i32[S]: the logits' argmax, if already known
+    num_rows: jax.Array | None = None,  # i32: the real rows (the rest a bucket's padding)
 ) -> SamplingOutput:
+    """Each row's token (greedy, or drawn under its filters with its own key), and the
+    logprobs asked for. Random draws sort each row's logits: only the first `num_rows` rows
+    are drawn (default all), one at a time, so a bucket's padding rows cost nothing (a single
+    stream in a 16-row bucket sorted 16 rows of the vocabulary per token); padding rows get
+    token 0."""
     any_random, any_penalty = flags[0] > 0, flags[1] > 0
     any_logprobs, any_top = flags[2] > 0, flags[3] > 0
     raw_logits = logits
 
+    num_seqs = logits.shape[0]
+    rows = num_seqs if num_rows is None else jnp.clip(num_rows, 0, num_seqs)
+
     def draw(x: jax.Array) -> jax.Array:
-        keys = jax.vmap(lambda data, n: jax.random.fold_in(jax.random.wrap_key_data(data), n))(
-            rng_keys, sample_counters
-        )
-        return _filtered_sample(x, temperature, top_k, top_p, min_p, keys)
+        def one(i: jax.Array, out: jax.Array) -> jax.Array:
+            def row(a: jax.Array) -> jax.Array:
+                return jax.lax.dynamic_slice_in_dim(a, i, 1, axis=0)
+
+            data, counter = row(rng_keys)[0], row(sample_counters)[0]
+            key = jax.random.fold_in(jax.random.wrap_key_data(data), counter)
+            token = _filtered_sample(
+                row(x), row(temperature), row(top_k), row(top_p), row(min_p), key[None]
+            )
+            return jax.lax.dynamic_update_slice_in_dim(out, token, i, axis=0)
+
+        return jax.lax.fori_loop(0, rows, one, jnp.zeros(num_seqs, jnp.int32))
 
     def general(x: jax.Array) -> jax.Array:
         x = jax.lax.cond(any_penalty, lambda y: apply_penalties(y, *penalty_args), lambda y: y, x)
@@ -137,7 +154,7 @@ def sample(
     greedy = argmax_last_axis if greedy_ids is None else (lambda x: greedy_ids)
     token_ids = jax.lax.cond(any_random | any_penalty, general, greedy, logits)
 
-    num_seqs, k = logits.shape[0], num_top_logprobs
+    k = num_top_logprobs
 
     def with_logprobs(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         logprobs = jax.nn.log_softmax(x, axis=-1)  # the model's raw distribution

@@ -93,6 +93,7 @@ def step(
         penalty_args=penalty_args,
         num_top_logprobs=num_top_logprobs,
         greedy_ids=greedy_ids,
+        num_rows=inp.num_seqs[0],
     )
     prompt_out = prompt_logprobs(
         params, hidden, inp, num_top_logprobs=num_top_logprobs, logits_shardings=logits_shardings

@@ -22,6 +22,7 @@ def run(
     seeds=None,
     counters=None,
     flags=(1, 0, 0, 0),
+    num_rows=None,
 ):
     s = logits.shape[0]
     seeds = np.arange(s) if seeds is None else np.asarray(seeds)
@@ -44,6 +45,7 @@ def run(
             jnp.ones(s),
         ),
         num_top_logprobs=3,
+        num_rows=None if num_rows is None else jnp.int32(num_rows),
     )
     return np.asarray(out.token_ids)
 
@@ -67,6 +69,16 @@ def test_filters_keep_exactly_the_allowed_tokens(kwargs, allowed):
     logits = np.tile(LOGITS, (512, 1))
     drawn = set(run(logits, temperature=1.0, **kwargs).tolist())
     assert drawn == allowed
+
+
+def test_only_the_real_rows_are_drawn():
+    """Past `num_rows` (a bucket's padding) nothing is drawn: token 0; the real rows draw
+    exactly what they draw when every row is real (each row has its own key)."""
+    logits = np.tile(LOGITS[::-1], (16, 1))  # token 0 least likely: padding stands out
+    every = run(logits, temperature=1.0)
+    some = run(logits, temperature=1.0, num_rows=5)
+    assert some[:5].tolist() == every[:5].tolist() and not some[5:].any()
+    assert (every[5:] != 0).any()
 
 
 def test_greedy_and_temperature():
