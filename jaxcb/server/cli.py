@@ -206,6 +206,7 @@ def log_startup(engine: Engine, settings: ServerSettings, url: str, frozen: int 
         f"  architecture: {info.architecture}, dtype {config.dtype}, "
         f"attention {info.attention_backend}, matmul {info.matmul_backend}, "
         f"max_model_len {info.max_model_len}",
+        *([f"  CPU:          {_cpu_line(info.cpu_kernels)}"] if info.cpu_kernels else []),
         f"  parallel:     tensor_parallel_size {config.parallel.tensor_parallel_size}, "
         f"data_parallel_size {config.parallel.data_parallel_size}",
         f"  KV pages:     {info.num_pages} pages x {info.page_size} tokens = {tokens} tokens, "
@@ -282,3 +283,8 @@ class _QuietCancellation(logging.Filter):
             return False
         text = record.getMessage()
         return not (text.startswith("Traceback") and text.rstrip().endswith("CancelledError"))
+
+
+def _cpu_line(kernels: dict) -> str:
+    """The CPU, its relevant flags and the ISA level jaxcb's native kernels run at."""
+    return f"{kernels['cpu']}, native kernels at {kernels['isa_level']}"
