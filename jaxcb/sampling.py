@@ -76,6 +76,12 @@ def apply_penalties(
     return logits
 
 
+#: The candidates a filtered draw sorts: the row's top FILTER_CANDIDATES tokens, when they
+#: provably hold every token its filters keep (else the whole row is sorted). Sorting the
+#: 49,152 logits of SmolLM2 costs ~9 ms on a CPU core; taking the top 1,024 ~0.35 ms.
+FILTER_CANDIDATES = 1024
+
+
 def _filtered_sample(
     logits: jax.Array,  # f32[S, V]
     temperature: jax.Array,  # f32[S]
@@ -84,21 +90,54 @@ def _filtered_sample(
     min_p: jax.Array,  # f32[S]
     keys: jax.Array,  # key[S]
 ) -> jax.Array:  # i32[S]
+    """A token per row: greedy where temperature is 0, else drawn from the tokens the
+    filters keep, ranked by logit (ties: lower id first): rank < top_k, probability mass ranked
+    above < top_p, probability >= min_p x the top one's; the top token always. Rows without
+    filters draw from the whole vocabulary unsorted; rows whose kept tokens lie provably
+    within the top FILTER_CANDIDATES sort only those; the rest sort the whole row."""
     greedy = temperature == 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-    order = jnp.argsort(-scaled, axis=-1)  # [S, V] token ids, most likely first
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    rank = jnp.arange(logits.shape[-1])[None, :]
-    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
-    cum_before = jnp.cumsum(probs, axis=-1) - probs  # probability mass ranked above
-    keep &= cum_before < top_p[:, None]
-    keep &= probs >= min_p[:, None] * probs[:, :1]
-    keep = keep.at[:, 0].set(True)  # the most likely token always survives
-    masked = jnp.where(keep, sorted_logits, NEG_INF)
-    choice = jax.vmap(jax.random.categorical)(keys, masked)  # [S] rank of the draw
-    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-    return jnp.where(greedy, order[:, 0], sampled).astype(jnp.int32)
+    vocab = logits.shape[-1]
+    cands = min(FILTER_CANDIDATES, vocab)
+    no_top_k = (top_k <= 0) | (top_k >= vocab)
+    unfiltered = no_top_k & (top_p >= 1.0) & (min_p <= 0.0)
+    log_norm = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)  # over the whole vocabulary
+
+    def draw_ranked(ranked: jax.Array, ids: jax.Array) -> jax.Array:
+        """Draw from the top-ranked logits `ranked` [S, R] (R <= V, most likely first) of
+        token ids `ids`, the filters applied with probabilities over the whole vocabulary."""
+        probs = jnp.exp(ranked - log_norm)
+        rank = jnp.arange(ranked.shape[-1])[None, :]
+        keep = no_top_k[:, None] | (rank < top_k[:, None])
+        cum_before = jnp.cumsum(probs, axis=-1) - probs  # probability mass ranked above
+        keep &= cum_before < top_p[:, None]
+        keep &= probs >= min_p[:, None] * probs[:, :1]
+        keep = keep.at[:, 0].set(True)  # the most likely token always survives
+        choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, ranked, NEG_INF))
+        return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0], ids[:, 0]
+
+    def whole(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return jax.vmap(jax.random.categorical)(keys, x), jnp.argmax(x, axis=-1)
+
+    def sorted_row(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        order = jnp.argsort(-x, axis=-1)  # stable: ties keep the lower id first
+        return draw_ranked(jnp.take_along_axis(x, order, axis=-1), order)
+
+    def filtered(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        values, ids = jax.lax.top_k(x, cands)  # ties: the lower id first, as the sort
+        probs = jnp.exp(values - log_norm)
+        # The top `cands` tokens hold every kept one when top_k is at most that many, when
+        # their mass reaches top_p (the next token has that much ranked above it), or when
+        # the last of them already falls below min_p (every later one does too).
+        fits = (
+            (~no_top_k & (top_k <= cands))
+            | (probs.sum(axis=-1) >= top_p)
+            | (probs[:, -1] < min_p * probs[:, 0])
+        )
+        return jax.lax.cond(jnp.all(fits), lambda: draw_ranked(values, ids), lambda: sorted_row(x))
+
+    sampled, best = jax.lax.cond(jnp.all(unfiltered), whole, filtered, scaled)
+    return jnp.where(greedy, best, sampled).astype(jnp.int32)
 
 
 def sample(

@@ -71,6 +71,48 @@ def test_filters_keep_exactly_the_allowed_tokens(kwargs, allowed):
     assert drawn == allowed
 
 
+def _allowed(logits, top_k=0, top_p=1.0, min_p=0.0):
+    """The filters' kept token ids, by the definition: rank, mass ranked above, min_p."""
+    order = np.argsort(-logits, kind="stable")
+    probs = np.exp(logits[order] - logits.max())
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    keep = (before < top_p) & (probs >= min_p * probs[0])
+    if top_k > 0:
+        keep &= np.arange(len(order)) < top_k
+    keep[0] = True
+    return set(order[keep].tolist())
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(),  # no filter: the whole vocabulary, unsorted
+        dict(top_k=5),  # within the top candidates
+        dict(top_p=0.5),  # a peaked row: the top candidates hold the mass
+        dict(min_p=0.2),
+        dict(top_p=0.95),  # a flat tail: more kept tokens than candidates, the full sort
+    ],
+)
+def test_large_vocabularies_take_each_path_exactly(kwargs):
+    """3,000 tokens (more than FILTER_CANDIDATES): every draw is a kept token, and where
+    the kept set is larger than the candidates, draws land past them."""
+    from jaxcb.sampling import FILTER_CANDIDATES
+
+    rng = np.random.default_rng(0)
+    row = rng.standard_normal(3000) * 0.05  # flat
+    row[:8] += np.linspace(6, 4, 8)  # a peak of eight
+    logits = np.tile(row, (256, 1))
+    drawn = run(logits, temperature=1.0, **kwargs)
+    allowed = _allowed(row.astype(np.float32), **kwargs)
+    assert set(drawn.tolist()) <= allowed
+    rank = {t: r for r, t in enumerate(np.argsort(-row.astype(np.float32), kind="stable"))}
+    if len(allowed) > FILTER_CANDIDATES:
+        assert max(rank[t] for t in drawn.tolist()) >= FILTER_CANDIDATES
+    if kwargs == {}:
+        assert len(set(drawn.tolist())) > 100  # the tail is drawn too
+
+
 def test_only_the_real_rows_are_drawn():
     """Past `num_rows` (a bucket's padding) nothing is drawn: token 0; the real rows draw
     exactly what they draw when every row is real (each row has its own key)."""
