@@ -101,11 +101,13 @@ def _filtered_sample(
     cands = min(FILTER_CANDIDATES, vocab)
     no_top_k = (top_k <= 0) | (top_k >= vocab)
     unfiltered = no_top_k & (top_p >= 1.0) & (min_p <= 0.0)
-    log_norm = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)  # over the whole vocabulary
 
-    def draw_ranked(ranked: jax.Array, ids: jax.Array) -> jax.Array:
+    def draw_ranked(
+        ranked: jax.Array, ids: jax.Array, log_norm: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
         """Draw from the top-ranked logits `ranked` [S, R] (R <= V, most likely first) of
-        token ids `ids`, the filters applied with probabilities over the whole vocabulary."""
+        token ids `ids`, the filters applied with probabilities over the whole vocabulary
+        (`log_norm`: its logsumexp)."""
         probs = jnp.exp(ranked - log_norm)
         rank = jnp.arange(ranked.shape[-1])[None, :]
         keep = no_top_k[:, None] | (rank < top_k[:, None])
@@ -119,11 +121,13 @@ def _filtered_sample(
     def whole(x: jax.Array) -> tuple[jax.Array, jax.Array]:
         return jax.vmap(jax.random.categorical)(keys, x), jnp.argmax(x, axis=-1)
 
-    def sorted_row(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        order = jnp.argsort(-x, axis=-1)  # stable: ties keep the lower id first
-        return draw_ranked(jnp.take_along_axis(x, order, axis=-1), order)
-
     def filtered(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        log_norm = jax.nn.logsumexp(x, axis=-1, keepdims=True)
+
+        def sorted_row() -> tuple[jax.Array, jax.Array]:
+            order = jnp.argsort(-x, axis=-1)  # stable: ties keep the lower id first
+            return draw_ranked(jnp.take_along_axis(x, order, axis=-1), order, log_norm)
+
         values, ids = jax.lax.top_k(x, cands)  # ties: the lower id first, as the sort
         probs = jnp.exp(values - log_norm)
         # The top `cands` tokens hold every kept one when top_k is at most that many, when
@@ -134,7 +138,7 @@ def _filtered_sample(
             | (probs.sum(axis=-1) >= top_p)
             | (probs[:, -1] < min_p * probs[:, 0])
         )
-        return jax.lax.cond(jnp.all(fits), lambda: draw_ranked(values, ids), lambda: sorted_row(x))
+        return jax.lax.cond(jnp.all(fits), lambda: draw_ranked(values, ids, log_norm), sorted_row)
 
     sampled, best = jax.lax.cond(jnp.all(unfiltered), whole, filtered, scaled)
     return jnp.where(greedy, best, sampled).astype(jnp.int32)

@@ -143,7 +143,7 @@ def machine_record() -> dict[str, Any]:
         "cpu": build.cpu_model(),
         "flags": [f for f in build.RELEVANT_FLAGS if f in flags],
         "isa_level": build.active_level(),
-        "isa_cap": os.environ.get(build.ISA_ENV) or None,
+        "isa_cap": build.isa_cap(),
         "cores": os.cpu_count(),
     }
     print(

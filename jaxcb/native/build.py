@@ -223,9 +223,7 @@ def _build(level: IsaLevel, target_path: Path) -> None:
 class Features(NamedTuple):
     """What one loaded library runs (beyond attention and the KV write)."""
 
-    level: str
     v16: bool  # the f32 and widened-bf16 matmuls and the screened argmax (AVX2 or better)
-    avx512: bool  # ... on AVX-512 vectors
     bf16_dot: bool  # the vdpbf16ps matmuls (AVX512-BF16)
     amx: bool  # the AMX matmul, with the tile state granted by the kernel
 
@@ -238,7 +236,7 @@ def _load_level(name: str) -> Features:
         _build(level, path)
     lib = ctypes.cdll.LoadLibrary(str(path))
     bits = int(lib.JaxcbIsaFeatures())
-    features = Features(name, bool(bits & 1), bool(bits & 2), bool(bits & 4), bool(bits & 8))
+    features = Features(v16=bool(bits & 1), bf16_dot=bool(bits & 4), amx=bool(bits & 8))
     symbols = [
         (ATTENTION_TARGET, "JaxcbRaggedPagedAttention"),
         (KV_WRITE_TARGET, "JaxcbKvWrite"),
@@ -277,11 +275,18 @@ def load(level: str | None = None) -> Features:
     return _load_level(name)
 
 
-def available(level: str | None = None) -> bool:
-    """Whether the library of `level` (default: the active one) is built (building it now if
-    needed) and registered."""
+def registered_target(base: str, level: str) -> str:
+    """The FFI target of `base` in the library of `level`, built and registered now if not
+    yet (at trace time)."""
+    load(level)
+    return target(base, level)
+
+
+def available() -> bool:
+    """Whether the active level's library is built (building it now if needed) and
+    registered."""
     try:
-        load(level)
+        load()
     except (NativeBuildError, OSError) as exc:
         logger.warning("native CPU kernels unavailable, using the XLA path: %s", exc)
         return False

@@ -603,15 +603,12 @@ ffi::Error MatmulArgmaxScreenedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
 }  // namespace
 
 // What this build of the library defines (bits): 1 the V16 kernels (f32, widened bf16, the
-// screened argmax), 2 with AVX-512 vectors, 4 the vdpbf16ps kernels, 8 the AMX kernel (and the
-// OS granted the tile state).
+// screened argmax), 4 the vdpbf16ps kernels, 8 the AMX kernel (and the OS granted the tile
+// state). (Bit 2 is free: it said "AVX-512 vectors", which nothing asks.)
 extern "C" int JaxcbIsaFeatures() {
   int features = 0;
 #if defined(JAXCB_HAVE_V16)
   features |= 1;
-#endif
-#if defined(__AVX512F__)
-  features |= 2;
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   features |= 4;

@@ -39,15 +39,9 @@ from jaxcb.native.build import (
     cpu_summary,
     level_at_least,
     load,
+    registered_target,
     supported_levels,
-    target,
 )
-
-
-def _active_target(base: str) -> str:
-    level = active_level()
-    load(level)
-    return target(base, level)
 
 
 def ragged_paged_attention_native(
@@ -65,7 +59,7 @@ def ragged_paged_attention_native(
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """Ragged paged attention on CPU (same contract as the jnp reference)."""
     call = jax.ffi.ffi_call(
-        _active_target(ATTENTION_TARGET), jax.ShapeDtypeStruct(q.shape, q.dtype)
+        registered_target(ATTENTION_TARGET, active_level()), jax.ShapeDtypeStruct(q.shape, q.dtype)
     )
     return call(
         q,
@@ -94,7 +88,9 @@ def write_kv_native(
         jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
     )
     call = jax.ffi.ffi_call(
-        _active_target(KV_WRITE_TARGET), shapes, input_output_aliases={0: 0, 1: 1}
+        registered_target(KV_WRITE_TARGET, active_level()),
+        shapes,
+        input_output_aliases={0: 0, 1: 1},
     )
     return call(k_pages, v_pages, k, v, slot_mapping.astype(jnp.int32))
 
@@ -275,9 +271,7 @@ class PackedMatmul(NamedTuple):
 
     def target(self, base: str) -> str:
         """The FFI target of `base` in this kernel's library (built and registered now)."""
-        level = self.library_level()
-        load(level)
-        return target(base, level)
+        return registered_target(base, self.library_level())
 
     def unavailable_reason(self) -> str | None:
         """Why this kernel cannot run here (None: it can), in a few words."""

@@ -13,7 +13,6 @@ of the facts above. With data_parallel_size > 1 it builds one such engine per ro
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -189,7 +188,7 @@ def _cpu_kernels(
     return {
         "cpu": native.cpu_summary(),
         "isa_level": native.active_level(),
-        "isa_cap": os.environ.get(native.ISA_ENV) or None,
+        "isa_cap": native.build.isa_cap(),
         "matmul_kernels": matmul_report(
             matmul,
             requested=config.kernels.matmul,
