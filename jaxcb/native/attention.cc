@@ -12,7 +12,7 @@
 // intra-op thread pool. K/V pages may be float32 or bfloat16 (the write kernel updates the
 // pool in place, which XLA's CPU scatter cannot do for bfloat16).
 
-#include "common.h"
+#include "simd.h"
 
 namespace {
 
@@ -187,64 +187,348 @@ void RunItem(const Problem& P, const Item& it) {
   }
 }
 
+#if defined(JAXCB_HAVE_V16)
+// The vector item routines (AVX2 or AVX-512, over simd.h's 16-lane V16): the same work as
+// RunItem, organised for the vector units. Keys go in chunks of up to kChunk, each with one
+// online-softmax update (the running maximum and the accumulators are rescaled once per
+// chunk, not per page). Scores are computed one of two ways:
+// - few query rows (decode: the `group` heads of one token): each K row loaded is dotted
+//   with kRowGroup query rows, and the 16 partial-sum vectors of 16 keys are reduced
+//   together (Sum16); scores sit row by row, softmax vectorised over keys;
+// - 16 query rows or more (a prefill block): the rows go in the lanes, q transposed once per
+//   item, so a key's scores for 16 rows are D FMAs of a broadcast K element against a column
+//   of q, with no cross-lane sums at all; scores sit key by key, softmax vectorised over rows.
+// Then acc += weights x V, kRowGroup rows x kPvSlice vectors of V in registers at a time.
+// K/V rows are float32 or bfloat16 widened on load. (With AVX512-BF16, bfloat16 q against
+// bfloat16 pages takes RunItemBf16Dot below instead.)
+
+constexpr int kChunk = 256;   // keys per online-softmax update (a multiple of 16)
+constexpr int kRowGroup = 4;  // query rows sharing each loaded K or V row
 #if defined(__AVX512F__)
-// The AVX-512 item routine: the same work as RunItem, organised for the vector units.
-// Query rows go in groups of four so that each K or V row loaded is used four times (with
-// GQA the four query heads of a KV head share it). Scores of 16 keys x 4 rows are summed
-// across lanes together (Sum16: 46 shuffles and adds per 16 dot products instead of a full
-// horizontal reduction each), then a chunk of up to kChunk keys gets one online-softmax
-// update, so the running maximum and the accumulators are rescaled once per chunk, not per
-// page. bfloat16 q with bfloat16 pages uses the AVX512_BF16 dot product straight on the
-// stored bits; any other pairing converts K/V rows to float32 on load.
+constexpr int kLaneKeys = 8;  // keys per pass of the rows-in-lanes scores (accumulators)
+constexpr int kPvSlice = 4;   // V16s of a V row per pass (4 x 4 accumulators in 32 zmm)
+#else
+constexpr int kLaneKeys = 4;  // AVX2: 16 ymm, a V16 takes two
+constexpr int kPvSlice = 1;
+#endif
 
-constexpr int kChunk = 256;  // keys per online-softmax update
-constexpr int kGroup = 4;    // query rows sharing each loaded K/V row
+inline int64_t RoundUp(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
-inline __m512 LoadBf16Row(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+inline bool Visible(int64_t kv_pos, int64_t pos, int64_t sliding_window) {
+  return kv_pos <= pos && (sliding_window <= 0 || kv_pos > pos - sliding_window);
 }
 
 template <bool kBf16>
-inline __m512 Load16(const void* base, int64_t offset) {
+inline V16 LoadRow16(const void* base, int64_t offset) {
   if constexpr (kBf16) {
-    return LoadBf16Row(static_cast<const uint16_t*>(base) + offset);
+    return V16::LoadBf16(static_cast<const uint16_t*>(base) + offset);
   } else {
-    return _mm512_loadu_ps(static_cast<const float*>(base) + offset);
+    return V16::Load(static_cast<const float*>(base) + offset);
   }
 }
 
-// Lane t of the result is the sum of all lanes of v[t].
-inline __m512 Sum16(const __m512* v) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i) {  // 256-bit halves: 8 partials of token i, then of i + 8
-    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44),
-                         _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+// Where the K/V row of each key of the chunk [c0, c0 + n) is (an element offset into the
+// pools; -1 for a page that is not live, which validation rules out), and a request for all
+// of them into L2: the pool is far larger than the caches.
+void ChunkKeyOffsets(const Problem& P, const Item& it, int64_t c0, int64_t n, int64_t row_bytes,
+                     int64_t* key_offset) {
+  const int64_t D = P.head_dim;
+  for (int64_t t = 0, pos = c0; t < n;) {
+    const int64_t page = P.pages[it.seq * P.pages_per_seq + pos / P.page_size];
+    const bool live = page >= 0 && page < P.num_pages;
+    int64_t off = ((it.kv_head * P.num_pages + page) * P.page_size + pos % P.page_size) * D;
+    for (int64_t in_page = pos % P.page_size; in_page < P.page_size && t < n; ++in_page) {
+      key_offset[t++] = live ? off : -1;
+      off += D;
+      ++pos;
+    }
   }
-  for (int i = 0; i < 4; ++i) {  // 128-bit lanes: 4 partials of tokens i, i+8, i+4, i+12
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 4], 0x88),
-                         _mm512_shuffle_f32x4(a[i], a[i + 4], 0xDD));
+  const int64_t elem = row_bytes / D;
+  for (int64_t t = 0; t < n; ++t) {
+    if (key_offset[t] < 0) continue;
+    const char* krow = static_cast<const char*>(P.k_pages) + key_offset[t] * elem;
+    const char* vrow = static_cast<const char*>(P.v_pages) + key_offset[t] * elem;
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      _mm_prefetch(krow + b, _MM_HINT_T1);
+      _mm_prefetch(vrow + b, _MM_HINT_T1);
+    }
   }
-  for (int i = 0; i < 2; ++i) {
-    c[i] = _mm512_add_ps(_mm512_unpacklo_ps(b[i], b[i + 2]), _mm512_unpackhi_ps(b[i], b[i + 2]));
-  }
-  const __m512d c0 = _mm512_castps_pd(c[0]), c1 = _mm512_castps_pd(c[1]);
-  const __m512 d = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c0, c1)),
-                                 _mm512_castpd_ps(_mm512_unpackhi_pd(c0, c1)));
-  // d holds tokens 0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15; put them in order.
-  const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
-  return _mm512_permutexvar_ps(order, d);
 }
 
-// kDot: q and K both bfloat16, dotted with vdpbf16ps. Otherwise q is float32 (converted
-// once per item) and K rows are converted as they are loaded.
-template <int kHeadDim, bool kKvBf16, bool kDot>
-void RunItemAvx512(const Problem& P, const Item& it) {
-  constexpr int D = kHeadDim;
+// Scores laid out row by row (scores[row * kChunk + key], keys up to a multiple of 16 past n
+// at -inf): each row's weights, its running max m and sum l, its accumulator rescaled.
+void SoftmaxRows(float* scores, int64_t rows, int64_t n, int64_t head_dim, float* m, float* l,
+                 float* acc) {
+  const int64_t n16 = RoundUp(n, 16);
+  for (int64_t i = 0; i < rows; ++i) {
+    float* s = &scores[i * kChunk];
+    V16 vmax = V16::Set(-INFINITY);
+    for (int64_t t = 0; t < n16; t += 16) vmax = Max(vmax, V16::Load(s + t));
+    const float mx = vmax.MaxLane();
+    if (mx == -INFINITY) {  // nothing visible to this row in this chunk
+      std::fill(s, s + n16, 0.0f);
+      continue;
+    }
+    const float m_new = std::max(m[i], mx);
+    const float alpha = std::exp(m[i] - m_new);  // exp(-inf) = 0 on the first chunk
+    const V16 vm = V16::Set(m_new);
+    V16 vsum = V16::Zero();
+    for (int64_t t = 0; t < n16; t += 16) {
+      const V16 x = V16::Load(s + t);
+      const V16 w = KeepAbove(Exp(Sub(x, vm)), x, -INFINITY);
+      w.Store(s + t);
+      vsum = Add(vsum, w);
+    }
+    l[i] = l[i] * alpha + vsum.SumLanes();
+    m[i] = m_new;
+    if (alpha != 1.0f) {
+      for (int64_t d = 0; d < head_dim; ++d) acc[i * head_dim + d] *= alpha;
+    }
+  }
+}
+
+// Scores laid out key by key (st[key * lanes + row], lanes a multiple of 16): the same
+// update 16 rows at a time. A row that has seen nothing yet keeps m = -inf, l = 0.
+void SoftmaxLanes(float* st, int64_t lanes, int64_t rows, int64_t n, int64_t head_dim, float* m,
+                  float* l, float* acc) {
+  alignas(64) float alpha[16];
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    V16 vmax = V16::Set(-INFINITY);
+    for (int64_t t = 0; t < n; ++t) vmax = Max(vmax, V16::Load(st + t * lanes + r0));
+    const V16 m_old = V16::Load(m + r0), m_new = Max(m_old, vmax);
+    const V16 m_safe = KeepAbove(m_new, m_new, -INFINITY);  // -inf lanes: 0
+    V16 vsum = V16::Zero();
+    for (int64_t t = 0; t < n; ++t) {
+      float* s = st + t * lanes + r0;
+      const V16 x = V16::Load(s);
+      const V16 w = KeepAbove(Exp(Sub(x, m_safe)), x, -INFINITY);
+      w.Store(s);
+      vsum = Add(vsum, w);
+    }
+    const V16 a = Exp(Sub(m_old, m_safe));  // a lane's first visible keys: acc and l are 0
+    Add(Mul(V16::Load(l + r0), a), vsum).Store(l + r0);
+    m_new.Store(m + r0);
+    a.Store(alpha);
+    for (int64_t i = r0; i < std::min(rows, r0 + 16); ++i) {
+      if (alpha[i - r0] == 1.0f) continue;
+      for (int64_t d = 0; d < head_dim; ++d) acc[i * head_dim + d] *= alpha[i - r0];
+    }
+  }
+}
+
+// acc[row] += sum over the chunk's keys t of w(row, t) x V[t], w(row, t) at
+// w[row * row_stride + t * key_stride]; rows a multiple of kRowGroup.
+template <int D, bool kKvBf16>
+void AccumulatePv(const Problem& P, const int64_t* key_offset, int64_t n, const float* w,
+                  int64_t row_stride, int64_t key_stride, int64_t rows, float* acc) {
   constexpr int kVecs = D / 16;
-  const int64_t page_size = P.page_size, group = P.group;
-  const int64_t rows = it.row_end - it.row_begin, nq = rows * group;
-  const int64_t nq4 = (nq + kGroup - 1) / kGroup * kGroup;  // padded with zero rows
+  constexpr int kSlice = kVecs >= kPvSlice ? kPvSlice : kVecs;
+  static_assert(kVecs % kSlice == 0, "head_dim must be a multiple of 16 x kSlice");
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
+    for (int d0 = 0; d0 < kVecs; d0 += kSlice) {
+      V16 a[kRowGroup][kSlice];
+      for (int g = 0; g < kRowGroup; ++g) {
+        for (int j = 0; j < kSlice; ++j) a[g][j] = V16::Load(&acc[(r0 + g) * D + 16 * (d0 + j)]);
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t off = key_offset[t];
+        if (off < 0) continue;
+        V16 v[kSlice];
+        for (int j = 0; j < kSlice; ++j) v[j] = LoadRow16<kKvBf16>(P.v_pages, off + 16 * (d0 + j));
+        for (int g = 0; g < kRowGroup; ++g) {
+          const V16 wv = V16::Set(w[(r0 + g) * row_stride + t * key_stride]);
+          for (int j = 0; j < kSlice; ++j) a[g][j] = Fma(wv, v[j], a[g][j]);
+        }
+      }
+      for (int g = 0; g < kRowGroup; ++g) {
+        for (int j = 0; j < kSlice; ++j) a[g][j].Store(&acc[(r0 + g) * D + 16 * (d0 + j)]);
+      }
+    }
+  }
+}
+
+// Row i's score for key t: -inf where the key is not visible to it (causal, window, a page
+// that is not live), soft-capped otherwise.
+inline float MaskedScore(const Problem& P, float s, bool live, int64_t kv_pos, int64_t pos) {
+  if (!live || !Visible(kv_pos, pos, P.sliding_window)) return -INFINITY;
+  return P.soft_cap > 0.0f ? P.soft_cap * std::tanh(s / P.soft_cap) : s;
+}
+
+// Few rows: scores[row * kChunk + t] for rows [0, rows) (a multiple of kRowGroup).
+template <int D, bool kKvBf16>
+void DotScores(const Problem& P, const float* qf, const int64_t* pos, const int64_t* key_offset,
+               int64_t c0, int64_t n, int64_t rows, float* scores) {
+  constexpr int kVecs = D / 16;
+  for (int64_t b0 = 0; b0 < n; b0 += 16) {
+    const int64_t nb = std::min<int64_t>(16, n - b0);
+    bool all_live = nb == 16;
+    for (int64_t t = 0; t < nb; ++t) all_live &= key_offset[b0 + t] >= 0;
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
+      V16 dots[kRowGroup][16];
+      for (int64_t t = 0; t < 16; ++t) {
+        const int64_t off = t < nb ? key_offset[b0 + t] : -1;
+        if (off < 0) {
+          for (int g = 0; g < kRowGroup; ++g) dots[g][t] = V16::Zero();
+          continue;
+        }
+        V16 k[kVecs];
+        for (int j = 0; j < kVecs; ++j) k[j] = LoadRow16<kKvBf16>(P.k_pages, off + 16 * j);
+        for (int g = 0; g < kRowGroup; ++g) {
+          const float* qrow = &qf[(r0 + g) * D];
+          V16 s = Mul(V16::Load(qrow), k[0]);
+          for (int j = 1; j < kVecs; ++j) s = Fma(V16::Load(qrow + 16 * j), k[j], s);
+          dots[g][t] = s;
+        }
+      }
+      for (int g = 0; g < kRowGroup; ++g) {
+        float* out = &scores[(r0 + g) * kChunk + b0];
+        Sum16(dots[g]).Store(out);
+        const int64_t p = pos[r0 + g], first = c0 + b0;
+        const bool whole = all_live && P.soft_cap <= 0.0f && Visible(first + 15, p, 0) &&
+                           (P.sliding_window <= 0 || first > p - P.sliding_window);
+        if (whole) continue;
+        for (int64_t t = 0; t < 16; ++t) {
+          const bool live = t < nb && key_offset[b0 + t] >= 0;
+          out[t] = MaskedScore(P, out[t], live, first + t, p);
+        }
+      }
+    }
+  }
+}
+
+// Many rows: st[t * lanes + row] for rows [0, lanes), from qt (q transposed: 16-row lane
+// blocks, [lanes / 16, D, 16]).
+template <int D, bool kKvBf16>
+void LaneScores(const Problem& P, const float* qt, const int64_t* pos, int64_t lanes,
+                const int64_t* key_offset, int64_t c0, int64_t n, float* st) {
+  thread_local std::vector<float> kbuf, zeros;
+  kbuf.resize(kLaneKeys * D);
+  zeros.assign(D, 0.0f);
+  for (int64_t t0 = 0; t0 < n; t0 += kLaneKeys) {
+    const float* krow[kLaneKeys];
+    for (int u = 0; u < kLaneKeys; ++u) {
+      const int64_t off = t0 + u < n ? key_offset[t0 + u] : -1;
+      if (off < 0) {
+        krow[u] = zeros.data();
+      } else if constexpr (kKvBf16) {
+        for (int j = 0; j < D / 16; ++j) {
+          LoadRow16<true>(P.k_pages, off + 16 * j).Store(&kbuf[u * D + 16 * j]);
+        }
+        krow[u] = &kbuf[u * D];
+      } else {
+        krow[u] = static_cast<const float*>(P.k_pages) + off;
+      }
+    }
+    const int64_t nt = std::min<int64_t>(kLaneKeys, n - t0);
+    for (int64_t r0 = 0; r0 < lanes; r0 += 16) {
+      const float* q = &qt[r0 * D];
+      V16 s[kLaneKeys];
+      for (int u = 0; u < kLaneKeys; ++u) s[u] = V16::Zero();
+      for (int d = 0; d < D; ++d) {
+        const V16 qd = V16::Load(q + 16 * d);
+        for (int u = 0; u < kLaneKeys; ++u) s[u] = Fma(V16::Set(krow[u][d]), qd, s[u]);
+      }
+      for (int64_t u = 0; u < nt; ++u) s[u].Store(&st[(t0 + u) * lanes + r0]);
+    }
+  }
+  // Masking: only keys past the first row's position (or before the last row's window), or
+  // on a page that is not live, have rows that cannot see them.
+  const int64_t first_pos = pos[0], last_pos = pos[lanes - 1];
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t kv_pos = c0 + t;
+    const bool live = key_offset[t] >= 0;
+    float* s = &st[t * lanes];
+    const bool whole = live && P.soft_cap <= 0.0f && kv_pos <= first_pos &&
+                       (P.sliding_window <= 0 || kv_pos > last_pos - P.sliding_window);
+    if (whole) continue;
+    for (int64_t i = 0; i < lanes; ++i) s[i] = MaskedScore(P, s[i], live, kv_pos, pos[i]);
+  }
+}
+
+// The rows of an item and where their outputs go: query row i is head it.kv_head * group +
+// i % group of token it.row_begin + i / group.
+inline int64_t QueryOffset(const Problem& P, const Item& it, int64_t i) {
+  return ((it.row_begin + i / P.group) * P.num_q_heads + it.kv_head * P.group + i % P.group) *
+         P.head_dim;
+}
+
+inline void StoreOutputs(const Problem& P, const Item& it, int64_t nq, const float* acc,
+                         const float* l) {
+  const int64_t D = P.head_dim;
+  std::vector<float> o(D);
+  for (int64_t i = 0; i < nq; ++i) {
+    const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) o[d] = acc[i * D + d] * inv;
+    StoreFromF32(P.out, P.q_bf16, QueryOffset(P, it, i), D, o.data());
+  }
+}
+
+template <int D, bool kKvBf16>
+void RunItemV16(const Problem& P, const Item& it) {
+  const int64_t rows = it.row_end - it.row_begin, nq = rows * P.group;
+  const int64_t q_len = P.cu[it.seq + 1] - P.cu[it.seq];
+  const int64_t len = P.kv_len[it.seq];
+  const int64_t first_pos = len - q_len + (it.row_begin - P.cu[it.seq]);
+  const int64_t hi = std::min<int64_t>(first_pos + rows, len);  // positions [lo, hi) matter
+  int64_t lo = 0;
+  if (P.sliding_window > 0) lo = std::max<int64_t>(0, first_pos - P.sliding_window + 1);
+  const bool in_lanes = nq >= 16;
+  const int64_t work_rows = RoundUp(nq, kRowGroup);  // zero rows past nq
+  const int64_t lanes = in_lanes ? RoundUp(nq, 16) : work_rows;
+
+  thread_local std::vector<float> qf, qt, acc, scores, m, l;
+  thread_local std::vector<int64_t> key_offset, pos;
+  qf.assign(lanes * D, 0.0f);
+  for (int64_t i = 0; i < nq; ++i) {
+    LoadF32(P.q, P.q_bf16, QueryOffset(P, it, i), D, &qf[i * D]);
+    for (int64_t d = 0; d < D; ++d) qf[i * D + d] *= P.sm_scale;
+  }
+  pos.resize(lanes);  // padding rows copy the last row's position
+  for (int64_t i = 0; i < lanes; ++i) pos[i] = first_pos + std::min(i, nq - 1) / P.group;
+  if (in_lanes) {
+    qt.resize(lanes * D);
+    for (int64_t r0 = 0; r0 < lanes; r0 += 16) {
+      for (int64_t d = 0; d < D; ++d) {
+        for (int64_t i = 0; i < 16; ++i) qt[r0 * D + d * 16 + i] = qf[(r0 + i) * D + d];
+      }
+    }
+  }
+  acc.assign(lanes * D, 0.0f);
+  m.assign(lanes, -INFINITY);
+  l.assign(lanes, 0.0f);
+  scores.resize(lanes * kChunk);
+  key_offset.resize(kChunk);
+
+  for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {
+    const int64_t n = std::min<int64_t>(kChunk, hi - c0);
+    ChunkKeyOffsets(P, it, c0, n, D * (kKvBf16 ? 2 : 4), key_offset.data());
+    if (in_lanes) {
+      LaneScores<D, kKvBf16>(P, qt.data(), pos.data(), lanes, key_offset.data(), c0, n,
+                             scores.data());
+      SoftmaxLanes(scores.data(), lanes, work_rows, n, D, m.data(), l.data(), acc.data());
+      AccumulatePv<D, kKvBf16>(P, key_offset.data(), n, scores.data(), 1, lanes, work_rows,
+                               acc.data());
+    } else {
+      DotScores<D, kKvBf16>(P, qf.data(), pos.data(), key_offset.data(), c0, n, work_rows,
+                            scores.data());
+      SoftmaxRows(scores.data(), work_rows, n, D, m.data(), l.data(), acc.data());
+      AccumulatePv<D, kKvBf16>(P, key_offset.data(), n, scores.data(), kChunk, 1, work_rows,
+                               acc.data());
+    }
+  }
+  StoreOutputs(P, it, nq, acc.data(), l.data());
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 q against bfloat16 pages with AVX512-BF16: scores from vdpbf16ps straight on the
+// stored bits, two dimensions per 32-bit lane. From 16 query rows on (a prefill block), the
+// 16 keys of a block are gathered transposed once, so each row's 16 scores come from D/2
+// dot products with no cross-lane sums; otherwise each K row is dotted with kRowGroup rows
+// and reduced by Sum16. Softmax and the V side are RunItemV16's.
+template <int D>
+void RunItemBf16Dot(const Problem& P, const Item& it) {
+  const int64_t rows = it.row_end - it.row_begin, nq = rows * P.group;
+  const int64_t nq4 = RoundUp(nq, kRowGroup);  // zero rows past nq
   const int64_t q_len = P.cu[it.seq + 1] - P.cu[it.seq];
   const int64_t len = P.kv_len[it.seq];
   const int64_t first_pos = len - q_len + (it.row_begin - P.cu[it.seq]);
@@ -252,66 +536,31 @@ void RunItemAvx512(const Problem& P, const Item& it) {
   int64_t lo = 0;
   if (P.sliding_window > 0) lo = std::max<int64_t>(0, first_pos - P.sliding_window + 1);
 
-  thread_local std::vector<float> qf, acc, scores, m, l;
+  thread_local std::vector<float> acc, scores, m, l;
   thread_local std::vector<uint16_t> qb;
   thread_local std::vector<int64_t> key_offset;
-  qf.assign(kDot ? 0 : nq4 * D, 0.0f);
-  qb.assign(kDot ? nq4 * D : 0, 0);
+  qb.assign(nq4 * D, 0);
   acc.assign(nq4 * D, 0.0f);
-  scores.resize(nq4 * kChunk);  // kChunk is a multiple of 16
+  scores.resize(nq4 * kChunk);
   m.assign(nq4, -INFINITY);
   l.assign(nq4, 0.0f);
   key_offset.resize(kChunk);
-
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t src = ((it.row_begin + r) * P.num_q_heads + it.kv_head * group + g) * D;
-      if constexpr (kDot) {
-        std::memcpy(&qb[(r * group + g) * D], static_cast<const uint16_t*>(P.q) + src, D * 2);
-      } else {
-        LoadF32(P.q, P.q_bf16, src, D, &qf[(r * group + g) * D]);
-      }
-    }
+  for (int64_t i = 0; i < nq; ++i) {
+    std::memcpy(&qb[i * D], static_cast<const uint16_t*>(P.q) + QueryOffset(P, it, i), D * 2);
   }
-  // The transposed-key scores pay a gather per 16 keys: worth it from 16 query rows on, and
-  // while a head's pool (in 32-bit words) is addressable by 32-bit gather indices.
-  const int64_t head_elems = P.num_pages * page_size * D;
+  // The transposed keys pay a gather per 16 keys: worth it from 16 query rows on, and while
+  // a head's pool (in 32-bit words) is addressable by 32-bit gather indices.
+  const int64_t head_elems = P.num_pages * P.page_size * D;
   const int64_t head_base = it.kv_head * head_elems;
-  const bool transposed = kDot && nq4 >= 16 && head_elems / 2 < (int64_t{1} << 31);
-  // Query row i sits at position first_pos + i / group; padding rows copy the last one.
-  auto row_pos = [&](int64_t i) { return first_pos + std::min(i, nq - 1) / group; };
-  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const bool transposed = nq4 >= 16 && head_elems / 2 < (int64_t{1} << 31);
+  auto row_pos = [&](int64_t i) { return first_pos + std::min(i, nq - 1) / P.group; };
 
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {
     const int64_t n = std::min<int64_t>(kChunk, hi - c0);
-    for (int64_t t = 0, pos = c0; t < n;) {  // where each key's row is, page by page
-      const int64_t page = P.pages[it.seq * P.pages_per_seq + pos / page_size];
-      const bool live = page >= 0 && page < P.num_pages;  // never false: validation
-      int64_t off = ((it.kv_head * P.num_pages + page) * page_size + pos % page_size) * D;
-      for (int64_t in_page = pos % page_size; in_page < page_size && t < n; ++in_page) {
-        key_offset[t++] = live ? off : -1;
-        off += D;
-        ++pos;
-      }
-    }
-    // Scores, 16 keys at a time, masked to -inf where a key is not visible.
-    // The pool is far larger than the caches: ask for all of the chunk's K and V rows now.
-    for (int64_t t = 0; t < n; ++t) {
-      if (key_offset[t] < 0) continue;
-      constexpr int64_t kRowBytes = D * (kKvBf16 ? 2 : 4);
-      const char* krow = static_cast<const char*>(P.k_pages) + key_offset[t] * (kRowBytes / D);
-      const char* vrow = static_cast<const char*>(P.v_pages) + key_offset[t] * (kRowBytes / D);
-      for (int64_t b = 0; b < kRowBytes; b += 64) {
-        _mm_prefetch(krow + b, _MM_HINT_T1);
-        _mm_prefetch(vrow + b, _MM_HINT_T1);
-      }
-    }
+    ChunkKeyOffsets(P, it, c0, n, D * 2, key_offset.data());
     for (int64_t b0 = 0; b0 < n; b0 += 16) {
       const int64_t nb = std::min<int64_t>(16, n - b0);
-      // Many query rows (a prefill block): gather the 16 keys transposed once, two bf16
-      // dimensions per 32-bit lane, so each row's 16 scores come from D/2 dot products
-      // with no cross-lane sums.
-      __m512i kt[kDot ? D / 2 : 1];
+      __m512i kt[D / 2];
       if (transposed) {
         alignas(64) int32_t idx[16];
         __mmask16 live = 0;
@@ -322,160 +571,74 @@ void RunItemAvx512(const Problem& P, const Item& it) {
         }
         const __m512i vidx = _mm512_load_si512(idx);
         const int32_t* base = static_cast<const int32_t*>(P.k_pages) + head_base / 2;
-        for (int j = 0; j < (kDot ? D / 2 : 0); ++j) {
+        for (int j = 0; j < D / 2; ++j) {
           kt[j] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, vidx, base + j, 4);
         }
       }
-      for (int64_t r0 = 0; r0 < nq4; r0 += kGroup) {
-        __m512 sums[kGroup];
-        bool summed = false;
-        if constexpr (kDot) {
-          if (transposed) {
-            const int32_t* qdw = reinterpret_cast<const int32_t*>(qb.data()) + r0 * D / 2;
-            for (int g = 0; g < kGroup; ++g) sums[g] = _mm512_setzero_ps();
-            for (int j = 0; j < D / 2; ++j) {
-              for (int g = 0; g < kGroup; ++g) {
-                sums[g] = _mm512_dpbf16_ps(
-                    sums[g], (__m512bh)_mm512_set1_epi32(qdw[g * D / 2 + j]), (__m512bh)kt[j]);
-              }
+      for (int64_t r0 = 0; r0 < nq4; r0 += kRowGroup) {
+        V16 sums[kRowGroup];
+        if (transposed) {
+          const int32_t* qdw = reinterpret_cast<const int32_t*>(qb.data()) + r0 * D / 2;
+          for (int g = 0; g < kRowGroup; ++g) sums[g] = V16::Zero();
+          for (int j = 0; j < D / 2; ++j) {
+            for (int g = 0; g < kRowGroup; ++g) {
+              sums[g] = {_mm512_dpbf16_ps(
+                  sums[g].v, (__m512bh)_mm512_set1_epi32(qdw[g * D / 2 + j]), (__m512bh)kt[j])};
             }
-            summed = true;
           }
-        }
-        if (!summed) {
-        __m512 dots[kGroup][16];
-        for (int64_t t = 0; t < 16; ++t) {
-          const int64_t off = t < nb ? key_offset[b0 + t] : -1;
-          if (off < 0) {
-            for (int g = 0; g < kGroup; ++g) dots[g][t] = _mm512_setzero_ps();
-            continue;
-          }
-          if constexpr (kDot) {
+        } else {
+          V16 dots[kRowGroup][16];
+          for (int64_t t = 0; t < 16; ++t) {
+            const int64_t off = t < nb ? key_offset[b0 + t] : -1;
+            if (off < 0) {
+              for (int g = 0; g < kRowGroup; ++g) dots[g][t] = V16::Zero();
+              continue;
+            }
             const uint16_t* krow = static_cast<const uint16_t*>(P.k_pages) + off;
             __m512i k[D / 32];
             for (int j = 0; j < D / 32; ++j) k[j] = _mm512_loadu_si512(krow + 32 * j);
-            for (int g = 0; g < kGroup; ++g) {
+            for (int g = 0; g < kRowGroup; ++g) {
               const uint16_t* qrow = &qb[(r0 + g) * D];
               __m512 s = _mm512_setzero_ps();
               for (int j = 0; j < D / 32; ++j) {
                 s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(qrow + 32 * j),
                                      (__m512bh)k[j]);
               }
-              dots[g][t] = s;
-            }
-          } else {
-            __m512 k[kVecs];
-            for (int j = 0; j < kVecs; ++j) k[j] = Load16<kKvBf16>(P.k_pages, off + 16 * j);
-            for (int g = 0; g < kGroup; ++g) {
-              const float* qrow = &qf[(r0 + g) * D];
-              __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qrow), k[0]);
-              for (int j = 1; j < kVecs; ++j) {
-                s = _mm512_fmadd_ps(_mm512_loadu_ps(qrow + 16 * j), k[j], s);
-              }
-              dots[g][t] = s;
+              dots[g][t] = {s};
             }
           }
+          for (int g = 0; g < kRowGroup; ++g) sums[g] = Sum16(dots[g]);
         }
-        for (int g = 0; g < kGroup; ++g) sums[g] = Sum16(dots[g]);
-        }
-        const __m512i kv_pos = _mm512_add_epi32(iota, _mm512_set1_epi32(c0 + b0));
-        const __mmask16 in_block = static_cast<__mmask16>((1u << nb) - 1);
-        for (int g = 0; g < kGroup; ++g) {
-          __m512 s = _mm512_mul_ps(sums[g], _mm512_set1_ps(P.sm_scale));
+        for (int g = 0; g < kRowGroup; ++g) {
           float* out = &scores[(r0 + g) * kChunk + b0];
-          const int64_t pos = row_pos(r0 + g);
-          __mmask16 ok = in_block & _mm512_cmple_epi32_mask(kv_pos, _mm512_set1_epi32(pos));
-          if (P.sliding_window > 0) {
-            ok &= _mm512_cmpgt_epi32_mask(kv_pos, _mm512_set1_epi32(pos - P.sliding_window));
+          Mul(sums[g], V16::Set(P.sm_scale)).Store(out);
+          const int64_t p = row_pos(r0 + g);
+          for (int64_t t = 0; t < 16; ++t) {
+            const bool live = t < nb && key_offset[b0 + t] >= 0;
+            out[t] = MaskedScore(P, out[t], live, c0 + b0 + t, p);
           }
-          for (int64_t t = 0; t < nb; ++t) ok &= key_offset[b0 + t] < 0 ? ~(1u << t) : 0xffffu;
-          if (P.soft_cap > 0.0f) {
-            alignas(64) float tmp[16];
-            _mm512_store_ps(tmp, s);
-            for (float& x : tmp) x = P.soft_cap * std::tanh(x / P.soft_cap);
-            s = _mm512_load_ps(tmp);
-          }
-          _mm512_storeu_ps(out, _mm512_mask_blend_ps(ok, _mm512_set1_ps(-INFINITY), s));
         }
       }
     }
-    // Online softmax over the chunk: scores become weights, accumulators are rescaled.
-    // (Scores past n, up to a multiple of 16, were stored as -inf.)
-    const int64_t n16 = (n + 15) / 16 * 16;
-    for (int64_t i = 0; i < nq4; ++i) {
-      float* s = &scores[i * kChunk];
-      __m512 vmax = _mm512_set1_ps(-INFINITY);
-      for (int64_t t = 0; t < n16; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
-      const float mx = _mm512_reduce_max_ps(vmax);
-      if (mx == -INFINITY) {  // nothing visible to this row in this chunk
-        std::fill(s, s + n16, 0.0f);
-        continue;
-      }
-      const float m_new = std::max(m[i], mx);
-      const float alpha = std::exp(m[i] - m_new);  // exp(-inf) = 0 on the first chunk
-      const __m512 vm = _mm512_set1_ps(m_new);
-      __m512 vsum = _mm512_setzero_ps();
-      for (int64_t t = 0; t < n16; t += 16) {
-        const __m512 x = _mm512_loadu_ps(s + t);
-        const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-        const __m512 w = _mm512_maskz_mov_ps(live, Exp512(_mm512_sub_ps(x, vm)));
-        _mm512_storeu_ps(s + t, w);
-        vsum = _mm512_add_ps(vsum, w);
-      }
-      const float sum = _mm512_reduce_add_ps(vsum);
-      l[i] = l[i] * alpha + sum;
-      m[i] = m_new;
-      if (alpha != 1.0f) {
-        for (int64_t d = 0; d < D; ++d) acc[i * D + d] *= alpha;
-      }
-    }
-    // acc += weights x V, four rows and up to 64 dimensions of V in registers at a time.
-    constexpr int kSlice = kVecs >= 4 ? 4 : kVecs;
-    static_assert(kVecs % kSlice == 0, "head_dim must be a multiple of 64 or 16");
-    for (int64_t r0 = 0; r0 < nq4; r0 += kGroup) {
-      for (int d0 = 0; d0 < kVecs; d0 += kSlice) {
-        __m512 a[kGroup][kSlice];
-        for (int g = 0; g < kGroup; ++g) {
-          for (int j = 0; j < kSlice; ++j) a[g][j] = _mm512_loadu_ps(&acc[(r0 + g) * D + 16 * (d0 + j)]);
-        }
-        for (int64_t t = 0; t < n; ++t) {
-          const int64_t off = key_offset[t];
-          if (off < 0) continue;
-          __m512 v[kSlice];
-          for (int j = 0; j < kSlice; ++j) v[j] = Load16<kKvBf16>(P.v_pages, off + 16 * (d0 + j));
-          for (int g = 0; g < kGroup; ++g) {
-            const __m512 w = _mm512_set1_ps(scores[(r0 + g) * kChunk + t]);
-            for (int j = 0; j < kSlice; ++j) a[g][j] = _mm512_fmadd_ps(w, v[j], a[g][j]);
-          }
-        }
-        for (int g = 0; g < kGroup; ++g) {
-          for (int j = 0; j < kSlice; ++j) _mm512_storeu_ps(&acc[(r0 + g) * D + 16 * (d0 + j)], a[g][j]);
-        }
-      }
-    }
+    SoftmaxRows(scores.data(), nq4, n, D, m.data(), l.data(), acc.data());
+    AccumulatePv<D, true>(P, key_offset.data(), n, scores.data(), kChunk, 1, nq4, acc.data());
   }
-  float o[D];
-  for (int64_t i = 0; i < nq; ++i) {
-    const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-    for (int64_t d = 0; d < D; ++d) o[d] = acc[i * D + d] * inv;
-    const int64_t r = i / group, g = i % group;
-    StoreFromF32(P.out, P.q_bf16,
-                 ((it.row_begin + r) * P.num_q_heads + it.kv_head * group + g) * D, D, o);
-  }
+  StoreOutputs(P, it, nq, acc.data(), l.data());
 }
+#endif  // __AVX512BF16__
 
 template <int kHeadDim>
 void RunItemFast(const Problem& P, const Item& it) {
 #if defined(__AVX512BF16__)
-  if (P.q_bf16 && P.kv_bf16) return RunItemAvx512<kHeadDim, true, true>(P, it);
+  if (P.q_bf16 && P.kv_bf16) return RunItemBf16Dot<kHeadDim>(P, it);
 #endif
-  if (P.kv_bf16) return RunItemAvx512<kHeadDim, true, false>(P, it);
-  return RunItemAvx512<kHeadDim, false, false>(P, it);
+  if (P.kv_bf16) return RunItemV16<kHeadDim, true>(P, it);
+  return RunItemV16<kHeadDim, false>(P, it);
 }
 #define JAXCB_RUN_ITEM RunItemFast
 #else
 #define JAXCB_RUN_ITEM RunItem
-#endif  // __AVX512F__
+#endif  // JAXCB_HAVE_V16
 
 ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q,
                                     ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,

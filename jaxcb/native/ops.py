@@ -56,10 +56,13 @@ def ragged_paged_attention_native(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    level: str | None = None,
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
-    """Ragged paged attention on CPU (same contract as the jnp reference)."""
+    """Ragged paged attention on CPU (same contract as the jnp reference), by the library of
+    ISA `level` (default: the active one; tests run each level this CPU can)."""
     call = jax.ffi.ffi_call(
-        registered_target(ATTENTION_TARGET, active_level()), jax.ShapeDtypeStruct(q.shape, q.dtype)
+        registered_target(ATTENTION_TARGET, level or active_level()),
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
     )
     return call(
         q,

@@ -19,9 +19,14 @@ struct V16 {
   static V16 Zero() { return {_mm512_setzero_ps()}; }
   static V16 Set(float x) { return {_mm512_set1_ps(x)}; }
   static V16 Load(const void* p) { return {_mm512_loadu_ps(static_cast<const float*>(p))}; }
+  static V16 LoadBf16(const uint16_t* p) {  // 16 bfloat16 values, widened
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+  }
   void Store(float* p) const { _mm512_storeu_ps(p, v); }
   void Stream(float* p) const { _mm512_stream_ps(p, v); }  // p 64-byte aligned
   float MaxLane() const { return _mm512_reduce_max_ps(v); }
+  float SumLanes() const { return _mm512_reduce_add_ps(v); }
   // Bit i set where lane i == x (ordered), or >= bound (ordered).
   uint32_t LanesEqual(float x) const {
     return _mm512_cmp_ps_mask(v, _mm512_set1_ps(x), _CMP_EQ_OQ);
@@ -34,6 +39,34 @@ inline V16 Add(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline V16 Sub(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline V16 Mul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline V16 Max(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }  // b where either is NaN
+inline V16 Exp(V16 x) { return {Exp512(x.v)}; }  // x <= 0 (clamped to [-87, 0])
+// x where s > floor, else 0.
+inline V16 KeepAbove(V16 x, V16 s, float floor) {
+  return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s.v, _mm512_set1_ps(floor), _CMP_GT_OQ), x.v)};
+}
+
+// Lane t of the result is the sum of all lanes of v[t]: 16 dot products' partial sums
+// reduced together (46 shuffles and adds, not 16 full horizontal reductions).
+inline V16 Sum16(const V16* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {  // 256-bit halves: 8 partials of token i, then of i + 8
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i].v, v[i + 8].v, 0x44),
+                         _mm512_shuffle_f32x4(v[i].v, v[i + 8].v, 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit lanes: 4 partials of tokens i, i+8, i+4, i+12
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 4], 0x88),
+                         _mm512_shuffle_f32x4(a[i], a[i + 4], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {
+    c[i] = _mm512_add_ps(_mm512_unpacklo_ps(b[i], b[i + 2]), _mm512_unpackhi_ps(b[i], b[i + 2]));
+  }
+  const __m512d c0 = _mm512_castps_pd(c[0]), c1 = _mm512_castps_pd(c[1]);
+  const __m512 d = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c0, c1)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(c0, c1)));
+  // d holds tokens 0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15; put them in order.
+  const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return {_mm512_permutexvar_ps(order, d)};
+}
 
 // The two rows of one k-pair of a pack_bf16 vector (16 columns x (even row, odd row) bf16).
 inline void WidenBf16Pairs(const void* p, V16& even, V16& odd) {
@@ -98,6 +131,12 @@ struct V16 {
     const float* f = static_cast<const float*>(p);
     return {_mm256_loadu_ps(f), _mm256_loadu_ps(f + 8)};
   }
+  static V16 LoadBf16(const uint16_t* p) {  // 16 bfloat16 values, widened
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16)),
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16))};
+  }
   void Store(float* p) const {
     _mm256_storeu_ps(p, lo);
     _mm256_storeu_ps(p + 8, hi);
@@ -111,6 +150,13 @@ struct V16 {
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+  }
+  float SumLanes() const {
+    const __m256 s = _mm256_add_ps(lo, hi);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
     return _mm_cvtss_f32(h);
   }
   uint32_t LanesEqual(float x) const {
@@ -130,6 +176,30 @@ inline V16 Add(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(
 inline V16 Sub(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
 inline V16 Mul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline V16 Max(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline V16 Exp(V16 x) { return {Exp256(x.lo), Exp256(x.hi)}; }  // x <= 0 (clamped to [-87, 0])
+inline V16 KeepAbove(V16 x, V16 s, float floor) {  // x where s > floor, else 0
+  const __m256 f = _mm256_set1_ps(floor);
+  return {_mm256_and_ps(x.lo, _mm256_cmp_ps(s.lo, f, _CMP_GT_OQ)),
+          _mm256_and_ps(x.hi, _mm256_cmp_ps(s.hi, f, _CMP_GT_OQ))};
+}
+
+// Lane t of the result is the sum of all lanes of x[t], for 8 vectors.
+inline __m256 Sum8(const __m256* x) {
+  // hadd(hadd(x0, x1), hadd(x2, x3)): the 128-bit halves' sums of x0..x3, low half then high.
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// Lane t of the result is the sum of all lanes of v[t].
+inline V16 Sum16(const V16* v) {
+  __m256 x[8], y[8];
+  for (int t = 0; t < 8; ++t) {
+    x[t] = _mm256_add_ps(v[t].lo, v[t].hi);
+    y[t] = _mm256_add_ps(v[t + 8].lo, v[t + 8].hi);
+  }
+  return {Sum8(x), Sum8(y)};
+}
 
 inline void WidenBf16Pairs(const void* p, V16& even, V16& odd) {
   const __m256i* q = static_cast<const __m256i*>(p);

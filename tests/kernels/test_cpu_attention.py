@@ -23,6 +23,9 @@ STATIC = ("sm_scale", "sliding_window", "soft_cap")
 reference = jax.jit(ragged_paged_attention_reference, static_argnames=STATIC)
 needs_native = pytest.mark.skipif(not native.available(), reason="no C++ compiler")
 
+#: Every ISA level this CPU runs has its own attention code (generic C++, AVX2, AVX-512, the
+#: AVX512-BF16 dot products): "native-<level>" runs that level's library, "native" the active one.
+LEVELS = native.supported_levels()
 BACKENDS = {
     # Small blocks and chunks so blocks, block groups and KV chunks all wrap several times.
     "xla": jax.jit(
@@ -30,8 +33,17 @@ BACKENDS = {
         static_argnames=STATIC,
     ),
     "native": jax.jit(native.ragged_paged_attention_native, static_argnames=STATIC),
+    **{
+        f"native-{level}": jax.jit(
+            functools.partial(native.ragged_paged_attention_native, level=level),
+            static_argnames=STATIC,
+        )
+        for level in LEVELS
+    },
 }
-backends = pytest.mark.parametrize("backend", ["xla", pytest.param("native", marks=needs_native)])
+backends = pytest.mark.parametrize(
+    "backend", ["xla", *(pytest.param(f"native-{level}", marks=needs_native) for level in LEVELS)]
+)
 
 
 def check(backend: str, shape: Shape, seqs, seed: int = 0, **kwargs) -> None:
@@ -74,6 +86,15 @@ def test_one_block_many_sequences(backend):
 
 
 @backends
+@pytest.mark.parametrize("sliding_window", [None, 300])
+def test_contexts_longer_than_a_kv_chunk(backend, sliding_window):
+    """Past 256 keys the native kernels update the softmax chunk by chunk: decode rows and a
+    prefill block (query rows in the vector lanes) over several chunks, a window inside them."""
+    shape = Shape(num_tokens=32, num_pages=112, pages_per_seq=40)
+    check(backend, shape, [(1, 600), (20, 530), (1, 257), (3, 300)], sliding_window=sliding_window)
+
+
+@backends
 @pytest.mark.parametrize("seqs", [[(1, 9)], []])
 def test_one_token_batch(backend, seqs):
     """A one-row bucket (the XLA matmul path's single stream): no room for a prefill block."""
@@ -88,13 +109,14 @@ def test_xla_default_blocks():
 
 
 @needs_native
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("q_dtype, pages_dtype", [("bfloat16", "float32"), ("float32", "bfloat16")])
-def test_native_mixed_query_and_page_dtypes(q_dtype, pages_dtype):
-    """The native kernel's other routines: bf16 x bf16 uses the BF16 dot product, these
-    pairings convert to float32."""
+def test_native_mixed_query_and_page_dtypes(level, q_dtype, pages_dtype):
+    """The native kernel's other routines: bf16 x bf16 uses the BF16 dot product where the
+    CPU has it, these pairings convert to float32."""
     batch = list(make_batch(Shape(dtype=pages_dtype), BATCHES["mixed"], seed=2))
     batch[0] = batch[0].astype(q_dtype)
-    out = BACKENDS["native"](*batch, sm_scale=0.125)
+    out = BACKENDS[f"native-{level}"](*batch, sm_scale=0.125)
     assert out.dtype == jnp.dtype(q_dtype)
     assert_matches_reference(out, reference(*batch, sm_scale=0.125), batch, "bfloat16")
 
