@@ -256,14 +256,14 @@ class EngineLoop:
         return True
 
     def _step_failed(self, exc: Exception) -> None:
-        """Fail every in-flight request, then keep going only if the engine is intact."""
+        """Fail every in-flight request, and keep going only if the engine is intact. The
+        verdict comes first: a client that sees its request fail may ask /health at once."""
         self._step_failures += 1
         logger.error(
             "engine step failed; failing %d in-flight requests",
             len(self._routes),
             exc_info=exc,
         )
-        self._fail_all(EngineFailure(f"engine step failed: {type(exc).__name__}: {exc}"))
         try:
             self.engine.check_health()
             if self._step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
