@@ -13,6 +13,15 @@ engine is fed continuously: whenever fewer than `max_in_flight` requests are in 
 added, and each result is written (and flushed) the moment its request finishes, in finish
 order. Memory is bounded by the buffer and `max_in_flight`, not by the file.
 
+Order (`order`, jaxcb/engine/ordering.py): "arrival" feeds lines in file order. "prefix" and
+"auto" read the stream in windows of `prefetch` requests and submit each window in that
+order (prompts sharing a prefix together; with auto, decode-heavy first), a request that
+shares pages with an earlier one held back until that one's prefill is done; the next window
+is read once this one is all submitted. Ordering never crosses a window, so memory stays
+bounded; it changes no result, only when each is computed and written. Duplicate ids and bad
+lines are decided in file order while a window is read, so every order (and a resumed run)
+decides them alike.
+
 Resuming: on start the ids already in the output and the line numbers already in the errors
 file are skipped, and a half-written last line (a crash mid-write) is cut off first. A crash,
 SIGKILL or Ctrl-C therefore loses only unfinished requests, which the next run recomputes, and
@@ -26,15 +35,17 @@ parsed, has no prompt, repeats an id, or is rejected by the engine goes to the e
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from jaxcb.batch_input import Item, JsonlSource, Prepare, id_key, pipeline
 from jaxcb.batch_output import Writer, from_process_zero, recover, result_record
+from jaxcb.engine.ordering import StagedSubmission, check_order, plan_order
 from jaxcb.outputs import RequestOutput
 from jaxcb.tokenizing import own_tokenizer
 
@@ -69,12 +80,17 @@ def run_batch(
     progress: bool = True,
     writer: bool = True,
     shard: tuple[int, int] = (0, 1),
+    order: str = "arrival",
 ) -> BatchStats:
     """Run every line of `input_path` not yet in `output_path` / `errors_path` through
     `engine` (an Engine: LLMEngine or ReplicatedEngine). `writer=False`: read and compute but write
     nothing (the other processes of a multi-host job). `shard=(i, n)`: only lines whose
     number is i modulo n (n independent jobs, each with its own output, share a file).
-    A line over `max_line_bytes` goes to the errors file without being read."""
+    A line over `max_line_bytes` goes to the errors file without being read. `order`:
+    "arrival", "prefix" or "auto", within windows of `prefetch` requests (module docstring)."""
+    check_order(order)
+    if order != "arrival" and prefetch < 1:
+        raise ValueError(f"prefetch must be >= 1 to order the requests, got {prefetch}")
     output_path, errors_path = Path(output_path), Path(errors_path)
     done_ids = from_process_zero(recover(output_path, "id") if writer else set())
     done_lines = from_process_zero(recover(errors_path, "line") if writer else set())
@@ -105,11 +121,22 @@ def run_batch(
         bar,
     )
     try:
-        run.feed(pipeline(source, prepare, prefetch))
+        items = pipeline(source, prepare, prefetch)
+        if order == "arrival":
+            run.feed(items)
+        else:
+            run.feed_ordered(items, order, prefetch)
     finally:
         run.close()
         source.close()
     return run.stats
+
+
+def _decode_budget(engine: Any, item: Item) -> int:
+    """The most tokens a line may generate (all n samples): what `auto` order weighs."""
+    room = max(1, engine.max_model_len - len(item.prompt_ids))
+    cap = engine.config.limits.max_output_tokens or room
+    return min(item.params.max_tokens or cap, cap, room) * item.params.n
 
 
 def _progress_bar(total: int, initial: int) -> Any:
@@ -131,6 +158,7 @@ class _BatchRun:
         self.stats = BatchStats()
         self.seen: set[str] = set()  # ids met so far in the file: a repeated one is an error
         self.pending: dict[str, Item] = {}  # engine request id -> its line
+        self.on_prefill: dict[str, Callable[[], None]] = {}  # leader id -> release followers
         self.start = time.perf_counter()
 
     def feed(self, items: Iterator[Item]) -> None:
@@ -146,36 +174,95 @@ class _BatchRun:
                 if exhausted:
                     break
                 continue
-            for out in self.engine.step():
-                if out.finished:
-                    self._finish(out)
+            self._step()
+
+    def feed_ordered(self, items: Iterator[Item], order: str, window: int) -> None:
+        """`feed` in `order` within windows of `window` requests (module docstring)."""
+        page_size = self.engine.config.cache.page_size
+        hold = self.engine.config.cache.enable_prefix_caching
+        exhausted = False
+        while True:
+            batch: list[Item] = []
+            while not exhausted and len(batch) < window:
+                item = next(items, None)
+                if item is None:
+                    exhausted = True
+                elif self._claim(item, validate=True):
+                    batch.append(item)
+            decode = [_decode_budget(self.engine, item) for item in batch]
+            plan = plan_order([item.prompt_ids for item in batch], decode, page_size, order)
+            staged = StagedSubmission(plan, hold=hold)
+            while staged.num_left:
+                while len(self.pending) < self.max_in_flight:
+                    i = staged.next_ready()
+                    if i is None:
+                        break
+                    leader = staged.is_leader(i)
+                    request_id = self._submit(batch[i], final_only=not leader)
+                    if request_id is None:  # rejected: its followers need not wait
+                        staged.release(i)
+                    elif leader:
+                        self.on_prefill[request_id] = functools.partial(staged.release, i)
+                if self.pending:
+                    self._step()
+            if exhausted:
+                break
+        while self.pending:
+            self._step()
+
+    def _step(self) -> None:
+        for out in self.engine.step():
+            if out.request_id in self.on_prefill and (
+                out.finished or any(o.token_ids for o in out.outputs)
+            ):
+                self.on_prefill.pop(out.request_id)()
+            if out.finished:
+                self._finish(out)
 
     def _add(self, item: Item) -> None:
+        if self._claim(item):
+            self._submit(item)
+
+    def _claim(self, item: Item, *, validate: bool = False) -> bool:
+        """Report, skip or count the line; True if it is a request to submit. `validate`:
+        check it against the engine now (ValueError: reported), so that an id is claimed
+        only by a line that will run, whenever it is submitted."""
         if item.skip:
             if self.bar is not None and item.blank:
                 self.bar.update(1)
-            return
+            return False
         # An id belongs to the first line that runs with it (or ran, in an earlier run); a
         # later line with the same id is an error. Lines that fail do not claim their id,
         # so a rerun, which skips them, decides the same way.
         key = id_key(item.id)
         if item.error is None and key in self.seen:
             item.error = f"duplicate id {item.id!r}"
+        if item.error is None and validate and not item.done:
+            try:
+                self.engine.validate_request(item.prompt_ids, item.params)
+            except ValueError as exc:  # too long, beyond the limits, ...
+                item.error = f"ValueError: {exc}"
         if item.error is not None:
             self._report(item, item.error)
-            return
+            return False
         self.seen.add(key)
         if item.done:
             self.stats.skipped += 1  # already counted in the bar's initial value
-            return
+            return False
+        return True
+
+    def _submit(self, item: Item, *, final_only: bool = True) -> str | None:
+        """Add a claimed line's request to the engine; its request id, or None if the engine
+        rejected it (reported, and its id freed)."""
         request_id = str(item.line)
         try:
-            self.engine.add_request(request_id, item.prompt_ids, item.params, final_only=True)
+            self.engine.add_request(request_id, item.prompt_ids, item.params, final_only=final_only)
         except ValueError as exc:  # too long, beyond the limits, ...
-            self.seen.discard(key)
+            self.seen.discard(id_key(item.id))
             self._report(item, f"ValueError: {exc}")
-            return
+            return None
         self.pending[request_id] = item
+        return request_id
 
     def _finish(self, out: RequestOutput) -> None:
         item = self.pending.pop(out.request_id)

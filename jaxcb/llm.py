@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from jaxcb.config import EngineConfig
+from jaxcb.engine.ordering import StagedSubmission, check_order, plan_order
 from jaxcb.outputs import RequestOutput
 from jaxcb.runtime.setup import build_engine
 from jaxcb.sampling_params import SamplingParams
@@ -51,6 +53,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priority: Sequence[int] | None = None,
+        order: str = "arrival",
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
@@ -58,7 +61,19 @@ class LLM:
         A prompt is a string or a list of token ids. One SamplingParams applies to all
         prompts, or pass one per prompt. `priority`: one int per prompt, for the "priority"
         scheduling policy (lower first). Every prompt is validated before any is queued.
+
+        `order` is when each request enters the engine (jaxcb/engine/ordering.py); it never
+        changes a request's tokens or the order of the outputs. "arrival": all at once, in
+        input order. "prefix": prompts that share a prefix of at least one KV page go in
+        together, the longest shared prefixes closest, so the prefix is computed once and
+        stays cached while its group runs. "auto": those groups, decode-heavy first (largest
+        max_tokens per prompt token to compute), so long decodes share steps with the prefill
+        of the rest. With "prefix" and "auto" the requests are fed through a window of
+        max_num_seqs (times the replicas) waiting ones, and a request sharing pages with an
+        earlier one waits until that one's prefill is done, so the two never both compute
+        the shared pages in one step.
         """
+        check_order(order)
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompt_list)
@@ -78,12 +93,22 @@ class LLM:
                 raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
         engine = self.engine
         requests = list(zip(prompt_list, params_list, priorities, strict=True))
-        for prompt, params, prio in requests:
-            engine.validate_request(prompt, params, priority=prio)
-        ids = [
-            engine.add_request(None, p, sp, priority=prio, final_only=True)
-            for p, sp, prio in requests
+        prompt_ids = [
+            engine.validate_request(prompt, params, priority=prio)[1]
+            for prompt, params, prio in requests
         ]
+        plan = plan_order(
+            prompt_ids,
+            [self._decode_budget(ids, sp) for ids, sp in zip(prompt_ids, params_list, strict=True)],
+            self.config.cache.page_size,
+            order,
+        )
+        staged = StagedSubmission(plan, hold=self.config.cache.enable_prefix_caching)
+        window = self.config.scheduler.max_num_seqs * self.config.parallel.data_parallel_size
+        if order == "arrival":
+            window = math.inf  # everything up front, as before orders existed
+        ids: list[str | None] = [None] * len(requests)
+        index: dict[str, int] = {}
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
@@ -92,8 +117,23 @@ class LLM:
             bar = tqdm(total=len(ids), desc="generating", unit="req", dynamic_ncols=True)
         start, generated = time.perf_counter(), 0
         try:
-            while engine.has_unfinished_requests():
+            while staged.num_left or engine.has_unfinished_requests():
+                while engine.num_waiting < window:
+                    i = staged.next_ready()
+                    if i is None:
+                        break
+                    prompt, sp, prio = requests[i]
+                    # A leader reports every step, so its first token releases its followers.
+                    leader = staged.is_leader(i)
+                    ids[i] = engine.add_request(
+                        None, prompt, sp, priority=prio, final_only=not leader
+                    )
+                    index[ids[i]] = i
                 for out in engine.step():
+                    if out.request_id in index and (
+                        out.finished or any(o.token_ids for o in out.outputs)
+                    ):
+                        staged.release(index[out.request_id])
                     if out.finished:
                         results[out.request_id] = out
                         generated += sum(len(o.token_ids) for o in out.outputs)
@@ -103,12 +143,19 @@ class LLM:
                             bar.set_postfix_str(f"{rate:,.0f} out tok/s")
         except BaseException:
             for request_id in ids:  # leave nothing behind on Ctrl-C or an error
-                engine.abort_request(request_id)
+                if request_id is not None:
+                    engine.abort_request(request_id)
             raise
         finally:
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids]
+
+    def _decode_budget(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """The most tokens a request may generate (all n samples): what `auto` order weighs."""
+        room = max(1, self.engine.max_model_len - len(prompt_ids))
+        cap = self.config.limits.max_output_tokens or room
+        return min(params.max_tokens or cap, cap, room) * params.n
 
     def stats(self) -> dict[str, Any]:
         """Steps, bucket histogram, padding fraction, compile seconds, KV page use,

@@ -32,6 +32,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    # Latency targets in ms (None: the engine's scheduler defaults): the "edf" policy orders
+    # the queue by arrival + ttft_target_ms and preempts by tpot_target_ms slack.
+    ttft_target_ms: float | None = None
+    tpot_target_ms: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -109,6 +113,10 @@ class SamplingParams:
             self.repetition_penalty,
             "must be > 0",
         )
+        for name in ("ttft_target_ms", "tpot_target_ms"):
+            value = getattr(self, name)
+            if value is not None:
+                _require(_is_number(value) and value > 0, name, value, "must be > 0")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             value = getattr(self, name)
             _require(isinstance(value, bool), name, value, "must be a boolean")

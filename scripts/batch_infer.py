@@ -8,8 +8,9 @@ Each input line is {"id": ..., "prompt": "..." or [token ids]} or {"id": ..., "m
 [...]}, with optional per-line sampling fields (max_tokens, temperature, top_p, stop, seed,
 ...). Results are appended to --output as they finish, one line each with the input's id;
 bad lines go to --errors (default: OUTPUT.errors.jsonl). Run the same command again after a
-crash or Ctrl-C: ids already written are skipped. Exit status: 0 when every line is done
-(bad lines included: they are in --errors), 130 when interrupted.
+crash or Ctrl-C: ids already written are skipped. --order prefix|auto submits each
+--prefetch window so that prompts sharing a prefix run together. Exit status: 0 when every
+line is done (bad lines included: they are in --errors), 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from jaxcb.batch import run_batch
 from jaxcb.cli import add_engine_args, engine_config_from_args
+from jaxcb.engine.ordering import ORDERS
 from jaxcb.runtime.setup import build_engine
 
 
@@ -51,7 +53,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="requests in the engine at once (default: 2 x max_num_seqs x data_parallel_size)",
     )
-    parser.add_argument("--prefetch", type=int, default=512, help="lines prepared ahead")
+    parser.add_argument(
+        "--prefetch",
+        type=int,
+        default=512,
+        help="lines prepared ahead; with --order prefix|auto, the window ordered at once",
+    )
+    parser.add_argument(
+        "--order",
+        choices=ORDERS,
+        default="arrival",
+        help="arrival: file order; prefix: prompts sharing a prefix (a KV page or more) go in "
+        "together so it is computed once; auto: those groups, decode-heavy first. prefix and "
+        "auto order each window of --prefetch requests, not the whole file; results and "
+        "resuming are the same in every order (default: %(default)s)",
+    )
     parser.add_argument(
         "--max-line-mb",
         type=float,
@@ -113,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=not args.no_progress,
             writer=jax.process_index() == 0,  # multi-host: process 0 writes
             shard=(args.shard_index, args.num_shards),
+            order=args.order,
         )
     except ValueError as exc:  # a bad --shard-index, an unreadable output file
         parser.exit(2, f"batch_infer.py: error: {exc}\n")

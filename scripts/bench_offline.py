@@ -51,6 +51,14 @@ ratios of one run, not absolute numbers across runs.
     python scripts/bench_offline.py --model smollm2-135m --workload chat-fixed --prefix-caching \
         off --vllm-python .. --llamacpp-server ../build/bin/llama-server --llamacpp-gguf f32,q4_1
 
+--variant NAME:FIELD=V,FIELD=V (repeatable) adds a row `jaxcb-NAME`: jaxcb with those config
+fields changed, taking turns with jaxcb; its greedy tokens are checked against jaxcb's. To
+compare preemption by recompute and by swap under memory pressure, for instance:
+
+    python scripts/bench_offline.py --model smollm2-135m --workload offline-long \
+        --systems jaxcb --num-pages 544 --preemption-mode recompute \
+        --variant swap:preemption_mode=swap --variant auto:preemption_mode=auto
+
 --prefix-caching both runs jaxcb twice, taking turns: `jaxcb` with the prefix cache and
 `jaxcb-no-prefix-cache` without, and reports the mean TTFT and tok/s ratios of the two.
 
@@ -174,6 +182,13 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
         "and compare mean TTFT and tok/s (%(default)s)",
     )
     parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:FIELD=V[,FIELD=V]",
+        help="another jaxcb row, jaxcb-NAME, with these config fields changed (repeatable)",
+    )
+    parser.add_argument(
         "--no-roofline", action="store_true", help="skip measuring the matmul peak (no MFU)"
     )
     parser.add_argument("--json", type=Path, help="write config, per-pass times, medians here")
@@ -201,6 +216,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if "llama.cpp" in args.systems and args.llamacpp_server is None:
         parser.error("the llama.cpp system needs --llamacpp-server (see docs/benchmarks.md)")
     args.llamacpp_ggufs = llamacpp_ggufs(args)
+    if args.variant and "jaxcb" not in args.systems:
+        parser.error("--variant adds jaxcb rows: add jaxcb to --systems")
+    for text in args.variant:
+        try:
+            parse_variant(text)
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.trace and "jaxcb" not in args.systems:
         parser.error("--trace records jaxcb's steps: add jaxcb to --systems")
     if min(args.repeats, args.hf_repeats, args.hf_static_batch_size) < 1:
@@ -219,6 +241,29 @@ def prefix_caching_systems(args: argparse.Namespace, ctx: BenchContext) -> dict[
     overrides = {**ctx.jaxcb_overrides, "enable_prefix_caching": False}
     log(f"building {NO_PREFIX_CACHE} ...")
     return {NO_PREFIX_CACHE: SYSTEMS["jaxcb"](replace(ctx, jaxcb_overrides=overrides))}
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """`NAME:FIELD=V,FIELD=V` -> (NAME, {FIELD: V}); ValueError naming what is wrong."""
+    name, sep, body = text.partition(":")
+    pairs = [p.partition("=") for p in body.split(",") if p]
+    if not sep or not name or not pairs or any(not k or not eq for k, eq, _ in pairs):
+        raise ValueError(f"--variant must look like NAME:FIELD=V[,FIELD=V], got {text!r}")
+    return name, {k.strip(): v.strip() for k, _, v in pairs}
+
+
+def variant_systems(args: argparse.Namespace, ctx: BenchContext) -> dict[str, Any]:
+    """--variant rows: jaxcb with some config fields changed, to run beside jaxcb."""
+    systems = {}
+    for text in args.variant:
+        name, changes = parse_variant(text)
+        overrides = {**ctx.jaxcb_overrides, **changes}
+        EngineConfig.from_yaml(args.config, **overrides)  # a bad field or value fails here
+        log(f"building jaxcb-{name} ({changes}) ...")
+        system = SYSTEMS["jaxcb"](replace(ctx, jaxcb_overrides=overrides))
+        system.name = f"jaxcb-{name}"
+        systems[system.name] = system
+    return systems
 
 
 def make_context(args: argparse.Namespace, model_dir: Path, workload) -> BenchContext:
@@ -263,6 +308,7 @@ def build_systems(args: argparse.Namespace, ctx: BenchContext, systems: dict) ->
             log(f"built {row} in {time.perf_counter() - start:.1f}s")
             if name == "jaxcb":
                 systems |= prefix_caching_systems(args, ctx)
+                systems |= variant_systems(args, ctx)
 
 
 def measure_roofline(args: argparse.Namespace, spec, overrides: dict, before=None) -> dict | None:

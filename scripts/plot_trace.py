@@ -3,7 +3,8 @@
 Steps run left to right; each column is one step's bucket, its token slots stacked bottom up:
 every real token coloured by its request (prefill pale, decode saturated), then padding (dark
 grey: a padded batch's padding, under --batching static or dynamic; light grey: the bucket's
-rounding up). KV pages in use are drawn below, with preemptions marked.
+rounding up); a black line is each step's token budget when the ITL controller chose it
+(--itl-target-ms). KV pages in use are drawn below, with preemptions marked.
 
 A trace comes from any run that records one:
 
@@ -69,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{s['bucket_padding_tokens']:,} bucket), {s['preemptions']} preemptions, peak "
         f"{s['kv_pages_peak']} KV pages"
     )
+    budgets = [st.get("token_budget", 0) for st in trace["steps"][first:last]]
+    if all(budgets) and len(set(budgets)) > 1:
+        print(
+            f"token budget (ITL target {trace['meta'].get('itl_target_ms')} ms): "
+            f"{min(budgets)}..{max(budgets)}, mean {sum(budgets) / len(budgets):.0f}"
+        )
     return 0
 
 

@@ -135,6 +135,14 @@ def print_report(
             f"buckets {e['bucket_histogram']}, batching "
             f"{infos['jaxcb']['config']['scheduler'].get('batching', 'continuous')}"
         )
+    for name, result in last.items():  # jaxcb rows that preempted: by recompute or by swap
+        e = result.extra
+        if name.startswith("jaxcb") and e.get("preemptions"):
+            print(
+                f"{name}: preemptions {e['preemptions']}, swapped out "
+                f"{e.get('swapped_out_requests', 0)} ({e.get('swap_seconds', 0.0):.2f}s of "
+                f"copies), recomputed for want of host pages {e.get('swap_fallbacks', 0)}"
+            )
     if "vllm" in infos:
         v = infos["vllm"]
         print(

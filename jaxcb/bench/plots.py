@@ -3,7 +3,8 @@
 plot_trace      a step trace (jaxcb.bench.trace): steps on x, the bucket's token slots on y,
                 each real token coloured by its request (prefill pale, decode saturated),
                 padding grey (a padded-batch baseline's batch padding darker than the
-                bucket's rounding); KV pages in use and preemptions below
+                bucket's rounding), the step's token budget as a line when the ITL
+                controller set it; KV pages in use and preemptions below
 plot_batching   scripts/compare_batching.py: throughput, padding tokens, mean TTFT per mode
 plot_sweep      scripts/sweep_buckets.py: compile seconds, padding, throughput, latency per
                 bucket set
@@ -129,9 +130,19 @@ def plot_trace(
     ]
     if s["batch_padding_tokens"]:
         legend.insert(2, Patch(color=BATCH_PAD, label="padding: padded batch"))
+    xs = np.arange(first_step, first_step + len(steps))
+    budgets = [st.get("token_budget", 0) for st in steps]
+    target = meta.get("itl_target_ms")
+    if all(budgets) and (target is not None or len(set(budgets)) > 1):
+        # the ITL controller's budget per step (the floor included), over the buckets run
+        (line,) = top.plot(xs, budgets, drawstyle="steps-mid", color="black", lw=1.0)
+        line.set_label(
+            "token budget" + (f" (ITL target {target:g} ms)" if target is not None else "")
+        )
+        legend.append(line)
+        top.set_ylim(0, max(image.shape[0], *budgets) * 1.02)
     top.legend(handles=legend, loc="upper right", fontsize=8, framealpha=0.9)
 
-    xs = np.arange(first_step, first_step + len(steps))
     used = np.array([st["pages_used"] for st in steps])
     total = meta.get("kv_pages_total")
     bottom.fill_between(xs, used, step="mid", color="tab:blue", alpha=0.35, lw=0)

@@ -2,10 +2,13 @@
 
 An engine keeps a `StepRecord` of every step while `record_steps()` is on: the bucket (token
 slots the step ran), the chunks in it as (request id, tokens, "prefill" | "decode"), the real
-tokens, the padded-batch baselines' batch padding, KV pages in use after the step, and the
-requests preempted. This module records such a list around any piece of work, saves it with
-what a reader needs to interpret it (buckets, pool size, batching mode, model), and loads it
-back; `jaxcb.bench.plots.plot_trace` draws it (`scripts/plot_trace.py`).
+tokens, the padded-batch baselines' batch padding, KV pages in use after the step, the
+requests preempted, and the token budget the step was scheduled under (`token_budget`: the
+ITL controller's choice when `itl_target_ms` is set, else max_num_batched_tokens). This
+module records such a list around any piece of work, saves it with what a reader needs to
+interpret it (buckets, pool size, batching mode, model), and loads it back;
+`jaxcb.bench.plots.plot_trace` draws it (`scripts/plot_trace.py`). A server writes one of
+all its steps with `serve.py --step-trace PATH`.
 
     with recording(llm) as steps:
         llm.generate(prompts, params)
@@ -42,7 +45,8 @@ def recording(llm_or_engine: Any) -> Iterator[list[dict[str, Any]]]:
 
 
 def trace_meta(llm_or_engine: Any, **extra: Any) -> dict[str, Any]:
-    """What a reader of the trace needs: buckets, KV pool size, batching mode, model."""
+    """What a reader of the trace needs: buckets, KV pool size, batching mode, model, the
+    ITL controller's target (None: a fixed budget)."""
     engine = _engine(llm_or_engine)
     sched, info = engine.config.scheduler, engine.info
     return dict(
@@ -52,6 +56,8 @@ def trace_meta(llm_or_engine: Any, **extra: Any) -> dict[str, Any]:
         buckets=info.token_buckets,
         max_num_seqs=sched.max_num_seqs,
         max_num_batched_tokens=sched.max_num_batched_tokens,
+        itl_target_ms=sched.itl_target_ms,
+        itl_percentile=sched.itl_percentile,
         kv_pages_total=info.num_pages,
         page_size=info.page_size,
         **extra,

@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from jaxcb.config.sections import (
+    ADMISSION_MODES,
     ATTENTION_BACKENDS,
     BATCHING_MODES,
     DTYPES,
@@ -45,6 +46,7 @@ from jaxcb.config.values import coerce as _coerce
 from jaxcb.config.values import to_plain as _to_plain
 
 __all__ = [
+    "ADMISSION_MODES",
     "ATTENTION_BACKENDS",
     "BATCHING_MODES",
     "DTYPES",

@@ -4,6 +4,7 @@ and parallelism. Each is a frozen dataclass whose fields are checked at construc
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -13,8 +14,10 @@ from jaxcb.config.values import check_types as _check_types
 DTYPES = ("float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "native", "xla", "pallas", "pallas-tpu", "pallas-gpu")
 MATMUL_BACKENDS = ("auto", "amx", "avx512_bf16", "avx512", "avx2_bf16", "avx2", "xla")
-SCHEDULING_POLICIES = ("fcfs", "priority", "srpf")
+SCHEDULING_POLICIES = ("fcfs", "priority", "srpf", "edf")
+ADMISSION_MODES = ("greedy", "reserve", "predicted")
 BATCHING_MODES = ("continuous", "static", "dynamic")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class CacheConfig:
     memory_utilization: float = 0.9  # share of free accelerator memory auto sizing may use
     kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16; auto: model dtype, f32 on CPU
     enable_prefix_caching: bool = True  # share cached full pages of common prompt prefixes
+    swap_space_gb: float = 4.0  # host memory for KV pages swapped out on preemption, GiB; 0: none
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -53,6 +57,10 @@ class CacheConfig:
             0 < self.memory_utilization <= 1,
             f"memory_utilization must be in (0, 1], got {self.memory_utilization}",
         )
+        _check(
+            0 <= self.swap_space_gb < math.inf,
+            f"swap_space_gb must be >= 0 (0: no swap), got {self.swap_space_gb}",
+        )
 
 
 @dataclass(frozen=True)
@@ -70,10 +78,24 @@ class SchedulerConfig:
     # with few sequences (a lone prompt's prefill) then runs the lm_head and sampling on few
     # rows, not on max_num_seqs padded ones. Each extra size adds a compile per token bucket.
     seq_buckets: tuple[int, ...] = (16,)
-    scheduling_policy: str = "fcfs"  # fcfs | priority (lower value first) | srpf
+    scheduling_policy: str = "fcfs"  # fcfs | priority (lower value first) | srpf | edf
     srpf_aging: float = 16.0  # srpf: tokens a waiting request gains on newer ones per step
+    ttft_target_ms: float | None = None  # time-to-first-token target of requests giving none
+    tpot_target_ms: float | None = None  # time-per-output-token target of requests giving none
+    edf_late_penalty_ms: float = 5000.0  # edf: how far a request that missed its deadline falls
+    admission: str = "greedy"  # greedy | reserve (prompt + max_tokens) | predicted
+    admission_quantile: float = 0.9  # predicted: quantile of observed output lengths reserved
     long_prefill_token_threshold: int = 0  # prefill tokens per request per step; 0: no cap
+    # ITL controller (engine/itl_controller.py): each step's token budget picked among the
+    # token buckets from the measured inter-token latency; None: the fixed budget.
+    itl_target_ms: float | None = None  # inter-token latency target, ms; None: controller off
+    itl_percentile: float = 0.9  # ITL controller: percentile held under the target (p90, p99)
+    itl_window: int = 64  # ITL controller: decode steps per window (p99 wants a few hundred)
+    itl_min_prefill_tokens: int = 16  # ITL controller: prefill tokens a step may always take
     watermark: float = 0.01  # pages admission leaves free: a fraction (< 1) or a count
+    # What a preempted request's KV pages become: recompute (freed, prefilled again later),
+    # swap (copied to host memory, swap_space_gb, and back), auto (the cheaper, per request).
+    preemption_mode: str = "recompute"  # recompute | swap | auto
     batching: str = "continuous"  # continuous | static | dynamic (padded-batch baselines)
 
     def __post_init__(self) -> None:
@@ -89,6 +111,44 @@ class SchedulerConfig:
             f"batching must be one of {list(BATCHING_MODES)}, got {self.batching!r}",
         )
         _check(self.srpf_aging > 0, f"srpf_aging must be > 0, got {self.srpf_aging}")
+        _check(
+            self.preemption_mode in PREEMPTION_MODES,
+            f"preemption_mode must be one of {list(PREEMPTION_MODES)}, "
+            f"got {self.preemption_mode!r}",
+        )
+        for name in ("ttft_target_ms", "tpot_target_ms"):
+            value = getattr(self, name)
+            _check(value is None or 0 < value < math.inf, f"{name} must be > 0, got {value}")
+        _check(
+            0 < self.edf_late_penalty_ms < math.inf,
+            f"edf_late_penalty_ms must be > 0, got {self.edf_late_penalty_ms}",
+        )
+        _check(
+            self.admission in ADMISSION_MODES,
+            f"admission must be one of {list(ADMISSION_MODES)}, got {self.admission!r}",
+        )
+        _check(
+            0 < self.admission_quantile <= 1,
+            f"admission_quantile must be in (0, 1], got {self.admission_quantile}",
+        )
+        _check(
+            self.itl_target_ms is None or self.itl_target_ms > 0,
+            f"itl_target_ms must be > 0 (None: controller off), got {self.itl_target_ms}",
+        )
+        _check(
+            0 < self.itl_percentile < 1,
+            f"itl_percentile must be in (0, 1), got {self.itl_percentile}",
+        )
+        _check(self.itl_window >= 2, f"itl_window must be >= 2, got {self.itl_window}")
+        _check(
+            self.itl_min_prefill_tokens >= 1,
+            f"itl_min_prefill_tokens must be >= 1, got {self.itl_min_prefill_tokens}",
+        )
+        _check(
+            self.itl_target_ms is None or self.batching == "continuous",
+            f"itl_target_ms needs batching='continuous' (a padded batch has no token budget "
+            f"to steer), got batching={self.batching!r}",
+        )
         _check(
             self.long_prefill_token_threshold >= 0,
             f"long_prefill_token_threshold must be >= 0 (0: no cap), "

@@ -38,6 +38,7 @@ from typing import Any
 from jaxcb.config import BATCHING_MODES
 from jaxcb.engine.request import Request, RequestStatus
 from jaxcb.engine.scheduler import BaseScheduler, ScheduledChunk, Scheduler, SchedulerOutput
+from jaxcb.engine.swap import Swapper
 
 
 def make_scheduler(
@@ -46,15 +47,22 @@ def make_scheduler(
     enable_prefix_caching: bool = False,
     long_prefill_token_threshold: int = 0,
     watermark_pages: int = 0,
+    admission: str = "greedy",
+    admission_quantile: float = 0.9,
+    swapper: Swapper | None = None,
     **base: Any,  # BaseScheduler's: page_pool, page_size, max_num_seqs, ...
 ) -> BaseScheduler:
     """The scheduler for `batching`: the real (continuous) one, or a padded-batch baseline
-    (to which prefix caching, the prefill threshold and the watermark do not apply)."""
+    (to which prefix caching, the prefill threshold, the watermark and the admission mode
+    do not apply: they reserve whole sequences)."""
     if batching == "continuous":
         return Scheduler(
             enable_prefix_caching=enable_prefix_caching,
             long_prefill_token_threshold=long_prefill_token_threshold,
             watermark_pages=watermark_pages,
+            admission=admission,
+            admission_quantile=admission_quantile,
+            swapper=swapper,
             **base,
         )
     classes = {"static": StaticBatchScheduler, "dynamic": DynamicBatchScheduler}

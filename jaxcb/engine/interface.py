@@ -62,6 +62,13 @@ class Runner(Protocol):
         """RuntimeError if the device state was lost (a failed step consumed its buffers)."""
         ...
 
+    def swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
+        """Copy KV pages to host slots, (page, slot) pairs, then host slots into pages,
+        (slot, page) pairs (preemption by swap, engine/swap.py). The engine calls it after
+        `schedule()` and before `execute`, so the copies out read the pages before the step
+        (or a later one) writes them, and the copies in land before the step reads them."""
+        ...
+
 
 @dataclass(frozen=True)
 class EngineInfo:
@@ -89,6 +96,10 @@ class EngineInfo:
     # On CPU: the CPU and its relevant flags, the ISA level the native kernels run at, and
     # each native matmul kernel with why it is not the one in use ("in use" for that one).
     cpu_kernels: dict[str, Any] = field(default_factory=dict)
+    # Preemption by swap: host slots of one KV page each (0: no swap), and the device-host
+    # bandwidth measured at start-up (bytes/s, one direction; 0.0: not measured).
+    num_swap_pages: int = 0
+    swap_bytes_per_s: float = 0.0
 
     @property
     def token_buckets(self) -> list[int]:
@@ -99,7 +110,8 @@ class EngineInfo:
 class StepRecord:
     """One step: its bucket (token slots), its chunks as (request id, tokens, "prefill" |
     "decode"), the real tokens, a padded-batch baseline's batch padding, KV pages in use
-    after it, the requests it preempted, and the prefix cache's lookups and hits."""
+    after it, the requests it preempted, the prefix cache's lookups and hits, and the token
+    budget it was scheduled under (the ITL controller's choice, else max_num_batched_tokens)."""
 
     bucket: int
     chunks: tuple[tuple[str, int, str], ...]
@@ -109,10 +121,21 @@ class StepRecord:
     preempted: tuple[str, ...]
     prefix_queries: int
     prefix_hits: int
+    token_budget: int = 0  # 0: not known (a record built without one)
+    recomputed_tokens: int = 0  # computed tokens its preemptions dropped
+    admitted_idle_pages: int = 0  # pages promised to running requests, not yet allocated
+    predicted_output_len: int | None = None  # what `predicted` admission expects
+    # Preemption by swap: victims swapped out, swapped requests resumed, victims recomputed
+    # because the host pool was full.
+    swapped_out: int = 0
+    swapped_in: int = 0
+    swap_fallbacks: int = 0
     replica: int | None = None  # data-parallel replica that ran it
 
     @classmethod
-    def of(cls, sched: SchedulerOutput, bucket_tokens: int, pages_used: int) -> StepRecord:
+    def of(
+        cls, sched: SchedulerOutput, bucket_tokens: int, pages_used: int, token_budget: int = 0
+    ) -> StepRecord:
         return cls(
             bucket=bucket_tokens,
             chunks=tuple(
@@ -132,6 +155,13 @@ class StepRecord:
             preempted=tuple(r.request_id for r in sched.preempted),
             prefix_queries=sched.num_prefix_query_tokens,
             prefix_hits=sched.num_prefix_hit_tokens,
+            token_budget=token_budget,
+            recomputed_tokens=sched.num_recomputed_tokens,
+            admitted_idle_pages=sched.admitted_idle_pages,
+            predicted_output_len=sched.predicted_output_len,
+            swapped_out=sched.num_swapped_out,
+            swapped_in=sched.num_swapped_in,
+            swap_fallbacks=sched.num_swap_fallbacks,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -145,6 +175,12 @@ class StepRecord:
             "preempted": list(self.preempted),
             "prefix_queries": self.prefix_queries,
             "prefix_hits": self.prefix_hits,
+            "token_budget": self.token_budget,
+            "recomputed_tokens": self.recomputed_tokens,
+            "admitted_idle_pages": self.admitted_idle_pages,
+            "swapped_out": self.swapped_out,
+            "swapped_in": self.swapped_in,
+            "swap_fallbacks": self.swap_fallbacks,
         }
         if self.replica is not None:
             out["replica"] = self.replica
@@ -158,6 +194,8 @@ class KVUsage:
     num_cached: int  # cached prefix pages nobody holds (free to evict)
     peak_used: int  # with replicas: the sum of each one's peak, an upper bound
     num_evictions: int
+    num_swap_pages: int = 0  # host slots for swapped-out KV pages (engine/swap.py)
+    num_swap_used: int = 0  # of them, held by swapped-out requests now
 
     @property
     def usage(self) -> float:

@@ -38,11 +38,13 @@ from jaxcb.engine.interface import (
     StepRecord,
     StepResult,
 )
+from jaxcb.engine.itl_controller import ITLController
 from jaxcb.engine.logprobs import append_sample_logprobs, record_prompt_logprobs
 from jaxcb.engine.page_pool import PagePool
 from jaxcb.engine.policies import make_policy
 from jaxcb.engine.request import Request
 from jaxcb.engine.scheduler import BaseScheduler, SchedulerOutput
+from jaxcb.engine.swap import SwapCostModel, Swapper, SwapSpace
 from jaxcb.engine.validation import check_params, check_prompt_length, encode_prompt
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
@@ -52,7 +54,9 @@ logger = logging.getLogger(__name__)
 SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n samples
 
 
-def build_scheduler(config: EngineConfig, pool: PagePool) -> BaseScheduler:
+def build_scheduler(
+    config: EngineConfig, pool: PagePool, swapper: Swapper | None = None
+) -> BaseScheduler:
     """The scheduler the config asks for (continuous, or a padded-batch baseline)."""
     cache, sched = config.cache, config.scheduler
     watermark_pages = sched.watermark_pages(pool.num_pages)
@@ -67,10 +71,53 @@ def build_scheduler(config: EngineConfig, pool: PagePool) -> BaseScheduler:
         page_size=cache.page_size,
         max_num_seqs=sched.max_num_seqs,
         max_num_batched_tokens=sched.max_num_batched_tokens,
-        policy=make_policy(sched.scheduling_policy, srpf_aging=sched.srpf_aging),
+        policy=make_policy(
+            sched.scheduling_policy,
+            srpf_aging=sched.srpf_aging,
+            edf_late_penalty_ms=sched.edf_late_penalty_ms,
+        ),
         enable_prefix_caching=cache.enable_prefix_caching,
         long_prefill_token_threshold=sched.long_prefill_token_threshold,
         watermark_pages=watermark_pages,
+        admission=sched.admission,
+        admission_quantile=sched.admission_quantile,
+        swapper=swapper,
+    )
+
+
+def build_swapper(config: EngineConfig, info: EngineInfo) -> Swapper | None:
+    """Preemption by swap as the config asks (`preemption_mode`), over the host slots the
+    composition root sized (`info.num_swap_pages`, from swap_space_gb); None: recompute
+    only (also with swap_space_gb = 0, or a padded-batch baseline: those never preempt)."""
+    sched = config.scheduler
+    if (
+        sched.preemption_mode == "recompute"
+        or config.cache.swap_space_gb == 0
+        or sched.batching != "continuous"
+    ):
+        return None
+    cost = None
+    if info.swap_bytes_per_s > 0:
+        cost = SwapCostModel(
+            page_bytes=info.kv_cache_bytes // info.num_pages,
+            bytes_per_s=info.swap_bytes_per_s,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+        )
+    return Swapper(sched.preemption_mode, SwapSpace(info.num_swap_pages), cost)
+
+
+def build_itl_controller(config: EngineConfig, info: EngineInfo) -> ITLController | None:
+    """The ITL controller the config asks for (`itl_target_ms`), over the compiled token
+    buckets; None without a target."""
+    sched = config.scheduler
+    if sched.itl_target_ms is None:
+        return None
+    return ITLController(
+        info.token_buckets,
+        target_ms=sched.itl_target_ms,
+        percentile=sched.itl_percentile,
+        window=sched.itl_window,
+        min_prefill_tokens=sched.itl_min_prefill_tokens,
     )
 
 
@@ -93,7 +140,8 @@ class LLMEngine(Engine):
         self.eos_token_ids = frozenset(eos_token_ids)
         self.limits = config.limits
         self.pool = PagePool(info.num_pages)
-        self.scheduler = build_scheduler(config, self.pool)
+        self.swapper = build_swapper(config, info)  # None: preemption by recompute only
+        self.scheduler = build_scheduler(config, self.pool, self.swapper)
         self._rng = np.random.default_rng(config.seed)
         self._groups: dict[str, RequestGroup] = {}
         self._request_group: dict[int, RequestGroup] = {}  # id(child) -> group
@@ -101,6 +149,8 @@ class LLMEngine(Engine):
         self._stats = Counter()
         self._bucket_hist: Counter[int] = Counter()
         self._records: list[StepRecord] | None = None  # record_steps() turns it on
+        self.itl = build_itl_controller(config, info)  # None: the fixed token budget
+        self._last_step_end: float | None = None  # perf_counter() after the last step, if any ran
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -157,7 +207,8 @@ class LLMEngine(Engine):
         arrival: float,
         priority: int,
     ) -> Request:
-        """Sample j of n: its own id, seed and output budget."""
+        """Sample j of n: its own id, seed and output budget; latency targets its own, or
+        the config's defaults."""
         room = max(1, self.max_model_len - len(prompt_ids))
         cap = self.limits.max_output_tokens or room
         if params.seed is not None:
@@ -173,6 +224,8 @@ class LLMEngine(Engine):
             eos_token_ids=self.eos_token_ids,
             arrival_time=arrival,
             priority=priority,
+            ttft_target_ms=_or(params.ttft_target_ms, self.config.scheduler.ttft_target_ms),
+            tpot_target_ms=_or(params.tpot_target_ms, self.config.scheduler.tpot_target_ms),
             # the first sample computes the prompt logprobs for all n
             prompt_logprobs=[None] if params.prompt_logprobs is not None and j == 0 else None,
         )
@@ -217,38 +270,80 @@ class LLMEngine(Engine):
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return outputs of requests that got tokens or finished."""
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
+        sched, budget = self._schedule()
         if sched.is_empty:
+            self._swap(sched)  # (a step that only preempts: its victims' pages still go out)
             return []
+        # (before the results: a chunk's `samples` compares with the request's tokens)
+        had_decode = self.itl is not None and sched.num_decode_tokens > 0
         # A padded-batch baseline's padding is run too (engine/baselines.py); 0 otherwise.
         bucket = pick_bucket(
             self.info.buckets, sched.num_tokens + sched.num_padding_tokens, len(sched.chunks)
         )
         prepared = self.runner.prepare(sched, bucket)
         t1 = time.perf_counter()
+        swap_seconds = self._swap(sched)
         result = self.runner.execute(bucket, prepared)
         t2 = time.perf_counter()
+        if self.swapper is not None and self.swapper.cost is not None:
+            self.swapper.cost.observe_step(sched.num_tokens, t2 - t1 - swap_seconds)
         self.scheduler.update_after_step(sched)
         outputs = self._process_results(sched, result)
         t3 = time.perf_counter()
-        self._count_step(sched, bucket.num_tokens, host=(t1 - t0) + (t3 - t2), device=t2 - t1)
+        self._count_step(
+            sched, bucket.num_tokens, budget, host=(t1 - t0) + (t3 - t2), device=t2 - t1
+        )
+        if self.itl is not None:
+            # The ITL a decoding request sees: from the previous step's end (the caller's
+            # work between steps included) to this one's; nothing ran before: this step.
+            start = t0 if self._last_step_end is None else self._last_step_end
+            self.itl.feed(t3 - start, had_decode, bucket.num_tokens)
+            self._last_step_end = t3 if self.scheduler.running else None
         return outputs
 
+    def _swap(self, sched: SchedulerOutput) -> float:
+        """The step's swap copies (out, then in) before it runs; returns their seconds."""
+        if not (sched.swap_out or sched.swap_in):
+            return 0.0
+        t0 = time.perf_counter()
+        self.runner.swap(sched.swap_out, sched.swap_in)
+        seconds = time.perf_counter() - t0
+        self._stats["swap_seconds"] += seconds
+        return seconds
+
+    def _schedule(self) -> tuple[SchedulerOutput, int]:
+        """This step's schedule and the token budget it was made under: the ITL
+        controller's for the running decodes, else max_num_batched_tokens."""
+        if self.itl is None:
+            return self.scheduler.schedule(), self.scheduler.max_num_batched_tokens
+        num_decodes = sum(r.is_decoding for r in self.scheduler.running)
+        budget = self.itl.step_budget(num_decodes)
+        return self.scheduler.schedule(token_budget=budget), budget
+
     def _count_step(
-        self, sched: SchedulerOutput, bucket_tokens: int, *, host: float, device: float
+        self,
+        sched: SchedulerOutput,
+        bucket_tokens: int,
+        token_budget: int,
+        *,
+        host: float,
+        device: float,
     ) -> None:
         s = self._stats
         s["steps"] += 1
         s["tokens_scheduled"] += sched.num_tokens
         s["token_slots"] += bucket_tokens
         s["preemptions"] += len(sched.preempted)
+        s["recomputed_tokens"] += sched.num_recomputed_tokens
         s["prefix_queries"] += sched.num_prefix_query_tokens
         s["prefix_hits"] += sched.num_prefix_hit_tokens
         s["host_seconds"] += host
         s["device_seconds"] += device
         self._bucket_hist[bucket_tokens] += 1
         if self._records is not None:
-            self._records.append(StepRecord.of(sched, bucket_tokens, self.pool.num_used))
+            self._records.append(
+                StepRecord.of(sched, bucket_tokens, self.pool.num_used, token_budget)
+            )
 
     def _process_results(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         now = time.monotonic()
@@ -338,10 +433,16 @@ class LLMEngine(Engine):
             num_cached=pool.num_cached,
             peak_used=pool.peak_used,
             num_evictions=pool.num_evictions,
+            num_swap_pages=self.swapper.space.num_slots if self.swapper else 0,
+            num_swap_used=self.swapper.space.num_used if self.swapper else 0,
         )
 
     def check_page_invariant(self) -> None:
         self.pool.check_invariant(self.scheduler.owners())
+        if self.swapper is not None:
+            self.swapper.space.check_invariant(
+                r.swap_slots for r in self.scheduler.waiting if r.swap_slots is not None
+            )
 
     def check_health(self) -> None:
         """Raise RuntimeError if the engine cannot run further steps: a failed step consumed
@@ -376,7 +477,19 @@ class LLMEngine(Engine):
                 **info.cpu_kernels,
             },
             "preemptions": s["preemptions"],
+            # computed tokens the preempted requests dropped (prefix cache hits not subtracted)
+            "recomputed_tokens": s["recomputed_tokens"],
+            "admitted_idle_pages": self.scheduler.admitted_idle_pages,
+            "predicted_output_len": self.scheduler.predicted_output_len,
             "failed": s["failed"],
+            # preemption by swap (engine/swap.py): victims whose pages went to host memory,
+            # of them resumed, host pages held now, victims recomputed for want of host pages
+            "swapped_out_requests": self.swapper.num_swapped_out if self.swapper else 0,
+            "swapped_in_requests": self.swapper.num_swapped_in if self.swapper else 0,
+            "swap_pages_used": kv.num_swap_used,
+            "swap_pages_total": kv.num_swap_pages,
+            "swap_fallbacks": self.swapper.num_fallbacks if self.swapper else 0,
+            "swap_seconds": s["swap_seconds"],
             "prefix_queries": queries,
             "prefix_hits": s["prefix_hits"],
             "prefix_hit_rate": s["prefix_hits"] / queries if queries else 0.0,
@@ -389,4 +502,12 @@ class LLMEngine(Engine):
             "device_seconds": s["device_seconds"],
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
+            # the ITL controller's token budget per step; max_num_batched_tokens without one
+            "prefill_budget": (
+                self.itl.budget if self.itl else self.config.scheduler.max_num_batched_tokens
+            ),
         }
+
+
+def _or(value: float | None, default: float | None) -> float | None:
+    return default if value is None else value

@@ -44,6 +44,7 @@ def combined_info(infos: Sequence[EngineInfo]) -> EngineInfo:
         first,
         num_pages=sum(i.num_pages for i in infos),
         kv_cache_bytes=sum(i.kv_cache_bytes for i in infos),
+        num_swap_pages=sum(i.num_swap_pages for i in infos),
         load_seconds=sum(i.load_seconds for i in infos),
         compile_seconds=sum(i.compile_seconds for i in infos),
         compile_cache={
@@ -204,6 +205,9 @@ class ReplicatedEngine(Engine):
         total["compile_cache"] = dict(self.info.compile_cache)
         total["compile_seconds_per_bucket"] = per_replica[0]["compile_seconds_per_bucket"]
         total["data_parallel_size"] = len(self.replicas)
+        # each replica predicts from its own finished requests: report the largest
+        predictions = [s["predicted_output_len"] for s in per_replica]
+        total["predicted_output_len"] = max((p for p in predictions if p is not None), default=None)
         total["replicas"] = per_replica
         return total
 

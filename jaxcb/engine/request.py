@@ -3,7 +3,9 @@
 WAITING ──admit──> RUNNING ──finish──> FINISHED (stop | length | abort | error)
    ^                  │
    └──── preempt ─────┘   (pages released, recomputed when re-admitted: from the first
-                           page that is no longer in the prefix cache)
+                           page that is no longer in the prefix cache; or, preempted by
+                           swap, their K/V copied to host slots first and copied back into
+                           fresh pages when re-admitted: num_computed_tokens is kept)
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ class Request:
     eos_token_ids: frozenset[int]
     arrival_time: float
     priority: int = 0  # the "priority" policy admits lower values first (as vLLM)
+    # Latency targets (the request's own, else the config's defaults): the "edf" policy's
+    # deadline is arrival + TTFT target; its victims are those with the most TPOT slack.
+    ttft_target_ms: float | None = None
+    tpot_target_ms: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -63,10 +69,19 @@ class Request:
     page_hashes: list[bytes] = field(default_factory=list)
     num_hashed_pages: int = 0
     num_cached_tokens: int | None = None
+    # Preempted by swap (engine/swap.py): the host slots holding the K/V of its first
+    # ceil(num_computed_tokens / page_size) pages while it waits; None when not swapped out.
+    swap_slots: list[int] | None = None
+    # Computed tokens its last preemption by recompute dropped, until it is re-admitted (the
+    # swap cost model learns from it how much the prefix cache gives back).
+    num_dropped_tokens: int = 0
     # Set by the scheduler when the request first arrives there: its arrival order and
     # scheduler step (policies sort by them; they survive preemption).
     arrival_seq: int = -1
     arrival_step: int = -1
+    # Admission (reserve | predicted): K/V positions the request was promised pages for
+    # when admitted; the pages it does not hold yet stay spoken for. 0: none (greedy).
+    num_reserved_tokens: int = 0
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:

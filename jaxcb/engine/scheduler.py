@@ -9,7 +9,23 @@ Each call to `schedule()` decides one step:
    leaves `watermark_pages` free for the running requests' growth (unless none runs).
 If a running request needs a page and none is free, the policy picks a running request to
 preempt: its pages are released and it goes back to the waiting queue, to be recomputed
-later. No request is admitted in a step that preempted.
+later, or, preempted by swap (`preemption_mode`, engine/swap.py), to be resumed with its
+K/V copied back from host memory. No request is admitted in a step that preempted.
+
+Admission modes (`admission`) decide how many free pages the head of the queue needs:
+  greedy     pages for its first chunk, beyond the watermark: the pool fills up at once, and
+             running requests that outgrow it preempt one another;
+  reserve    pages for every position it can fill (prompt + max_tokens), beyond the pages
+             already promised to running requests: a request admitted so never preempts, at
+             the price of pages held idle for outputs that may stop early;
+  predicted  as reserve, for the prompt + min(max_tokens, a high quantile of the output
+             lengths observed so far; OutputLengths in policies.py), and the watermark; a
+             request outgrowing its prediction takes free pages as greedy does (and may
+             preempt).
+A running request's growth comes out of its own promise first: free pages minus the pages
+promised to running requests (`admitted_idle_pages`) are what admission may hand out. When
+nothing runs, the head is admitted if its first chunk fits, whatever the mode, so a request
+whose promise the pool cannot hold still runs alone.
 
 Prefix caching (`enable_prefix_caching`): a request being admitted shares every cached full
 page of its tokens, up to the first miss (see page_pool.py), and starts computing after them.
@@ -33,8 +49,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxcb.engine.page_pool import PagePool, hash_page
-from jaxcb.engine.policies import SchedulingPolicy, make_policy
+from jaxcb.engine.policies import (
+    ADMISSION_MODES,
+    OutputLengths,
+    SchedulingPolicy,
+    make_policy,
+    reserved_tokens,
+)
 from jaxcb.engine.request import Request, RequestStatus
+from jaxcb.engine.swap import Swapper
 
 
 @dataclass
@@ -71,6 +94,21 @@ class SchedulerOutput:
     num_prefix_hit_tokens: int = 0
     # Padding slots a padded-batch baseline (engine/baselines.py) adds to the step; 0 here.
     num_padding_tokens: int = 0
+    # Preemption by swap: K/V pages to copy to host slots, (page, slot), and back, (slot,
+    # page). The runner does both before the step runs, out first (Runner.swap): a victim's
+    # pages may be handed to another request in the same step. Victims swapped out, swapped
+    # requests resumed, victims recomputed because the host pool was full.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    num_swapped_out: int = 0
+    num_swapped_in: int = 0
+    num_swap_fallbacks: int = 0
+    # Tokens whose K/V this step's preemptions dropped (computed again when they resume).
+    num_recomputed_tokens: int = 0
+    # After admission: pages promised to running requests, not yet allocated; the current
+    # output length prediction (None: nothing finished yet).
+    admitted_idle_pages: int = 0
+    predicted_output_len: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -137,6 +175,16 @@ class BaseScheduler(abc.ABC):
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    @property
+    def admitted_idle_pages(self) -> int:
+        """Pages promised to running requests for tokens they have not reached yet."""
+        return 0
+
+    @property
+    def predicted_output_len(self) -> int | None:
+        """The output length `predicted` admission reserves for (None: no prediction)."""
+        return None
+
     def finish(self, request: Request) -> None:
         """Release a finished (or aborted) request's pages; it leaves every queue."""
         if request.status is RequestStatus.RUNNING:
@@ -170,10 +218,19 @@ class Scheduler(BaseScheduler):
         enable_prefix_caching: bool = False,
         long_prefill_token_threshold: int = 0,
         watermark_pages: int = 0,
+        admission: str = "greedy",
+        admission_quantile: float = 0.9,
+        swapper: Swapper | None = None,  # None: preemption by recompute only
         **base: Any,  # BaseScheduler's: page_pool, page_size, max_num_seqs, ...
     ) -> None:
         super().__init__(**base)
         page_pool = self.pool
+        self.swapper = swapper
+        if admission not in ADMISSION_MODES:
+            raise ValueError(f"admission must be one of {list(ADMISSION_MODES)}, got {admission!r}")
+        self.admission = admission
+        # Observed in every mode (stats report it); only `predicted` admits by it.
+        self.output_lengths = OutputLengths(admission_quantile)
         if long_prefill_token_threshold < 0:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 0 (0: no cap), "
@@ -193,11 +250,20 @@ class Scheduler(BaseScheduler):
 
     # ---- one step -----------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
+        """Decide one step under `token_budget` tokens (default max_num_batched_tokens; the
+        ITL controller passes a smaller bucket size, at least the running decodes')."""
+        if token_budget is None:
+            token_budget = self.max_num_batched_tokens
+        elif not 1 <= token_budget <= self.max_num_batched_tokens:
+            raise ValueError(
+                f"token_budget must be in [1, {self.max_num_batched_tokens}], got {token_budget}"
+            )
         out = SchedulerOutput()
         scheduled: dict[int, ScheduledChunk] = {}  # id(request) -> chunk
-        budget = self.max_num_batched_tokens
+        budget = token_budget
         self.num_steps += 1
+        self.policy.reorder(self.waiting)
 
         for decode_pass in (True, False):
             for request in list(self.running):
@@ -209,9 +275,7 @@ class Scheduler(BaseScheduler):
                 num_preempted = len(out.preempted)
                 reserved = self._reserve_pages(request, n, scheduled, out)
                 if len(out.preempted) != num_preempted:  # victims give their tokens back
-                    budget = self.max_num_batched_tokens - sum(
-                        c.num_tokens for c in scheduled.values()
-                    )
+                    budget = token_budget - sum(c.num_tokens for c in scheduled.values())
                 if not reserved:
                     continue  # the request itself was preempted
                 scheduled[id(request)] = ScheduledChunk(request, request.num_computed_tokens, n)
@@ -221,13 +285,13 @@ class Scheduler(BaseScheduler):
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
                 hit_pages = self._match_prefix(request)
-                num_hit = len(hit_pages) * self.page_size
+                # (a request swapped out resumes after its computed tokens)
+                num_hit = max(len(hit_pages) * self.page_size, request.num_computed_tokens)
                 n = min(request.num_tokens - num_hit, budget, self.long_prefill_token_threshold)
                 # Cached pages nobody holds count as free until this request takes them.
                 needed = -(-(num_hit + n) // self.page_size) - len(hit_pages)
                 needed += sum(self.pool.is_evictable(p) for p in hit_pages)
-                reserve = self.watermark_pages if self.running else 0
-                if self.pool.num_free < needed + reserve:
+                if not self._admissible(request, hit_pages, needed):
                     break
                 self.waiting.popleft()
                 self._admit(request, hit_pages, out)
@@ -236,7 +300,30 @@ class Scheduler(BaseScheduler):
                 budget -= n
 
         out.chunks = sorted(scheduled.values(), key=lambda c: not c.request.is_decoding)
+        out.admitted_idle_pages = self.admitted_idle_pages
+        out.predicted_output_len = self.predicted_output_len
         return out
+
+    def finish(self, request: Request) -> None:
+        """As BaseScheduler's; a request that stopped or hit its length limit (not an abort
+        or an error) adds its output length to the observations `predicted` admits by."""
+        if not request.finished and request.finish_reason in ("stop", "length"):
+            self.output_lengths.observe(len(request.output_token_ids))
+        if request.swap_slots is not None:  # aborted while swapped out: free its host slots
+            self.swapper.space.free(request.swap_slots)
+            request.swap_slots = None
+        super().finish(request)
+
+    @property
+    def admitted_idle_pages(self) -> int:
+        if self.admission == "greedy":
+            return 0
+        ps = self.page_size
+        return sum(max(0, -(-r.num_reserved_tokens // ps) - len(r.page_ids)) for r in self.running)
+
+    @property
+    def predicted_output_len(self) -> int | None:
+        return self.output_lengths.prediction
 
     def update_after_step(self, output: SchedulerOutput) -> None:
         """The step ran: the fed tokens' K/V are now in the cache; pages that became full
@@ -307,7 +394,7 @@ class Scheduler(BaseScheduler):
         """Allocate pages for n more tokens, preempting the policy's victims if needed."""
         while not self.pool.can_allocate(self._pages_short(request, n)):
             victim = self.policy.victim(self.running)
-            self._preempt(victim)
+            out.num_recomputed_tokens += self._preempt(victim, out)
             scheduled.pop(id(victim), None)
             out.preempted.append(victim)
             if victim is request:
@@ -315,9 +402,27 @@ class Scheduler(BaseScheduler):
         self._allocate(request, n)
         return True
 
+    def _admissible(self, request: Request, hit_pages: list[int], needed: int) -> bool:
+        """Whether the head of the queue may be admitted (see the module docstring);
+        `needed`: the free pages its first chunk takes (evictable cached pages included)."""
+        if not self.running:
+            return self.pool.num_free >= needed
+        if self.admission == "greedy":
+            return self.pool.num_free >= needed + self.watermark_pages
+        promise = reserved_tokens(self.admission, request, self.predicted_output_len)
+        # The free pages its whole promise takes: new ones, and the evictable ones it shares.
+        evictable = sum(self.pool.is_evictable(p) for p in hit_pages)
+        whole = -(-promise // self.page_size) - len(hit_pages) + evictable
+        watermark = self.watermark_pages if self.admission == "predicted" else 0
+        return self.pool.num_free - self.admitted_idle_pages >= whole + watermark
+
     def _admit(self, request: Request, hit_pages: list[int], out: SchedulerOutput) -> None:
+        num_swapped_tokens = request.num_computed_tokens  # > 0 only if swapped out
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        request.num_reserved_tokens = reserved_tokens(
+            self.admission, request, self.predicted_output_len
+        )
         if self.enable_prefix_caching:
             self.pool.acquire(hit_pages)
             request.page_ids = list(hit_pages)
@@ -327,18 +432,65 @@ class Scheduler(BaseScheduler):
             out.num_prefix_hit_tokens += request.num_computed_tokens
             self.prefix_queries += request.num_tokens
             self.prefix_hits += request.num_computed_tokens
+        if request.swap_slots is not None:
+            self._swap_in(request, num_swapped_tokens, out)
+        elif request.num_dropped_tokens and self.swapper is not None:
+            self.swapper.observe_resume(request.num_dropped_tokens, request.num_computed_tokens)
+        request.num_dropped_tokens = 0
         if request.num_cached_tokens is None:
             request.num_cached_tokens = request.num_computed_tokens
 
     def _release(self, request: Request) -> None:
         super()._release(request)
         request.num_hashed_pages = 0
+        request.num_reserved_tokens = 0
 
-    def _preempt(self, request: Request) -> None:
+    def _swap_in(self, request: Request, num_swapped_tokens: int, out: SchedulerOutput) -> None:
+        """Resume a swapped-out request. The prefix cache's pages (taken in `_admit`) hold
+        its head; fresh pages receive the host copies of the rest. If the cache holds as
+        much as the host does, nothing is copied."""
+        slots, request.swap_slots = request.swap_slots, None
+        first = len(request.page_ids)
+        self.swapper.observe_resume(num_swapped_tokens, first * self.page_size)
+        if num_swapped_tokens > first * self.page_size:
+            pages = self.pool.allocate(len(slots) - first)
+            out.swap_in.extend(zip(slots[first:], pages, strict=True))
+            request.page_ids.extend(pages)
+            request.num_computed_tokens = num_swapped_tokens
+        self.swapper.space.free(slots)
+        self.swapper.num_swapped_in += 1
+        out.num_swapped_in += 1
+
+    def _swap_out(self, request: Request, out: SchedulerOutput) -> bool:
+        """Host slots for a victim's computed pages and their copies, if the swapper says
+        swap and the host pool has room (else False: recompute it)."""
+        if self.swapper is None:
+            return False
+        num_pages = -(-request.num_computed_tokens // self.page_size)
+        fallbacks = self.swapper.num_fallbacks
+        slots = self.swapper.slots_for(request.num_computed_tokens, num_pages)
+        out.num_swap_fallbacks += self.swapper.num_fallbacks - fallbacks
+        if slots is None:
+            return False
+        # (page_ids may hold more pages, allocated for this step's chunk: nothing in them yet)
+        out.swap_out.extend(zip(request.page_ids[: len(slots)], slots, strict=True))
+        request.swap_slots = slots
+        out.num_swapped_out += 1
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> int:
+        """Back to the queue, its pages released (swapped out first if the swapper says
+        so); returns the computed tokens it drops (0 if swapped out; what the prefix cache
+        gives back at its recompute is not subtracted)."""
         self.running.remove(request)
+        swapped = self._swap_out(request, out)
+        dropped = 0 if swapped else request.num_computed_tokens
         self._release(request)
-        request.num_computed_tokens = 0
+        if not swapped:
+            request.num_computed_tokens = 0
+            request.num_dropped_tokens = dropped
         request.status = RequestStatus.WAITING
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.policy.enqueue(self.waiting, request, preempted=True)
+        return dropped

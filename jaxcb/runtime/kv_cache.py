@@ -1,4 +1,5 @@
-"""Device state: the KV page pool (layout from pallas_kernels).
+"""Device state: the KV page pool (layout from pallas_kernels), and the host memory pages
+go to when their request is preempted by swap (HostSwapPool).
 
 Also decides how many pages the pool gets: `num_pages`, or a memory budget, or (auto) enough
 for `max_num_seqs` full-length sequences within what the device can spare. With tensor
@@ -8,15 +9,27 @@ sizing weighs a device's spare memory against its share.
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxcb.config import CacheConfig
 from jaxcb.models.base import KVCache, ModelSpec
-from pallas_kernels.ragged_paged_attention import kv_pages_bytes, kv_pages_shape, pages_per_seq
+from jaxcb.runtime import sharding as sharding_module
+from pallas_kernels.ragged_paged_attention import (
+    PADDING_SLOT,
+    kv_pages_bytes,
+    kv_pages_shape,
+    pages_per_seq,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -110,3 +123,189 @@ def init_state(
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     caches = [(zeros(), zeros()) for _ in range(spec.num_layers)]
     return DeviceState(caches)
+
+
+# ---- preemption by swap: the host pool and the copies ---------------------------------
+
+#: Incremented each time a swap copy is traced; tests assert it stays put after warm-up.
+SWAP_TRACE_COUNT = [0]
+#: Bytes the start-up bandwidth measurement copies each way (about; whole pages).
+SWAP_PROBE_BYTES = 16 << 20
+
+PagesKV = list[tuple[jax.Array, jax.Array]]  # per layer (K, V) of some pages
+
+
+def num_swap_pages(swap_space_gb: float, page_bytes: int) -> int:
+    """Host slots (whole KV pages, every layer and head) that `swap_space_gb` GiB hold."""
+    return int(swap_space_gb * GIB // page_bytes)
+
+
+def swap_sizes(pages_per_seq: int) -> tuple[int, ...]:
+    """Page counts the swap copies are compiled for: powers of two up to the first that
+    holds a whole sequence. A step's page set is padded to the next size (at most 2x the
+    bytes), a larger set goes in several copies of the largest."""
+    sizes = [1]
+    while sizes[-1] < pages_per_seq:
+        sizes.append(2 * sizes[-1])
+    return tuple(sizes)
+
+
+def gather_pages(state: DeviceState, page_ids: jax.Array) -> PagesKV:
+    """Per layer, the K and V of `page_ids` (i32[N]): [Hkv, N, page_size, D] each.
+
+    One output per layer and K/V rather than one stacked array: XLA's CPU backend copies a
+    stack or a transpose of them at a few hundred MB/s, against memcpy speed for the plain
+    gathers (SmolLM2, 64 pages: 10 ms, against 73 ms stacked)."""
+    SWAP_TRACE_COUNT[0] += 1
+    return [(k[:, page_ids], v[:, page_ids]) for k, v in state.kv_caches]
+
+
+def scatter_pages(
+    state: DeviceState,
+    pages: PagesKV,  # per layer (K, V), [N * page_size, Hkv, D] each: token rows
+    slot_mapping: jax.Array,  # i32[N * page_size]: page * page_size + offset; PADDING_SLOT
+    *,
+    write_kv: Callable[..., tuple[jax.Array, jax.Array]],
+) -> DeviceState:
+    """Write the rows back into the pool through the attention backend's KV write (in place
+    under donation, also on CPU in bfloat16, where an XLA scatter would copy the pool)."""
+    SWAP_TRACE_COUNT[0] += 1
+    caches = [
+        write_kv(k_pages, v_pages, k, v, slot_mapping)
+        for (k_pages, v_pages), (k, v) in zip(state.kv_caches, pages, strict=True)
+    ]
+    return DeviceState(caches)
+
+
+class HostSwapPool:
+    """The host memory swapped-out KV pages live in, and the two compiled copies.
+
+    `num_slots` slots of one page each, all heads (with tensor parallelism the devices'
+    shards are gathered), laid out [layers, 2 (K, V), slots, page_size, Hkv, D]: a layer's
+    K rows of some slots are one fancy-indexed take, in the token-row layout the KV write
+    reads. The host side decides which slot holds which page (engine/swap.py); here the
+    pages only move. A step's pages go out in one gather (one compiled call, its outputs
+    fetched together) and come in through one compiled KV write, each padded to a size of
+    `swap_sizes`: 2 x len(sizes) small compiles, done at start-up."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        num_slots: int,
+        num_pages: int,
+        page_size: int,
+        pages_per_seq: int,
+        dtype: jnp.dtype,
+        state_shardings: Any,
+        write_kv: Callable[..., tuple[jax.Array, jax.Array]],
+        mesh: jax.sharding.Mesh,
+    ) -> None:
+        self.num_layers, self.num_kv_heads = spec.num_layers, spec.num_kv_heads
+        self.head_dim, self.page_size = spec.head_dim, page_size
+        slot_shape = (page_size, spec.num_kv_heads, spec.head_dim)
+        # np.zeros maps the pool lazily: host memory is taken as slots are first written.
+        self.pages = np.zeros((spec.num_layers, 2, num_slots, *slot_shape), dtype)
+        self.page_bytes = 2 * spec.num_layers * int(np.prod(slot_shape)) * self.pages.itemsize
+        self.num_slots = num_slots
+        self.num_pages = num_pages
+        self.sizes = swap_sizes(min(pages_per_seq, num_pages))
+        heads = sharding_module.kv_pages_sharding(mesh).spec[0]  # the KV-head mesh axis
+        gathered = NamedSharding(mesh, PartitionSpec(heads, None, None, None))  # [Hkv, N, ..]
+        self._rows = NamedSharding(mesh, PartitionSpec(None, heads, None))  # [T, Hkv, D]
+        replicated = NamedSharding(mesh, PartitionSpec())
+        self._gather = jax.jit(
+            gather_pages,
+            in_shardings=(state_shardings, replicated),
+            out_shardings=[(gathered, gathered)] * spec.num_layers,
+        )
+        self._scatter = jax.jit(
+            functools.partial(scatter_pages, write_kv=write_kv),
+            donate_argnames=("state",),
+            in_shardings=(
+                state_shardings,
+                [(self._rows, self._rows)] * spec.num_layers,
+                replicated,
+            ),
+            out_shardings=state_shardings,
+        )
+        self._gathers: dict[int, jax.stages.Compiled] = {}
+        self._scatters: dict[int, jax.stages.Compiled] = {}
+
+    def compile(self, state: DeviceState) -> float:
+        """Compile both copies for every size; returns seconds."""
+        t0 = time.perf_counter()
+        for n in self.sizes:
+            ids = jax.ShapeDtypeStruct((n,), jnp.int32)
+            rows = jax.ShapeDtypeStruct(
+                (n * self.page_size, self.num_kv_heads, self.head_dim), self.pages.dtype
+            )
+            slots = jax.ShapeDtypeStruct((n * self.page_size,), jnp.int32)
+            self._gathers[n] = self._gather.lower(state, ids).compile()
+            pages = [(rows, rows)] * self.num_layers
+            self._scatters[n] = self._scatter.lower(state, pages, slots).compile()
+        seconds = time.perf_counter() - t0
+        logger.info(
+            "compiled the KV swap copies for %d page counts (up to %d) in %.2fs",
+            len(self.sizes),
+            self.sizes[-1],
+            seconds,
+        )
+        return seconds
+
+    def _batches(self, n: int) -> list[tuple[int, int, int]]:
+        """(start, count, compiled size) of the copies that move n pages."""
+        largest, out = self.sizes[-1], []
+        for start in range(0, n, largest):
+            count = min(largest, n - start)
+            out.append((start, count, next(s for s in self.sizes if s >= count)))
+        return out
+
+    def swap_out(self, state: DeviceState, pages: Sequence[int], slots: Sequence[int]) -> None:
+        """Copy device `pages` into host `slots` (waits for the copy: the pages may be
+        overwritten by the next step)."""
+        pages, slots = np.asarray(pages, np.int32), np.asarray(slots, np.int64)
+        for start, count, size in self._batches(len(pages)):
+            ids = np.full(size, pages[start], np.int32)  # padding re-reads a real page
+            ids[:count] = pages[start : start + count]
+            into = slots[start : start + count]
+            gathered = jax.device_get(self._gathers[size](state, ids))
+            for layer, kv in enumerate(gathered):
+                for i, x in enumerate(kv):  # [Hkv, N, ps, D] -> slots of [ps, Hkv, D]
+                    self.pages[layer, i, into] = np.asarray(x)[:, :count].transpose(1, 2, 0, 3)
+
+    def swap_in(
+        self, state: DeviceState, slots: Sequence[int], pages: Sequence[int]
+    ) -> DeviceState:
+        """Copy host `slots` into device `pages`; returns the new state (the old one is
+        donated)."""
+        slots, pages = np.asarray(slots, np.int64), np.asarray(pages, np.int32)
+        offsets = np.arange(self.page_size, dtype=np.int32)
+        for start, count, size in self._batches(len(pages)):
+            take = np.full(size, slots[start], np.int64)  # padding rows are written nowhere
+            take[:count] = slots[start : start + count]
+            slot_mapping = np.full((size, self.page_size), PADDING_SLOT, np.int32)
+            slot_mapping[:count] = pages[start : start + count, None] * self.page_size + offsets
+            rows = (size * self.page_size, self.num_kv_heads, self.head_dim)
+            data = [
+                (self.pages[layer, 0, take].reshape(rows), self.pages[layer, 1, take].reshape(rows))
+                for layer in range(self.num_layers)
+            ]
+            state = self._scatters[size](state, data, slot_mapping.reshape(-1))
+        return state
+
+    def measure_bandwidth(self, state: DeviceState) -> tuple[DeviceState, float]:
+        """Device-host bytes per second, one direction: about SWAP_PROBE_BYTES of pages
+        copied out and back in (the best of three, after one untimed round). Only at
+        start-up: it overwrites the first pages and slots. Returns the new state too."""
+        n = max(1, min(SWAP_PROBE_BYTES // self.page_bytes, self.num_slots, self.num_pages))
+        ids = list(range(n))
+        best = float("inf")
+        for attempt in range(4):
+            t0 = time.perf_counter()
+            self.swap_out(state, ids, ids)
+            state = self.swap_in(state, ids, ids)
+            jax.block_until_ready(state)
+            if attempt:
+                best = min(best, time.perf_counter() - t0)
+        return state, 2 * n * self.page_bytes / best

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ from jaxcb.models.base import AttentionBackend, ModelSpec, Params
 from jaxcb.models.packed import prepare_cpu_params
 from jaxcb.runtime import sharding
 from jaxcb.runtime import step as step_module
-from jaxcb.runtime.kv_cache import init_state
+from jaxcb.runtime.kv_cache import HostSwapPool, init_state
 from jaxcb.runtime.step_input import (
     FLAG_PROMPT_TOP_LOGPROBS,
     FLAG_TOP_LOGPROBS,
@@ -55,12 +56,15 @@ class ModelRunner:
         mesh: jax.sharding.Mesh | None = None,
         pack_matmuls: str | None = None,
         greedy_screen: bool = True,
+        num_swap_pages: int = 0,
     ) -> None:
         """`infos`: the params' declarations (the family's `param_infos`: shapes, logical
         axes). `pack_matmuls`: a native matmul kernel ("amx", "avx512_bf16", "avx512") to run
         the matmuls of its dtype on, their weights packed for it (CPU, one device; see
         models/packed.py). `greedy_screen`: with "avx512", also keep the bf16 screen of the
-        float32 lm_head that finds greedy tokens at bf16 cost (if this CPU has AVX512-BF16)."""
+        float32 lm_head that finds greedy tokens at bf16 cost (if this CPU has AVX512-BF16).
+        `num_swap_pages`: host slots for pages preempted by swap (0: none; kv_cache.py's
+        HostSwapPool)."""
         self.spec = spec
         self.page_size = page_size
         self.pages_per_seq = pages_per_seq
@@ -102,6 +106,19 @@ class ModelRunner:
             in_shardings=(self.param_shardings, state_shardings, self._replicated),
             out_shardings=(self._replicated, self._replicated, self._replicated, state_shardings),
         )
+        self.swap_pool = None
+        if num_swap_pages > 0:
+            self.swap_pool = HostSwapPool(
+                spec,
+                num_slots=num_swap_pages,
+                num_pages=num_pages,
+                page_size=page_size,
+                pages_per_seq=pages_per_seq,
+                dtype=kv_cache_dtype,
+                state_shardings=state_shardings,
+                write_kv=attention.write_kv,
+                mesh=mesh,
+            )
         self.max_model_len = max_model_len
         self._compiled: dict[Bucket, jax.stages.Compiled] = {}
         self._no_penalty_tokens: dict[Bucket, jax.Array] = {}
@@ -167,6 +184,27 @@ class ModelRunner:
             if name in fetched:  # the prompt logprob rows, without the bucket's padding
                 fetched[name] = fetched[name][:num_prompt_rows]
         return StepResult(**{name: fetched.get(name) for name in wanted})
+
+    def compile_swap(self) -> float:
+        """Compile the swap copies (if there is a host swap pool); returns seconds."""
+        return self.swap_pool.compile(self.state) if self.swap_pool else 0.0
+
+    def measure_swap_bandwidth(self) -> float:
+        """Device-host bytes per second, measured once at start-up (0.0: no swap pool)."""
+        if self.swap_pool is None:
+            return 0.0
+        self.state, bytes_per_s = self.swap_pool.measure_bandwidth(self.state)
+        return bytes_per_s
+
+    def swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
+        """Copy (page, slot) pairs out to the host, then (slot, page) pairs back in: out
+        first, as a victim's pages may be handed to another request in the same step."""
+        if swap_out:
+            pages, slots = zip(*swap_out, strict=True)
+            self.swap_pool.swap_out(self.state, pages, slots)
+        if swap_in:
+            slots, pages = zip(*swap_in, strict=True)
+            self.state = self.swap_pool.swap_in(self.state, slots, pages)
 
     def check_health(self) -> None:
         leaves = jax.tree_util.tree_leaves(self.state)

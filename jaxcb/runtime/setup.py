@@ -4,7 +4,8 @@
 everything device-side once, in order: the mesh (one device, or tensor_parallel_size devices;
 jax.distributed first if asked), the model (spec, params, tokenizer, EOS ids), the attention
 and matmul backends, the KV dtype and page count, the buckets, the runner with its compiled
-step per bucket (through the persistent compilation cache), and then hands the host-side
+step per bucket (through the persistent compilation cache) and, for preemption by swap, its
+host swap pool (compiled copies, the device-host bandwidth measured), and then hands the host-side
 `LLMEngine` what it needs: the runner, the model's tokenizer and EOS ids, and an EngineInfo
 of the facts above. With data_parallel_size > 1 it builds one such engine per row of the
 (data, tensor) mesh and puts them behind a `ReplicatedEngine`.
@@ -33,7 +34,12 @@ from jaxcb.models.default_model import DEFAULT_NAME
 from jaxcb.models.loader import LoadedModel, load_model
 from jaxcb.models.packed import matmul_backend, matmul_report
 from jaxcb.runtime import compile_cache, sharding
-from jaxcb.runtime.kv_cache import page_bytes, resolve_kv_cache_dtype, resolve_num_pages
+from jaxcb.runtime.kv_cache import (
+    num_swap_pages,
+    page_bytes,
+    resolve_kv_cache_dtype,
+    resolve_num_pages,
+)
 from jaxcb.runtime.runner import ModelRunner
 from pallas_kernels.ragged_paged_attention import pages_per_seq
 
@@ -129,6 +135,12 @@ def build_runner(
         sched.max_num_batched_tokens, smallest=smallest_token_bucket(matmul)
     )
     buckets = make_buckets(token_buckets, sched.max_num_seqs, sched.seq_buckets)
+    swap_pages = 0
+    swapping = sched.preemption_mode != "recompute" and sched.batching == "continuous"
+    if swapping:
+        swap_pages = num_swap_pages(
+            cache.swap_space_gb, page_bytes(spec, cache.page_size, kv_dtype.itemsize)
+        )
     runner = ModelRunner(
         spec,
         model.params,
@@ -143,8 +155,25 @@ def build_runner(
         mesh=mesh,
         pack_matmuls=None if matmul == "xla" else matmul,
         greedy_screen=config.kernels.greedy_screen,
+        num_swap_pages=swap_pages,
     )
     compile_seconds, cache_figures = _compile(runner, buckets, config, compile_progress)
+    compile_seconds += runner.compile_swap()
+    swap_bytes_per_s = runner.measure_swap_bandwidth()
+    if swapping and swap_pages == 0:
+        logger.warning(
+            "swap_space_gb=%s holds no KV page (%d bytes each): every preemption recomputes",
+            cache.swap_space_gb,
+            page_bytes(spec, cache.page_size, kv_dtype.itemsize),
+        )
+    elif swapping:
+        logger.info(
+            "preemption by %s: %d host KV pages (swap_space_gb=%s), device-host %.2f GB/s",
+            sched.preemption_mode,
+            swap_pages,
+            cache.swap_space_gb,
+            swap_bytes_per_s / 1e9,
+        )
     info = EngineInfo(
         model_path=str(model.path),
         model_name=model_name(config),
@@ -166,6 +195,8 @@ def build_runner(
         compile_seconds_per_bucket=dict(runner.compile_seconds),
         compile_cache=cache_figures,
         cpu_kernels=cpu_kernels,
+        num_swap_pages=swap_pages,
+        swap_bytes_per_s=swap_bytes_per_s,
     )
     _log_ready(info, config)
     return runner, info, model

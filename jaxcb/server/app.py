@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
+from jaxcb.bench.trace import save_trace, trace_meta
 from jaxcb.engine.interface import Engine
 from jaxcb.server.engine_loop import EngineLoop
 from jaxcb.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -46,6 +48,7 @@ class ServerSettings:
     shutdown_timeout: float = 10.0  # seconds running requests get to finish on shutdown
     max_request_body_bytes: int = 8 * 2**20  # larger bodies get 413 (a few MB: see cli.py)
     show_model_path: bool = False  # /v1/models' "root": the model's path, not the served name
+    step_trace: Path | None = None  # every step's record, written here on shutdown (JSON)
 
     def __post_init__(self) -> None:
         # HTTP header values are bytes that servers (Starlette too) decode as Latin-1 and
@@ -63,6 +66,8 @@ def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     model_name = settings.served_model_names[0]
     metrics = ServerMetrics(model_name, engine.info.token_buckets)
     engine_loop = EngineLoop(engine, metrics)
+    if settings.step_trace is not None:
+        engine_loop.steps = []
     encoder = PromptEncoder(engine)
     serving = OpenAIServing(
         engine_loop, encoder, list(settings.served_model_names), settings.max_request_body_bytes
@@ -76,6 +81,8 @@ def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         finally:
             encoder.close()
             await asyncio.to_thread(engine_loop.stop)
+            if settings.step_trace is not None:
+                _save_step_trace(settings.step_trace, engine_loop, engine)
 
     # No redirect from "/v1/completions/" to "/v1/completions": its Location would be built
     # from the client's Host header. A path with a trailing slash is a 404 like any other.
@@ -121,6 +128,17 @@ def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     _install_error_handlers(app)
     _install_openapi(app, schemas)
     return app
+
+
+def _save_step_trace(path: Path, engine_loop: EngineLoop, engine: Engine) -> None:
+    """serve.py --step-trace: the records of every step served, as a step trace."""
+    steps = engine_loop.steps or []
+    try:
+        save_trace(path, steps, trace_meta(engine, served=True))
+    except OSError as exc:
+        logger.error("cannot write the step trace to %s: %s", path, exc)
+        return
+    logger.info("step trace of %d steps written to %s", len(steps), path)
 
 
 def _model_list(engine: Engine, settings: ServerSettings) -> dict:

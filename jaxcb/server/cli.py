@@ -23,6 +23,7 @@ import socket
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -79,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds running requests get to finish on SIGINT/SIGTERM before they are aborted "
         "(default: %(default)s)",
     )
+    server.add_argument(
+        "--step-trace",
+        type=Path,
+        metavar="PATH",
+        help="keep every engine step's record and write them on shutdown as a step trace "
+        "(JSON; scripts/plot_trace.py draws it, the ITL controller's budget included)",
+    )
     add_engine_args(parser, taken=set(vars(parser.parse_args([]))))
     return parser
 
@@ -109,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutdown_timeout=args.shutdown_timeout,
             max_request_body_bytes=int(args.max_request_body_mb * 2**20),
             show_model_path=args.show_model_path,
+            step_trace=args.step_trace,
         )
     except ValueError as exc:
         parser.exit(2, f"serve.py: error: {exc}\n")

@@ -57,6 +57,8 @@ class EngineLoop:
         self.error: BaseException | None = None  # why the loop died or stopped stepping
         self._step_failures = 0  # consecutive failed steps
         self._num_waiting = 0  # the engine's waiting sequences, as of the last gauge update
+        # A list keeps every step's record as a step trace entry (serve.py --step-trace).
+        self.steps: list[dict[str, Any]] | None = None
 
     # ---- called from the event loop (or any thread) --------------------------------------
 
@@ -233,6 +235,8 @@ class EngineLoop:
             return False
         for record in records:
             self.metrics.step(record)
+        if self.steps is not None:
+            self.steps.extend(record.to_dict() for record in records)
         now = time.monotonic()
         batch = []
         for out in outputs:
@@ -276,6 +280,7 @@ class EngineLoop:
                 broken,
                 exc,
             )
+        self._fail_all(EngineFailure(f"engine step failed: {type(exc).__name__}: {exc}"))
         self._update_gauges()
 
     # ---- commands --------------------------------------------------------------------------
@@ -377,7 +382,9 @@ class EngineLoop:
         self.metrics.num_requests_running.set(engine.num_running)
         self._num_waiting = engine.num_waiting
         self.metrics.num_requests_waiting.set(self._num_waiting)
-        self.metrics.kv_cache_usage_perc.set(engine.kv_usage().usage)
+        usage = engine.kv_usage()
+        self.metrics.kv_cache_usage_perc.set(usage.usage)
+        self.metrics.swap_pages_used.set(usage.num_swap_used)
 
     def _deliver(self, batch: list[tuple[Submission, int, Any]]) -> None:
         if batch:

@@ -72,10 +72,45 @@ class ServerMetrics:
             "Token bucket (padded batch size) chosen for each engine step.",
             sorted(set(token_buckets)),
         )
+        self.prefill_budget_tokens = gauge(
+            "jaxcb:prefill_budget_tokens",
+            "Token budget of the latest step: the ITL controller's choice among the token "
+            "buckets (itl_target_ms), else max_num_batched_tokens.",
+        )
         self.prompt_tokens = counter("jaxcb:prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("jaxcb:generation_tokens", "Generated tokens.")
         self.num_preemptions = counter(
             "jaxcb:num_preemptions", "Sequences preempted (pages freed, recomputed later)."
+        )
+        self.recomputed_tokens = counter(
+            "jaxcb:recomputed_tokens",
+            "Computed tokens whose K/V preemptions dropped (computed again on resuming).",
+        )
+        self.admitted_idle_pages = gauge(
+            "jaxcb:admitted_idle_pages",
+            "KV pages admission promised to running requests that hold no K/V yet "
+            "(reserve and predicted admission; 0 with greedy).",
+        )
+        self.predicted_output_len = gauge(
+            "jaxcb:predicted_output_len",
+            "Output tokens predicted admission reserves for: the admission_quantile of "
+            "recent output lengths (0 until a request finishes).",
+        )
+        self.swapped_out_requests = counter(
+            "jaxcb:swapped_out_requests",
+            "Preempted sequences whose KV pages were copied to host memory (preemption_mode "
+            "swap or auto).",
+        )
+        self.swapped_in_requests = counter(
+            "jaxcb:swapped_in_requests",
+            "Swapped-out sequences resumed with their KV pages copied back.",
+        )
+        self.swap_fallbacks = counter(
+            "jaxcb:swap_fallbacks",
+            "Preempted sequences recomputed because the host swap pool was full.",
+        )
+        self.swap_pages_used = gauge(
+            "jaxcb:swap_pages_used", "Host KV pages held by swapped-out sequences."
         )
         self.prefix_cache_queries = counter(
             "jaxcb:prefix_cache_queries",
@@ -93,18 +128,35 @@ class ServerMetrics:
         self._model_name = model_name
         self._token_slots = 0
         self._tokens_scheduled = 0
+        self._idle_pages: dict[int | None, int] = {}  # per data-parallel replica
 
     def request_finished(self, finish_reason: str) -> None:
         self._request_success.labels(self._model_name, finish_reason).inc()
 
     def step(self, record: StepRecord) -> None:
-        """Record one engine step: its bucket, real tokens, preemptions, prefix cache use."""
+        """Record one engine step: its bucket, real tokens, preemptions and the tokens they
+        dropped, swaps to host memory, prefix cache use, admission's idle pages and output
+        length prediction."""
         self.step_bucket_tokens.observe(record.bucket)
+        if record.token_budget:
+            self.prefill_budget_tokens.set(record.token_budget)
         self._token_slots += record.bucket
         self._tokens_scheduled += record.num_tokens
         self.padding_fraction.set(1.0 - self._tokens_scheduled / self._token_slots)
         if record.preempted:
             self.num_preemptions.inc(len(record.preempted))
+        if record.recomputed_tokens:
+            self.recomputed_tokens.inc(record.recomputed_tokens)
+        self._idle_pages[record.replica] = record.admitted_idle_pages
+        self.admitted_idle_pages.set(sum(self._idle_pages.values()))
+        if record.predicted_output_len is not None:
+            self.predicted_output_len.set(record.predicted_output_len)
+        if record.swapped_out:
+            self.swapped_out_requests.inc(record.swapped_out)
+        if record.swapped_in:
+            self.swapped_in_requests.inc(record.swapped_in)
+        if record.swap_fallbacks:
+            self.swap_fallbacks.inc(record.swap_fallbacks)
         if record.prefix_queries:
             self.prefix_cache_queries.inc(record.prefix_queries)
             self.prefix_cache_hits.inc(record.prefix_hits)

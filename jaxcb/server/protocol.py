@@ -10,9 +10,11 @@ logprobs too: SamplingParams.prompt_logprobs); `max_tokens` 0 is allowed with ec
 
 jaxcb extensions beyond OpenAI's schema, as in vLLM: top_k, min_p, repetition_penalty,
 ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens, priority (with
-the "priority" scheduling policy), and `return_token_ids` (adds `token_ids` to each choice,
-for clients that need exact tokens). Limits on n, max_tokens and the prompt length come from
-the engine's config (`limits`) and are checked where the engine validates a request.
+the "priority" scheduling policy), `return_token_ids` (adds `token_ids` to each choice,
+for clients that need exact tokens), and the latency targets `ttft_target_ms` and
+`tpot_target_ms` (the "edf" policy's deadlines; the server's defaults where absent). Limits
+on n, max_tokens and the prompt length come from the engine's config (`limits`) and are
+checked where the engine validates a request.
 """
 
 from __future__ import annotations
@@ -99,6 +101,9 @@ class _SamplingBody(_Body):
     return_token_ids: bool | None = False
     # vLLM's extension: lower values are scheduled first (needs --scheduling-policy priority)
     priority: int | None = Field(default=0, ge=-INT32_MAX - 1, le=INT32_MAX)
+    # jaxcb's: latency targets in ms for the "edf" policy (None: --ttft/tpot-target-ms)
+    ttft_target_ms: float | None = None
+    tpot_target_ms: float | None = None
 
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -124,6 +129,8 @@ class _SamplingBody(_Body):
             "ignore_eos": self.ignore_eos,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
+            "ttft_target_ms": self.ttft_target_ms,
+            "tpot_target_ms": self.tpot_target_ms,
         }
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         try:

@@ -10,6 +10,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 from jaxcb.batch_input import JsonlSource
 from jaxcb.batch_output import recover
@@ -232,3 +235,71 @@ def test_a_prompt_too_long_by_its_characters_is_not_tokenized(tmp_path: Path) ->
     item = prepare((1, json.dumps({"prompt": [5] * 513}).encode()))
     assert "513 tokens, longer than max_model_len=512" in item.error, item.error
     assert prepare((1, json.dumps({"prompt": "x" * 400}).encode())).prompt_ids
+
+
+class PagedEchoEngine(EchoEngine):
+    """EchoEngine with what ordering reads: a page size, the prefix cache switch and
+    validate_request."""
+
+    def __init__(self, caching: bool = True) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(
+            limits=SimpleNamespace(max_prompt_len=None, max_output_tokens=None),
+            cache=SimpleNamespace(page_size=2, enable_prefix_caching=caching),
+        )
+
+    def validate_request(self, prompt, params, *, priority=0):
+        if len(prompt) > 8:
+            raise ValueError("too long")
+        return None, list(prompt)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_ordered_windows_group_prefixes_and_resume(tmp_path: Path, caching: bool) -> None:
+    """--order prefix with --prefetch 5: each window of 5 requests is submitted grouped by
+    prefix (skipped and bad lines take no place in a window), a request that shares a page
+    with an earlier one held back until that one has a token (with the prefix cache on);
+    every id is written once, and a rerun after a partial output computes only the rest."""
+    from jaxcb.batch import run_batch
+
+    prompts = [[1, 1, 5], [2, 2, 5], [1, 1, 6], [3, 3], [2, 2, 6], [1, 1, 7], [2, 2, 7], [4, 4]]
+    lines = [json.dumps({"id": k, "prompt": p}) for k, p in enumerate(prompts)]
+    lines.insert(2, json.dumps({"id": "long", "prompt": [1] * 9}))  # rejected when read
+    lines.insert(4, json.dumps({"id": 1, "prompt": [9]}))  # a repeated id
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    engine = PagedEchoEngine(caching)
+    stats = run_batch(engine, path, out, err, order="prefix", prefetch=5, progress=False)
+    assert (stats.done, stats.errors) == (8, 2)
+    # window 1: ids 0-4 (lines 1, 2, 4, 6, 7), grouped 0 2 | 1 4 | 3, ids 2 and 4 held back
+    # (with the cache) until 0 and 1 are done; window 2: ids 5-7, sharing nothing in it
+    first = [1, 2, 6, 4, 7] if caching else [1, 4, 2, 7, 6]
+    assert [int(r) for r in engine.added] == [*first, 8, 9, 10]
+    assert sorted(r["id"] for r in read(out)) == list(range(8))
+    assert all(r["outputs"][0]["token_ids"] == prompts[r["id"]][::-1] for r in read(out))
+    assert [e["line"] for e in read(err)] == [3, 5]
+
+    resumed = tmp_path / "resumed.jsonl"
+    resumed.write_text("".join(json.dumps(r) + "\n" for r in read(out)[:3]))
+    engine = PagedEchoEngine()
+    stats = run_batch(engine, path, resumed, err, order="auto", prefetch=5, progress=False)
+    assert (stats.done, stats.skipped, stats.errors) == (5, 3, 0)
+    assert len(engine.added) == 5
+    assert sorted(r["id"] for r in read(resumed)) == list(range(8))
+    with pytest.raises(ValueError, match="order must be one of"):
+        run_batch(engine, path, resumed, err, order="random", progress=False)
+
+
+def test_order_flag() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("batch_infer", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    parser = module.build_parser()
+    base = ["--input", "a", "--output", "b"]
+    assert parser.parse_args(base).order == "arrival"
+    assert parser.parse_args([*base, "--order", "auto"]).order == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--order", "random"])

@@ -63,6 +63,22 @@ def test_bad_systems_flag_is_an_error():
         script.parse_args(["--systems", "jaxcb,vllm-typo"])
 
 
+def test_variant_flag_parses_and_rejects_bad_forms():
+    """--variant NAME:FIELD=V,...: another jaxcb row with some config fields changed."""
+    script = load_script()
+    assert script.parse_variant("swap:preemption_mode=swap,swap_space_gb=2") == (
+        "swap",
+        {"preemption_mode": "swap", "swap_space_gb": "2"},
+    )
+    for bad in ("swap", "swap:", ":a=b", "swap:preemption_mode"):
+        with pytest.raises(ValueError, match="--variant"):
+            script.parse_variant(bad)
+    with pytest.raises(SystemExit):
+        script.parse_args(["--systems", "hf-cb", "--variant", "swap:preemption_mode=swap"])
+    with pytest.raises(SystemExit):
+        script.parse_args(["--variant", "swap"])
+
+
 def test_main_writes_json(tmp_path):
     model_dir = tmp_path / "tiny"
     make_hf_model("llama3", model_dir)

@@ -23,6 +23,13 @@ EXPECTED = {
     "jaxcb:prompt_tokens": "counter",
     "jaxcb:generation_tokens": "counter",
     "jaxcb:num_preemptions": "counter",
+    "jaxcb:swapped_out_requests": "counter",
+    "jaxcb:swapped_in_requests": "counter",
+    "jaxcb:swap_fallbacks": "counter",
+    "jaxcb:swap_pages_used": "gauge",
+    "jaxcb:recomputed_tokens": "counter",
+    "jaxcb:admitted_idle_pages": "gauge",
+    "jaxcb:predicted_output_len": "gauge",
 }
 
 
