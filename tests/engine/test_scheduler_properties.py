@@ -134,6 +134,29 @@ def make_request(spec: Spec) -> Request:
     )
 
 
+def run_fake_kv_cache(
+    kv: dict[int, tuple[int, ...]], sched: Scheduler, out: SchedulerOutput, page_size: int
+) -> None:
+    """What the device step does to the cache `kv` (KV slot -> the token prefix its K/V
+    encode): read every earlier slot of each chunk, write the chunk's own slots. A read of
+    another prefix, or a write into a shared page, fails."""
+    holders = Counter(p for pages in sched.owners() for p in pages)
+    for chunk in out.chunks:
+        req = chunk.request
+        tokens = tuple(req.token_ids)
+        for pos in range(chunk.end):
+            page = req.page_ids[pos // page_size]
+            slot = page * page_size + pos % page_size
+            if pos < chunk.start:
+                assert kv.get(slot) == tokens[: pos + 1], (
+                    f"request {req.request_id} reads position {pos} from page {page}, "
+                    f"which holds another prefix"
+                )
+            else:
+                assert holders[page] == 1, f"page {page} written while shared"
+                kv[slot] = tokens[: pos + 1]
+
+
 class Harness:
     """Runs a scenario step by step and checks every scheduler property after each step."""
 
@@ -235,24 +258,7 @@ class Harness:
         self.check_between_steps()
 
     def run_fake_kv_cache(self, out: SchedulerOutput) -> None:
-        """What the device step does to the cache: read every earlier slot of each chunk,
-        write the chunk's own slots."""
-        ps = self.sc.page_size
-        holders = Counter(p for pages in self.sched.owners() for p in pages)
-        for chunk in out.chunks:
-            req = chunk.request
-            tokens = tuple(req.token_ids)
-            for pos in range(chunk.end):
-                page = req.page_ids[pos // ps]
-                slot = page * ps + pos % ps
-                if pos < chunk.start:
-                    assert self.kv.get(slot) == tokens[: pos + 1], (
-                        f"request {req.request_id} reads position {pos} from page {page}, "
-                        f"which holds another prefix"
-                    )
-                else:
-                    assert holders[page] == 1, f"page {page} written while shared"
-                    self.kv[slot] = tokens[: pos + 1]
+        run_fake_kv_cache(self.kv, self.sched, out, self.sc.page_size)
 
     def cached_prefix_pages(self, req: Request) -> list[int]:
         """The pool's pages holding the request's leading full pages (at most all but the

@@ -23,6 +23,7 @@ from test_scheduler_properties import (
     expected_output,
     fake_token,
     make_request,
+    run_fake_kv_cache,
     scenarios,
 )
 
@@ -261,22 +262,7 @@ class SwapRun:
                     self.kv[page * ps + i] = prefix
 
     def run_fake_device(self, out: SchedulerOutput) -> None:
-        ps = self.sc.page_size
-        holders = Counter(p for pages in self.sched.owners() for p in pages)
-        for chunk in out.chunks:
-            req = chunk.request
-            tokens = tuple(req.token_ids)
-            for pos in range(chunk.end):
-                page = req.page_ids[pos // ps]
-                slot = page * ps + pos % ps
-                if pos < chunk.start:
-                    assert self.kv.get(slot) == tokens[: pos + 1], (
-                        f"request {req.request_id} reads position {pos} from page {page}, "
-                        "which holds another prefix"
-                    )
-                else:
-                    assert holders[page] == 1, f"page {page} written while shared"
-                    self.kv[slot] = tokens[: pos + 1]
+        run_fake_kv_cache(self.kv, self.sched, out, self.sc.page_size)
 
     def check_between_steps(self) -> None:
         sched, ps = self.sched, self.sc.page_size
