@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from jaxcb.config import EngineConfig
-from jaxcb.engine.baselines import make_scheduler
 from jaxcb.engine.buckets import pick_bucket
+from jaxcb.engine.builders import build_itl_controller, build_scheduler, build_swapper
 from jaxcb.engine.detokenizer import IncrementalDetokenizer
 from jaxcb.engine.groups import RequestGroup
 from jaxcb.engine.interface import (
@@ -38,13 +38,10 @@ from jaxcb.engine.interface import (
     StepRecord,
     StepResult,
 )
-from jaxcb.engine.itl_controller import ITLController
 from jaxcb.engine.logprobs import append_sample_logprobs, record_prompt_logprobs
 from jaxcb.engine.page_pool import PagePool
-from jaxcb.engine.policies import make_policy
 from jaxcb.engine.request import Request
-from jaxcb.engine.scheduler import BaseScheduler, SchedulerOutput
-from jaxcb.engine.swap import SwapCostModel, Swapper, SwapSpace
+from jaxcb.engine.scheduler import SchedulerOutput
 from jaxcb.engine.validation import check_params, check_prompt_length, encode_prompt
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
@@ -52,73 +49,6 @@ from jaxcb.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n samples
-
-
-def build_scheduler(
-    config: EngineConfig, pool: PagePool, swapper: Swapper | None = None
-) -> BaseScheduler:
-    """The scheduler the config asks for (continuous, or a padded-batch baseline)."""
-    cache, sched = config.cache, config.scheduler
-    watermark_pages = sched.watermark_pages(pool.num_pages)
-    if watermark_pages >= pool.num_pages:
-        raise ValueError(
-            f"watermark={sched.watermark} keeps {watermark_pages} pages free, but the pool "
-            f"has only {pool.num_pages}"
-        )
-    return make_scheduler(
-        sched.batching,
-        page_pool=pool,
-        page_size=cache.page_size,
-        max_num_seqs=sched.max_num_seqs,
-        max_num_batched_tokens=sched.max_num_batched_tokens,
-        policy=make_policy(
-            sched.scheduling_policy,
-            srpf_aging=sched.srpf_aging,
-            edf_late_penalty_ms=sched.edf_late_penalty_ms,
-        ),
-        enable_prefix_caching=cache.enable_prefix_caching,
-        long_prefill_token_threshold=sched.long_prefill_token_threshold,
-        watermark_pages=watermark_pages,
-        admission=sched.admission,
-        admission_quantile=sched.admission_quantile,
-        swapper=swapper,
-    )
-
-
-def build_swapper(config: EngineConfig, info: EngineInfo) -> Swapper | None:
-    """Preemption by swap as the config asks (`preemption_mode`), over the host slots the
-    composition root sized (`info.num_swap_pages`, from swap_space_gb); None: recompute
-    only (also with swap_space_gb = 0, or a padded-batch baseline: those never preempt)."""
-    sched = config.scheduler
-    if (
-        sched.preemption_mode == "recompute"
-        or config.cache.swap_space_gb == 0
-        or sched.batching != "continuous"
-    ):
-        return None
-    cost = None
-    if info.swap_bytes_per_s > 0:
-        cost = SwapCostModel(
-            page_bytes=info.kv_cache_bytes // info.num_pages,
-            bytes_per_s=info.swap_bytes_per_s,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-        )
-    return Swapper(sched.preemption_mode, SwapSpace(info.num_swap_pages), cost)
-
-
-def build_itl_controller(config: EngineConfig, info: EngineInfo) -> ITLController | None:
-    """The ITL controller the config asks for (`itl_target_ms`), over the compiled token
-    buckets; None without a target."""
-    sched = config.scheduler
-    if sched.itl_target_ms is None:
-        return None
-    return ITLController(
-        info.token_buckets,
-        target_ms=sched.itl_target_ms,
-        percentile=sched.itl_percentile,
-        window=sched.itl_window,
-        min_prefill_tokens=sched.itl_min_prefill_tokens,
-    )
 
 
 class LLMEngine(Engine):
