@@ -37,7 +37,8 @@ from typing import Any
 
 from jaxcb.config import BATCHING_MODES
 from jaxcb.engine.request import Request, RequestStatus
-from jaxcb.engine.scheduler import BaseScheduler, ScheduledChunk, Scheduler, SchedulerOutput
+from jaxcb.engine.schedule import ScheduledChunk, SchedulerOutput
+from jaxcb.engine.scheduler import BaseScheduler, Scheduler
 from jaxcb.engine.swap import Swapper
 
 

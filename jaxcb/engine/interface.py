@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxcb.config import EngineConfig
 from jaxcb.engine.buckets import Bucket
-from jaxcb.engine.scheduler import SchedulerOutput
+from jaxcb.engine.schedule import SchedulerOutput
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
 
@@ -100,6 +100,7 @@ class EngineInfo:
     # bandwidth measured at start-up (bytes/s, one direction; 0.0: not measured).
     num_swap_pages: int = 0
     swap_bytes_per_s: float = 0.0
+    kv_pool_sizing: str = ""  # how num_pages was decided (runtime/kv_cache.py's PoolSizing)
 
     @property
     def token_buckets(self) -> list[int]:

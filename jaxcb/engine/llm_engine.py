@@ -41,7 +41,7 @@ from jaxcb.engine.interface import (
 from jaxcb.engine.logprobs import append_sample_logprobs, record_prompt_logprobs
 from jaxcb.engine.page_pool import PagePool
 from jaxcb.engine.request import Request
-from jaxcb.engine.scheduler import SchedulerOutput
+from jaxcb.engine.schedule import SchedulerOutput
 from jaxcb.engine.validation import check_params, check_prompt_length, encode_prompt
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
@@ -424,6 +424,7 @@ class LLMEngine(Engine):
             "prefix_hits": s["prefix_hits"],
             "prefix_hit_rate": s["prefix_hits"] / queries if queries else 0.0,
             "kv_pages_total": kv.num_pages,
+            "kv_pool_sizing": info.kv_pool_sizing,
             "kv_pages_used": kv.num_used,
             "kv_pages_peak": kv.peak_used,
             "kv_pages_cached": kv.num_cached,

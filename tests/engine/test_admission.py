@@ -31,7 +31,8 @@ from jaxcb.engine.llm_engine import LLMEngine
 from jaxcb.engine.page_pool import PagePool, hash_page
 from jaxcb.engine.policies import OutputLengths, reserved_tokens
 from jaxcb.engine.request import Request, RequestStatus
-from jaxcb.engine.scheduler import Scheduler, SchedulerOutput
+from jaxcb.engine.schedule import SchedulerOutput
+from jaxcb.engine.scheduler import Scheduler
 from jaxcb.sampling_params import SamplingParams
 
 

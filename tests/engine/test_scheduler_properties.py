@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 from jaxcb.engine.page_pool import PagePool, hash_page
 from jaxcb.engine.request import Request, RequestStatus
-from jaxcb.engine.scheduler import Scheduler, SchedulerOutput
+from jaxcb.engine.schedule import SchedulerOutput
+from jaxcb.engine.scheduler import Scheduler
 from jaxcb.sampling_params import SamplingParams
 
 EOS = 2

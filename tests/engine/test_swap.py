@@ -29,7 +29,8 @@ from test_scheduler_properties import (
 
 from jaxcb.engine.page_pool import PagePool
 from jaxcb.engine.request import Request, RequestStatus
-from jaxcb.engine.scheduler import Scheduler, SchedulerOutput
+from jaxcb.engine.schedule import SchedulerOutput
+from jaxcb.engine.scheduler import Scheduler
 from jaxcb.engine.swap import SwapCostModel, Swapper, SwapSpace
 
 # ---- the host slots -----------------------------------------------------------------------
