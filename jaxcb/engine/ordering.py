@@ -194,9 +194,21 @@ class StagedSubmission:
     (more calls do nothing). Nothing deadlocks: a leader comes before its followers in the
     plan, so it is handed out, and released, first. `hold=False` (no prefix cache: holding
     back would gain nothing) hands out everything in plan order at once.
+
+    At most `open_leaders` leaders are out and unreleased at a time: the next leader waits
+    (and everything after it in the plan) until one is released. Without that bound every
+    group's leader would be queued in the engine before the first group's followers, so the
+    groups would run side by side, as in arrival order, and with a KV pool too small for all
+    their prefixes a group's pages could be evicted before its followers arrive. Two keep a
+    step's prefill budget busy (one leader's prompt runs while the next waits) and let the
+    groups enter one after another.
     """
 
-    def __init__(self, plan: OrderPlan, *, hold: bool = True) -> None:
+    def __init__(self, plan: OrderPlan, *, hold: bool = True, open_leaders: int = 2) -> None:
+        if open_leaders < 1:
+            raise ValueError(f"open_leaders must be >= 1, got {open_leaders}")
+        self._open_limit = open_leaders
+        self._open: set[int] = set()  # leaders handed out and not released
         self._order = plan.order
         self._position = [0] * len(plan.order)
         for pos, i in enumerate(plan.order):
@@ -213,13 +225,20 @@ class StagedSubmission:
     def next_ready(self) -> int | None:
         if not self._ready:
             return None
+        i = self._order[self._ready[0]]
+        if i in self._followers:
+            if len(self._open) >= self._open_limit:
+                return None
+            self._open.add(i)
+        heapq.heappop(self._ready)
         self.num_left -= 1
-        return self._order[heapq.heappop(self._ready)]
+        return i
 
     def is_leader(self, i: int) -> bool:
         """Some request still waits for i's prefill: report its first token."""
         return i in self._followers
 
     def release(self, i: int) -> None:
+        self._open.discard(i)
         for follower in self._followers.pop(i, ()):
             heapq.heappush(self._ready, self._position[follower])

@@ -137,6 +137,19 @@ def test_staged_submission_holds_followers_until_their_leader_is_released():
     staged.release(1)  # twice: nothing more
     assert staged.next_ready() == 4 and staged.next_ready() is None and staged.num_left == 0
 
+    # one open leader: order 3, 0, 1, 2; 0 follows 3, 2 follows 1; 1 (a leader) waits
+    # until 3 is released
+    plan = OrderPlan([3, 0, 1, 2], [3, None, 1, None])
+    one = StagedSubmission(plan, open_leaders=1)
+    assert one.next_ready() == 3 and one.next_ready() is None
+    one.release(3)
+    assert [one.next_ready(), one.next_ready(), one.next_ready()] == [0, 1, None]
+    one.release(1)
+    assert one.next_ready() == 2 and one.num_left == 0
+    with pytest.raises(ValueError, match="open_leaders"):
+        StagedSubmission(plan, open_leaders=0)
+
+    plan = OrderPlan([3, 0, 1, 2, 4], [3, 3, None, None, 1])
     free = StagedSubmission(plan, hold=False)
     assert [free.next_ready() for _ in range(5)] == [3, 0, 1, 2, 4]
     assert not free.is_leader(3)
