@@ -208,6 +208,8 @@ class ReplicatedEngine(Engine):
         # each replica predicts from its own finished requests: report the largest
         predictions = [s["predicted_output_len"] for s in per_replica]
         total["predicted_output_len"] = max((p for p in predictions if p is not None), default=None)
+        # each replica steers its own budget (a level, not a count): report the smallest
+        total["prefill_budget"] = min(s["prefill_budget"] for s in per_replica)
         total["replicas"] = per_replica
         return total
 

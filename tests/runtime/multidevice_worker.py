@@ -61,7 +61,9 @@ def run(model: Path, *, server: bool = False, **overrides) -> dict:
     outs = llm.generate(prompts(), sampling(), use_tqdm=False)
     engine = llm.engine
     replicas = getattr(engine, "replicas", [engine])
+    # a level, not a count: the replicas' budgets are not summed (no ITL target: the fixed one)
     report = {"tokens": [o.token_ids for o in outs], "replicas": []}
+    report["prefill_budget"] = engine.stats()["prefill_budget"]
     # the prompt logprobs (the LM head over a vocab-sharded weight under tensor parallelism)
     report["prompt_logprobs"] = [
         [[t, lp] for entry in o.prompt_logprobs[1:] for t, lp in entry.items()]

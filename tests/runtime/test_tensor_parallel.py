@@ -96,6 +96,7 @@ def test_data_parallel_replicas_own_disjoint_devices(report: dict, name: str, tp
     assert all(len(d) == tp for d in devices) and not set(devices[0]) & set(devices[1])
     # least-loaded routing: the 6 prompts are spread evenly
     assert [r["requests"] for r in replicas] == [3, 3]
+    assert report[name]["prefill_budget"] == 64  # max_num_batched_tokens, not 2 x 64
 
 
 def test_server_spreads_requests_over_replicas(report: dict) -> None:
