@@ -18,8 +18,12 @@ from pallas_kernels.ragged_paged_attention.shapes import (
 from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
 from pallas_kernels.ragged_paged_attention.tuning import (
     DEFAULT_BLOCK_SIZES,
+    GPU_TILES,
     BlockSizes,
     default_block_sizes,
+    gpu_block_sizes,
+    gpu_num_kv_splits,
+    gpu_shared_memory_bytes,
 )
 from pallas_kernels.ragged_paged_attention.validate import (
     dynamic_validate_inputs,
@@ -46,9 +50,10 @@ def ragged_paged_attention(
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """Run the Pallas kernel of `backend`; same semantics as `ragged_paged_attention_reference`.
 
-    Block sizes left as None come from `DEFAULT_BLOCK_SIZES[backend][(head_dim, page_size)]`.
-    Backend-only knobs (TPU `vmem_limit_bytes`, GPU `num_warps`/`num_stages`) are reached by
-    calling `ragged_paged_attention_tpu` / `ragged_paged_attention_gpu` directly.
+    Block sizes left as None come from `DEFAULT_BLOCK_SIZES["tpu"][(head_dim, page_size)]` on
+    TPU and from `gpu_block_sizes` (a table per head_dim and batch shape) on GPU.
+    Backend-only knobs (TPU `vmem_limit_bytes`, GPU `num_warps`/`num_stages`/`num_kv_splits`)
+    are reached by calling `ragged_paged_attention_tpu` / `ragged_paged_attention_gpu` directly.
     """
     kernels = {"tpu": ragged_paged_attention_tpu, "gpu": ragged_paged_attention_gpu}
     if backend not in kernels:
@@ -72,10 +77,14 @@ def ragged_paged_attention(
 
 __all__ = [
     "DEFAULT_BLOCK_SIZES",
+    "GPU_TILES",
     "PADDING_SLOT",
     "BlockSizes",
     "default_block_sizes",
     "dynamic_validate_inputs",
+    "gpu_block_sizes",
+    "gpu_num_kv_splits",
+    "gpu_shared_memory_bytes",
     "kv_pages_bytes",
     "kv_pages_shape",
     "pages_per_seq",

@@ -7,11 +7,21 @@ in one flat loop, every (sequence, KV block) pair its rows need, and keeps an on
 per row, so the rows of each sequence only ever see their own sequence's keys.
 
 Memory path:
-- page tables, lengths and per-block sequence ranges are scalar-prefetched into SMEM;
+- lengths and per-block sequence ranges are scalar-prefetched into SMEM (2 words per sequence
+  plus 2 per query block);
+- the page table stays in HBM, as given (2-D, no relayout): for each KV block, the aligned
+  chunk of its sequence's table row that holds the block's page ids (`IDS_CHUNK` = 128 ids,
+  or lcm(128, pages per block)) is copied into a 2-slot SMEM buffer one block ahead of the
+  K/V copies that need it. SMEM use is thus fixed by the block size, whatever the pool
+  size, `max_num_seqs` or `pages_per_seq` (TPU SMEM is 1 MiB on v5e; the whole-table
+  prefetch this replaces overflowed it from 512 sequences x 1024 pages per sequence, e.g.
+  16k-token contexts);
 - K/V pages stay in HBM (`memory_space=pl.ANY`); each KV block is gathered page by page with
   async copies into a `[2, kv_block_tokens, head_dim]` VMEM scratch (double buffer: block
   i + 1 is in flight while block i is computed; the prefetch crosses sequence boundaries);
-  pages past the causal end of the block's rows are neither copied nor waited on;
+  pages past the causal end of the block's rows are neither copied nor waited on. The
+  pipeline per KV block i: wait for the page ids of block i + 1 and start its K/V copies,
+  start the page-id copy of block i + 2, wait for block i's K/V and compute;
 - the DMA writes each page straight into its rows of a 2-D buffer, so the kernel computes on
   the buffer as is: no reshape of a DMA'd value, and only full-block stores (softmax state
   lives in VMEM scratch, masks are `jnp.where`). That is also what lets it run in TPU
@@ -21,6 +31,7 @@ Memory path:
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +50,11 @@ from pallas_kernels.ragged_paged_attention.validate import static_validate_input
 
 #: Softmax max/sum are kept replicated over one vreg of lanes: full-width loads and stores.
 LANES = 128
+
+#: Page ids per page-table copy: 128 ids of one row are one contiguous 512-byte run of the
+#: (8, 128)-tiled table in HBM, so the copy is a single aligned burst (against 64 KiB of K/V
+#: per KV block of 8 pages x 16 tokens x 128 dims).
+IDS_CHUNK = 128
 
 
 def _div(a, b):
@@ -59,12 +75,12 @@ def _start_or_wait(copies, wait: bool) -> None:
 def _kernel(
     # scalar prefetch (SMEM)
     kv_lens_ref,  # i32[S]
-    page_indices_ref,  # i32[S * pages_per_seq]
     cu_q_lens_ref,  # i32[S + 1]
     first_seq_ref,  # i32[num_q_blocks]
     end_seq_ref,  # i32[num_q_blocks]
     # inputs
     q_ref,  # [rows, D] (VMEM block), rows = num_queries_per_block * G
+    table_hbm_ref,  # i32[S, chunks_per_seq * ids_chunk] (HBM): the page table
     k_hbm_ref,  # [Hkv, num_pages, page_size, D] (HBM)
     v_hbm_ref,  # [Hkv, num_pages, page_size, D] (HBM)
     # output
@@ -73,13 +89,15 @@ def _kernel(
     k_buf,  # [2, kv_block_tokens, D]
     v_buf,  # [2, kv_block_tokens, D]
     sems,  # DMA[2, 2]: (K or V, buffer slot)
+    ids_buf,  # i32[2, 1, ids_chunk] (SMEM): the table chunk of a KV block, per buffer slot
+    ids_sems,  # DMA[2]: per buffer slot
     m_ref,  # f32[rows, LANES] running max (replicated over lanes)
     l_ref,  # f32[rows, LANES] running sum
     acc_ref,  # f32[rows, D] running numerator
     *,
     group: int,
     page_size: int,
-    pages_per_seq: int,
+    ids_chunk: int,
     pages_per_block: int,
     sm_scale: float,
     sliding_window: int | None,
@@ -120,13 +138,33 @@ def _kernel(
         s = lax.while_loop(lambda t: (t < seq_end) & ~has_work(t), lambda t: t + 1, s)
         return s, span(clamp(s))[4]
 
+    def advance(s, blk):
+        """The work item after (s, blk): the next KV block of s, else the next sequence with
+        work. Past `seq_end` it stays past it."""
+        more_here = (s < seq_end) & (blk + 1 < span(clamp(s))[5])
+        s_after, blk_after = first_work(s + 1)
+        return jnp.where(more_here, s, s_after), jnp.where(more_here, blk + 1, blk_after)
+
+    def ids_copy(s, blk, slot):
+        """The copy of the table chunk holding KV block `blk` of `s` into ids slot `slot`
+        (a chunk holds whole KV blocks: ids_chunk is a multiple of pages_per_block)."""
+        chunk = _div(blk * pages_per_block, ids_chunk)
+        start = pl.multiple_of(chunk * ids_chunk, IDS_CHUNK)
+        return pltpu.make_async_copy(
+            table_hbm_ref.at[pl.ds(s, 1), pl.ds(start, ids_chunk)],
+            ids_buf.at[slot],
+            ids_sems.at[slot],
+        )
+
     def fetch(s, blk, slot, *, wait: bool):
         """Start (or wait for) the copies of the pages of KV block `blk` of `s` that hold
-        tokens some row can see; the rest of the buffer keeps stale data, masked later."""
+        tokens some row can see; the rest of the buffer keeps stale data, masked later.
+        Starting reads the block's page ids from ids slot `slot`; a wait needs only the
+        copy sizes and semaphores, so it reads none (the slot may hold the next ids)."""
         num_needed = _cdiv(span(s)[3], page_size) - blk * pages_per_block
+        first_id = lax.rem(blk * pages_per_block, jnp.int32(ids_chunk))  # in the chunk
         for j in range(pages_per_block):
-            col = jnp.minimum(blk * pages_per_block + j, pages_per_seq - 1)
-            page = page_indices_ref[s * pages_per_seq + col]
+            page = 0 if wait else ids_buf[slot, 0, first_id + j]
             rows_j = pl.ds(j * page_size, page_size)
             copies = (
                 pltpu.make_async_copy(
@@ -177,36 +215,88 @@ def _kernel(
         pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [rows, D]
         acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
 
-    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
+    # Work item i (a KV block of a sequence) uses K/V slot i % 2 and ids slot i % 2. The
+    # first ids copy overlaps the state init and the search for the second item.
     s0, blk0 = first_work(first_seq_ref[q_block])
 
     @pl.when(s0 < seq_end)
     def _():
+        ids_copy(s0, blk0, 0).start()
+
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    s1, blk1 = advance(s0, blk0)
+
+    @pl.when(s0 < seq_end)
+    def _():
+        ids_copy(s0, blk0, 0).wait()
         fetch(s0, blk0, 0, wait=False)
 
+    @pl.when(s1 < seq_end)
+    def _():
+        ids_copy(s1, blk1, 1).start()
+
     def body(carry):
-        s, blk, slot = carry
-        more_here = blk + 1 < span(s)[5]
-        s_after, blk_after = first_work(s + 1)
-        next_s = jnp.where(more_here, s, s_after)
-        next_blk = jnp.where(more_here, blk + 1, blk_after)
+        s, blk, slot, next_s, next_blk = carry
 
         @pl.when(next_s < seq_end)
         def _():
+            ids_copy(next_s, next_blk, 1 - slot).wait()
             fetch(next_s, next_blk, 1 - slot, wait=False)
+
+        # Slot `slot` held this item's ids, already used to start its K/V copies.
+        after_s, after_blk = advance(next_s, next_blk)
+
+        @pl.when(after_s < seq_end)
+        def _():
+            ids_copy(after_s, after_blk, slot).start()
 
         fetch(s, blk, slot, wait=True)
         compute(s, blk, slot)
-        return next_s, next_blk, 1 - slot
+        return next_s, next_blk, 1 - slot, after_s, after_blk
 
-    lax.while_loop(lambda c: c[0] < seq_end, body, (s0, blk0, jnp.int32(0)))
+    lax.while_loop(lambda c: c[0] < seq_end, body, (s0, blk0, jnp.int32(0), s1, blk1))
 
     denom = l_ref[...][:, :1]  # [rows, 1]
     out = acc_ref[...] / jnp.where(denom == 0.0, 1.0, denom)  # padding rows: 0 / 1 = 0
     o_ref[...] = out.astype(o_ref.dtype)
+
+
+def cost_estimate(
+    q: jax.Array,  # [T, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    page_indices: jax.Array,  # i32[S, pages_per_seq]
+    *,
+    block_q: int,
+    soft_cap: float | None,
+) -> pl.CostEstimate:
+    """What one call costs, for XLA's cost analysis (roofline and AOT reports).
+
+    The real cost depends on the lengths, known only at run time, so this assumes the case
+    the pool is sized for: a full pool, shared evenly by `min(T, S)` live sequences (each
+    holding `min(pages_per_seq, num_pages / live)` pages of context) that split the `T`
+    query tokens evenly. Every query row scores its sequence's whole context (an upper bound
+    for causal prefill: about half of a chunk's own keys are masked), and each sequence's
+    K/V is read once per query block it spans (once for decode; sliding windows are
+    ignored). At the decode buckets that is "the live KV pool once", the term that bounds
+    decode on bandwidth.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    max_num_seqs, pages_per_seq = page_indices.shape
+    live = max(1, min(num_tokens, max_num_seqs))
+    context = page_size * min(pages_per_seq, max(1, num_pages // live))  # keys per sequence
+    q_blocks_per_seq = pl.cdiv(pl.cdiv(num_tokens, live), block_q)
+    scores = num_tokens * num_q_heads * context  # score entries
+    kv_bytes = 2 * num_kv_heads * live * context * q_blocks_per_seq * head_dim
+    kv_bytes *= k_pages.dtype.itemsize
+    table_bytes = live * pl.cdiv(context, page_size) * 4 * num_kv_heads
+    return pl.CostEstimate(
+        flops=int(4 * scores * head_dim),  # q @ k and p @ v, 2 flops per multiply-add
+        transcendentals=int(scores * (2 if soft_cap is not None else 1)),  # exp (and tanh)
+        bytes_accessed=int(2 * q.size * q.dtype.itemsize + kv_bytes + table_bytes),
+    )
 
 
 @functools.partial(
@@ -277,15 +367,21 @@ def ragged_paged_attention_tpu(
     kv_block = pages_per_block * page_size
     rows = block_q * group
     num_q_blocks = pl.cdiv(num_tokens, block_q)
+    ids_chunk = math.lcm(IDS_CHUNK, pages_per_block)
+    chunks_per_seq = pl.cdiv(pages_per_seq, ids_chunk)
 
     packed_q = pack_queries(q, num_kv_heads, group, block_q)  # [Hkv, num_q_blocks * rows, D]
     first_seq, end_seq = query_block_seq_ranges(cu_q_lens, num_seqs, num_q_blocks, block_q)
+    # Whole chunks per table row, so every chunk copy is aligned and in bounds (the padding
+    # ids are never used: pages past a sequence's length are not copied). A no-op, so no
+    # copy of the table, when pages_per_seq is a multiple of 128 (2048+ tokens at page 16).
+    table = jnp.pad(page_indices, ((0, 0), (0, chunks_per_seq * ids_chunk - pages_per_seq)))
 
     kernel = functools.partial(
         _kernel,
         group=group,
         page_size=page_size,
-        pages_per_seq=pages_per_seq,
+        ids_chunk=ids_chunk,
         pages_per_block=pages_per_block,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
@@ -293,10 +389,11 @@ def ragged_paged_attention_tpu(
     )
     q_spec = pl.BlockSpec((pl.squeezed, rows, head_dim), lambda h, b, *_: (h, b, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=5,
+        num_scalar_prefetch=4,
         grid=(num_kv_heads, num_q_blocks),
         in_specs=[
             q_spec,
+            pl.BlockSpec(memory_space=pltpu.HBM),  # not VMEM, whatever its size
             pl.BlockSpec(memory_space=pl.ANY),
             pl.BlockSpec(memory_space=pl.ANY),
         ],
@@ -305,6 +402,8 @@ def ragged_paged_attention_tpu(
             pltpu.VMEM((2, kv_block, head_dim), k_pages.dtype),
             pltpu.VMEM((2, kv_block, head_dim), v_pages.dtype),
             pltpu.SemaphoreType.DMA((2, 2)),
+            pltpu.SMEM((2, 1, ids_chunk), jnp.int32),
+            pltpu.SemaphoreType.DMA((2,)),
             pltpu.VMEM((rows, LANES), jnp.float32),
             pltpu.VMEM((rows, LANES), jnp.float32),
             pltpu.VMEM((rows, head_dim), jnp.float32),
@@ -319,14 +418,15 @@ def ragged_paged_attention_tpu(
             vmem_limit_bytes=vmem_limit_bytes,
         ),
         interpret=pltpu.InterpretParams() if interpret else False,
+        cost_estimate=cost_estimate(q, k_pages, page_indices, block_q=block_q, soft_cap=soft_cap),
         name="ragged_paged_attention_tpu",
     )(
         kv_lens,
-        page_indices.reshape(-1),  # 1-D: a 2-D SMEM array pads its last dim to 128 words
         cu_q_lens,
         first_seq,
         end_seq,
         packed_q,
+        table,  # 2-D as the caller holds it: no relayout
         k_pages,
         v_pages,
     )

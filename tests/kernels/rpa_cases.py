@@ -88,6 +88,22 @@ def make_batch(
     )
 
 
+def abstract_args(shape: Shape, sharding=None) -> list[jax.ShapeDtypeStruct]:
+    """The kernel's seven arguments as abstract values (lowering, AOT compiles)."""
+    s = shape.max_num_seqs
+    kv = (shape.num_kv_heads, shape.num_pages, shape.page_size, shape.head_dim)
+    shapes_dtypes = [
+        ((shape.num_tokens, shape.num_q_heads, shape.head_dim), shape.dtype),
+        (kv, shape.dtype),
+        (kv, shape.dtype),
+        ((s,), jnp.int32),
+        ((s, shape.pages_per_seq), jnp.int32),
+        ((s + 1,), jnp.int32),
+        ((1,), jnp.int32),
+    ]
+    return [jax.ShapeDtypeStruct(x, dtype, sharding=sharding) for x, dtype in shapes_dtypes]
+
+
 #: Tolerances per dtype. float32 errors are ~1e-6. bfloat16: the kernels round p to bf16
 #: before p @ v (the reference does not) and both round the output, so they may land 1-2 bf16
 #: ulps apart (an ulp is 2**-7 relative; 0.0156 at |x| ~ 2 is the largest seen).

@@ -170,3 +170,26 @@ def test_dispatch_matches_direct_call():
     direct = functools.partial(ragged_paged_attention_tpu, sm_scale=0.125, interpret=True)
     via = ragged_paged_attention(*batch, sm_scale=0.125, backend="tpu", interpret=True)
     np.testing.assert_array_equal(np.asarray(direct(*batch)), np.asarray(via))
+
+
+#: Many sequences x many pages: page-table rows span several of the 128-id chunks the TPU
+#: kernel copies per KV block (its table stays in HBM), and the long sequences' KV blocks
+#: take their ids from the later chunks. Page size 4 keeps the pool small.
+LARGE_TABLE_SHAPE = Shape(
+    num_tokens=64,
+    max_num_seqs=40,
+    num_q_heads=4,
+    num_kv_heads=2,
+    page_size=4,
+    num_pages=1200,
+    pages_per_seq=400,
+)
+
+
+@pytest.mark.parametrize("pages_per_block", [None, 3], ids=["default_blocks", "3_pages"])
+def test_tpu_large_page_table(pages_per_block):
+    """3 pages per block: a chunk is lcm(128, 3) = 384 ids; the default (32 pages): 128."""
+    rng = np.random.default_rng(7)
+    seqs = [(1, 1590), (9, 1000), (1, 513), (4, 4)]
+    seqs += [(1, int(kv)) for kv in rng.integers(1, 60, LARGE_TABLE_SHAPE.max_num_seqs - 4)]
+    check("tpu", LARGE_TABLE_SHAPE, seqs, num_kv_pages_per_block=pages_per_block)

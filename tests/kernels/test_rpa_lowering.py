@@ -25,10 +25,11 @@ import jax.numpy as jnp
 import pytest
 from jaxlib.mlir import ir
 from jaxlib.triton import dialect as triton_dialect
-from rpa_cases import Shape
+from rpa_cases import Shape, abstract_args
 
 from pallas_kernels.ragged_paged_attention import (
-    default_block_sizes,
+    gpu_block_sizes,
+    gpu_num_kv_splits,
     ragged_paged_attention_gpu,
     ragged_paged_attention_tpu,
 )
@@ -39,20 +40,36 @@ CASES = {
     "bf16_hd128_g3": Shape(num_q_heads=6, num_kv_heads=2, head_dim=128, dtype="bfloat16"),
     "bf16_hd128_ps32": Shape(head_dim=128, page_size=32, pages_per_seq=8, dtype="bfloat16"),
 }
+#: The GPU kernel also pads head_dim (80, 96: Phi-2, Phi-3) and splits KV (a decode bucket
+#: whose longest context spans many KV blocks: the rule picks several splits).
+GPU_CASES = CASES | {
+    "bf16_hd96_g1": Shape(num_q_heads=4, num_kv_heads=4, head_dim=96, dtype="bfloat16"),
+    "bf16_hd80_split": Shape(
+        num_tokens=4, head_dim=80, num_pages=256, pages_per_seq=64, dtype="bfloat16"
+    ),
+}
 
 
-def abstract_args(shape: Shape) -> list[jax.ShapeDtypeStruct]:
-    s = shape.max_num_seqs
-    kv = (shape.num_kv_heads, shape.num_pages, shape.page_size, shape.head_dim)
-    return [
-        jax.ShapeDtypeStruct((shape.num_tokens, shape.num_q_heads, shape.head_dim), shape.dtype),
-        jax.ShapeDtypeStruct(kv, shape.dtype),
-        jax.ShapeDtypeStruct(kv, shape.dtype),
-        jax.ShapeDtypeStruct((s,), jnp.int32),
-        jax.ShapeDtypeStruct((s, shape.pages_per_seq), jnp.int32),
-        jax.ShapeDtypeStruct((s + 1,), jnp.int32),
-        jax.ShapeDtypeStruct((1,), jnp.int32),
-    ]
+def expected_blocks(shape: Shape):
+    """What the wrapper picks: the tuning table, and the split rule for those blocks."""
+    blocks = gpu_block_sizes(
+        head_dim=shape.head_dim,
+        page_size=shape.page_size,
+        num_q_heads=shape.num_q_heads,
+        num_kv_heads=shape.num_kv_heads,
+        num_tokens=shape.num_tokens,
+        max_num_seqs=shape.max_num_seqs,
+        pages_per_seq=shape.pages_per_seq,
+        itemsize=jnp.dtype(shape.dtype).itemsize,
+    )
+    padded_group = 1 << (shape.num_q_heads // shape.num_kv_heads - 1).bit_length()
+    block_q = max(blocks.num_queries_per_block, 16 // min(padded_group, 16))
+    splits = gpu_num_kv_splits(
+        num_q_blocks=-(-shape.num_tokens // block_q),
+        num_kv_heads=shape.num_kv_heads,
+        max_kv_blocks=-(-shape.pages_per_seq // blocks.num_kv_pages_per_block),
+    )
+    return blocks, splits
 
 
 def custom_calls(module: ir.Module) -> list[ir.Operation]:
@@ -77,9 +94,9 @@ def lower(kernel, shape: Shape, platform: str, **kwargs) -> ir.Module:
 
 
 @pytest.mark.parametrize("window_and_cap", [(None, None), (128, 30.0)], ids=str)
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
 def test_gpu_kernel_lowers_to_valid_triton_ir(case, window_and_cap):
-    shape = CASES[case]
+    shape = GPU_CASES[case]
     sliding_window, soft_cap = window_and_cap
     module = lower(
         ragged_paged_attention_gpu,
@@ -91,9 +108,11 @@ def test_gpu_kernel_lowers_to_valid_triton_ir(case, window_and_cap):
     (call,) = custom_calls(module)
     assert ir.StringAttr(call.attributes["call_target_name"]).value == "__gpu$xla.gpu.triton"
     config = call.attributes["mhlo.backend_config"]
-    defaults = default_block_sizes("gpu", shape.head_dim, shape.page_size)
-    assert ir.IntegerAttr(config["num_warps"]).value == defaults.num_warps
-    assert ir.IntegerAttr(config["num_stages"]).value == defaults.num_stages
+    blocks, splits = expected_blocks(shape)
+    assert ir.IntegerAttr(config["num_warps"]).value == blocks.num_warps
+    assert ir.IntegerAttr(config["num_stages"]).value == blocks.num_stages
+    assert ir.IntegerAttr(config["grid_z"]).value == splits
+    assert (splits > 1) == case.endswith("_split")
     assert ir.StringAttr(config["name"]).value == "ragged_paged_attention_gpu"
 
     context = ir.Context()

@@ -1,0 +1,158 @@
+"""The TPU kernel and the KV write compiled by libtpu for a TPU v5e chip, with no TPU present.
+
+`jax.experimental.topologies.get_topology_desc("v5e:1x1", platform="tpu")` gives a
+compile-only v5e device; `jax.jit(...).lower(abstract args on its mesh).compile()` then runs
+Mosaic's passes and XLA's TPU compiler, so what interpret mode and IR lowering cannot show
+surfaces here: SMEM/VMEM overflows, unaligned DMAs, layout copies XLA inserts around the
+kernel, and the compiled program's memory and cost. Needs libtpu (the `tpu` extra), skipped
+without it; a few seconds per compile on 2 cores.
+
+The shapes are a v5e decode step of one layer of an 8B model at tensor parallel 4 (2 KV
+heads and 8 query heads per chip, head_dim 128, page 16, bf16) with a 16k-token context
+limit and 512 sequences, so the page table (512 x 1024 ids, 2 MiB) is twice v5e's 1 MiB
+SMEM: the whole-table scalar prefetch the kernel used to do cannot compile there.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import NamedSharding, PartitionSpec
+
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_tpu, write_kv
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="compiling for TPU needs libtpu (pip install 'jax[tpu]'); no TPU is needed",
+)
+
+#: What libtpu reads when it loads: no GCE metadata probe, a worker host name (else it logs
+#: an error), and no lock file (other processes may be compiling for TPU at the same time).
+LIBTPU_ENV = {
+    "TPU_SKIP_MDS_QUERY": "1",
+    "TPU_WORKER_HOSTNAMES": "localhost",
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+}
+
+NUM_TOKENS = NUM_SEQS = 512
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 8, 2, 128, 16
+PAGES_PER_SEQ = 1024  # 16k tokens
+NUM_PAGES = 21_372  # one chip's pool of the 8B preset on v5e x4: 175 MB per K or V array
+POOL_SHAPE = (NUM_KV_HEADS, NUM_PAGES, PAGE_SIZE, HEAD_DIM)
+POOL_BYTES = NUM_KV_HEADS * NUM_PAGES * PAGE_SIZE * HEAD_DIM * 2  # one bf16 array
+V5E_SMEM_BYTES = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def mesh() -> jax.sharding.Mesh:
+    from jax.experimental import topologies
+
+    for key, value in LIBTPU_ENV.items():
+        os.environ.setdefault(key, value)
+    topology = topologies.get_topology_desc(
+        topology_name="v5e:1x1", platform="tpu", chips_per_host_bounds=(1, 1, 1)
+    )
+    return topologies.make_mesh(topology, (1,), ("x",))
+
+
+def abstract(mesh, shape, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+
+
+def attention_args(mesh, num_tokens=NUM_TOKENS, num_seqs=NUM_SEQS):
+    """Abstract (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)."""
+    return (
+        abstract(mesh, (num_tokens, NUM_Q_HEADS, HEAD_DIM), jnp.bfloat16),
+        abstract(mesh, POOL_SHAPE, jnp.bfloat16),
+        abstract(mesh, POOL_SHAPE, jnp.bfloat16),
+        abstract(mesh, (num_seqs,), jnp.int32),
+        abstract(mesh, (num_seqs, PAGES_PER_SEQ), jnp.int32),
+        abstract(mesh, (num_seqs + 1,), jnp.int32),
+        abstract(mesh, (1,), jnp.int32),
+    )
+
+
+def per_chip(mesh, kernel):
+    """A Mosaic kernel runs inside shard_map (it carries no sharding rules)."""
+    spec = PartitionSpec()
+    return jax.shard_map(kernel, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+
+
+def compile_on(mesh, fn, *args, donate=()):
+    with jax.set_mesh(mesh):
+        return jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+
+
+def test_the_page_table_does_not_fit_smem(mesh):
+    """The premise: a kernel that scalar-prefetches this page table whole (as the TPU kernel
+    did) fails to compile for v5e with an SMEM overflow."""
+    table = abstract(mesh, (NUM_SEQS * PAGES_PER_SEQ,), jnp.int32)
+    assert table.size * 4 > V5E_SMEM_BYTES
+
+    def first_id(table):
+        def kernel(table_ref, out_ref):
+            out_ref[0] = table_ref[table_ref.shape[0] - 1]
+
+        return pl.pallas_call(
+            kernel,
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=1,
+                grid=(1,),
+                in_specs=[],
+                out_specs=pl.BlockSpec(memory_space=pltpu.SMEM),
+            ),
+            out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
+        )(table)
+
+    with pytest.raises(Exception, match=r"(?s)RESOURCE_EXHAUSTED.*smem"):
+        compile_on(mesh, per_chip(mesh, first_id), table)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, dict(sliding_window=1024, soft_cap=30.0, num_kv_pages_per_block=3)],
+    ids=["default", "window_cap_3_pages"],
+)
+def test_kernel_compiles_with_a_table_larger_than_smem(mesh, options):
+    """The table stays in HBM (per-KV-block chunks go to SMEM): it compiles, adds no
+    temporaries (no relayout or copy of the table or the pool), and declares its cost."""
+    kernel = functools.partial(ragged_paged_attention_tpu, sm_scale=HEAD_DIM**-0.5, **options)
+    compiled = compile_on(mesh, per_chip(mesh, kernel), *attention_args(mesh))
+    assert compiled.memory_analysis().temp_size_in_bytes == 0
+    cost = compiled.cost_analysis()
+    # The CostEstimate's full-pool assumption: all of K and V read once at decode.
+    assert 0.9 * 2 * POOL_BYTES < cost["bytes accessed"] < 1.1 * 2 * POOL_BYTES
+    assert cost["flops"] > 4 * NUM_TOKENS * NUM_Q_HEADS * HEAD_DIM * PAGE_SIZE
+    assert cost["transcendentals"] > 0
+
+
+def test_layer_write_and_attention_never_copy_the_pool(mesh):
+    """One layer's write_kv + attention, pool donated: the write is in place (the pool is
+    aliased, no pool-shaped copy or temporary: ACCELERATORS.md finding 1) and the counted
+    bytes are about one read of the pool, not the five of the reshaped write."""
+    args = attention_args(mesh)
+    new = abstract(mesh, (NUM_TOKENS, NUM_KV_HEADS, HEAD_DIM), jnp.bfloat16)
+    slots = abstract(mesh, (NUM_TOKENS,), jnp.int32)
+    attend = per_chip(mesh, functools.partial(ragged_paged_attention_tpu, sm_scale=HEAD_DIM**-0.5))
+
+    def layer(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k, v, slots):
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, slots)
+        out = attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+        return out, k_pages, v_pages
+
+    compiled = compile_on(mesh, layer, *args, new, new, slots, donate=(1, 2))
+    memory = compiled.memory_analysis()
+    assert memory.alias_size_in_bytes == 2 * POOL_BYTES
+    assert memory.temp_size_in_bytes < POOL_BYTES // 100
+    pool = re.escape("bf16[" + ",".join(map(str, POOL_SHAPE)) + "]")
+    copies = re.findall(rf"= {pool}\S* copy(?:-start)?\(", compiled.as_text())
+    assert not copies, f"the compiled layer copies the KV pool: {copies}"
+    assert compiled.cost_analysis()["bytes accessed"] < 1.1 * 2 * POOL_BYTES
