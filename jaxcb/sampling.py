@@ -4,8 +4,10 @@ Each row draws with its own key, `fold_in(key(seed), number of tokens generated 
 request's tokens depend only on its seed and its own logits, never on its batch neighbours,
 and a preempted request that is recomputed draws the same tokens again.
 
-Work that most batches do not need (sorting for top-k/p, penalties, top logprobs) sits
-behind `lax.cond` so all-greedy batches pay only for an argmax.
+Work that most batches do not need (filters, penalties, top logprobs) sits behind `lax.cond`
+so all-greedy batches pay only for an argmax. Nothing here sorts a vocabulary-sized row: the
+filters rank a bounded candidate set, or find their cut by a threshold search (see
+`_filtered_sample`), and top logprobs take a top-k that XLA runs as a TopK kernel.
 """
 
 from __future__ import annotations
@@ -76,36 +78,167 @@ def apply_penalties(
     return logits
 
 
-#: The candidates a filtered draw sorts: the row's top FILTER_CANDIDATES tokens, when they
-#: provably hold every token its filters keep (else the whole row is sorted). Sorting the
-#: 49,152 logits of SmolLM2 costs ~9 ms on a CPU core; taking the top 1,024 ~0.35 ms.
+#: The candidates a filtered draw ranks: the row's top FILTER_CANDIDATES tokens, when they
+#: provably hold every token its filters keep (else a threshold search over the row, below).
+#: Sorting the 49,152 logits of SmolLM2 costs ~9 ms on a CPU core; taking the top 1,024 ~0.35 ms.
 FILTER_CANDIDATES = 1024
+
+#: The largest k that XLA's GPU backend runs as its TopK kernel: for a larger k it sorts the
+#: whole row (so compiled H100 programs show), hence `largest_k` and `_top_candidates`. On
+#: TPU, XLA's top-1,024 of a row is a TopK op for 49,152 or 128,256 tokens but a sort of the
+#: row for 32,000 or 151,936 (libtpu 0.0.42); top-20 is a TopK op at every size tried.
+GPU_TOP_K = 16
+
+
+def order_keys(x: jax.Array) -> jax.Array:  # i32, x's shape
+    """Integers ordered as `lax.sort` and `lax.top_k` order floats (total order, -0.0 below
+    +0.0): a negative float's sign-magnitude bits turned into two's-complement order."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def smallest_key_where(
+    keys: jax.Array,  # i32[1, V]: a row's order keys
+    weights: jax.Array,  # f32[W, V]
+    bounds: jax.Array,  # f32[W]
+) -> jax.Array:  # i32: one of the row's keys
+    """The smallest key t of the row at which the weight above it stays under every bound
+    (sum of weights[w] where keys > t, < bounds[w]; each bound > 0): a bisection over the
+    integers, at most 32 masked sums over the row and no sort. The sums only grow as t
+    falls and change only at the row's keys, so the answer is one of them."""
+
+    def fits(t: jax.Array) -> jax.Array:
+        return jnp.all(jnp.sum(jnp.where(keys > t, weights, 0.0), axis=-1) < bounds)
+
+    def halve(bracket: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        lo, hi = bracket  # the answer lies in [lo, hi]; hi fits
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2), no overflow
+        ok = fits(mid)
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    bracket = (keys.min(), keys.max())
+    return jax.lax.while_loop(lambda b: b[0] < b[1], halve, bracket)[1]
+
+
+def top_k_by_threshold(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k(x, k)` of one row x f32[1, V] (V >= k) without sorting it: the k-th largest
+    key by `smallest_key_where`, the k tokens at or above it gathered (ties at it: lower ids
+    first, as top_k), and only those k sorted."""
+    keys = order_keys(x)
+    cut = smallest_key_where(keys, jnp.ones_like(x), jnp.full(1, k, jnp.float32))
+    above, at = keys > cut, keys == cut
+    taken = above | (at & (jnp.cumsum(at, axis=-1) <= k - jnp.sum(above)))  # k tokens
+    ids = jnp.nonzero(taken[0], size=k)[0].astype(jnp.int32)  # ascending
+    _, ids = jax.lax.sort((~keys[0, ids], ids), num_keys=2)  # largest first, then lower id
+    return x[:, ids], ids[None]
+
+
+def _top_candidates(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k(x, k)` of one row: XLA's TopK on CPU (0.35 ms for 1,024 of 49,152 tokens,
+    where the threshold search takes ~1 ms), the threshold search on accelerators, where XLA
+    may sort the row instead (GPU_TOP_K)."""
+    return jax.lax.platform_dependent(
+        x, cpu=lambda x: tuple(jax.lax.top_k(x, k)), default=lambda x: top_k_by_threshold(x, k)
+    )
+
+
+def top_k_in_rounds(
+    x: jax.Array, k: int, per_round: int = GPU_TOP_K
+) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k(x, k)` over the last axis of [S, V] as rounds of top `per_round`, each
+    masking the tokens taken: the same answer wherever a row has k finite values."""
+    rows = jnp.arange(x.shape[0])[:, None]
+    values, ids = [], []
+    for _ in range(-(-k // per_round)):
+        v, i = jax.lax.top_k(x, per_round)
+        values.append(v)
+        ids.append(i)
+        x = x.at[rows, i].set(NEG_INF)
+    return jnp.concatenate(values, -1)[:, :k], jnp.concatenate(ids, -1)[:, :k]
+
+
+def largest_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k(x, k)` over the last axis of [S, V] (top logprobs); on GPUs, for k over
+    GPU_TOP_K, `top_k_in_rounds` instead of the whole-row sort XLA would compile."""
+    if k <= GPU_TOP_K:
+        return jax.lax.top_k(x, k)
+    return jax.lax.platform_dependent(
+        x, cuda=lambda x: top_k_in_rounds(x, k), default=lambda x: tuple(jax.lax.top_k(x, k))
+    )
+
+
+def _threshold_draw(
+    x: jax.Array,  # f32[1, V]: scaled logits
+    log_norm: jax.Array,  # f32[1, 1]: their logsumexp
+    top_k: jax.Array,  # i32[1]
+    top_p: jax.Array,  # f32[1]
+    min_p: jax.Array,  # f32[1]
+    keys: jax.Array,  # key[1]
+) -> jax.Array:  # i32[1]
+    """A row whose kept set may be larger than the candidates: the filters' cut found by
+    one threshold search over the row, then the draw among the kept tokens over the whole
+    vocabulary, the unfiltered draw's Gumbel noise (by token id) masked to the kept set.
+
+    The kept set is the sorted definition's, ties included: ranked by logit (lower id first),
+    the first n = min(top_k, tokens with probability >= min_p x the top one's, tokens whose
+    mass ranked above is < top_p), at least 1. The cut is the key of the n-th: the smallest
+    key t with mass above t < top_p and fewer than min(top_k, min_p's count) tokens above t.
+    Of the tokens at the cut, those whose mass ranked above, `above + j x p`, stays < top_p
+    are kept, lower ids first; that sum is rounded once here, where a sort adds in rank
+    order, so a cut within float32 rounding of top_p may fall one token apart."""
+    vocab = x.shape[-1]
+    ordered = order_keys(x)
+    probs = jnp.exp(x - log_norm)
+    top = jnp.exp(jnp.max(x, axis=-1, keepdims=True) - log_norm)  # the most likely token's
+    by_min_p = jnp.sum(probs >= min_p[:, None] * top)
+    by_top_k = jnp.where((top_k[0] <= 0) | (top_k[0] >= vocab), vocab, top_k[0])
+    limit = jnp.maximum(jnp.minimum(by_top_k, by_min_p), 1).astype(jnp.float32)
+    weights = jnp.concatenate([probs, jnp.ones_like(probs)])  # [2, V]: mass, count
+    cut = smallest_key_where(ordered, weights, jnp.stack([top_p[0], limit]))
+    above, at = ordered > cut, ordered == cut
+    mass_above = jnp.sum(jnp.where(above, probs, 0.0))
+    p_at = jnp.max(jnp.where(at, probs, 0.0))
+    by_mass = jnp.where(p_at > 0, jnp.ceil((top_p[0] - mass_above) / p_at), jnp.inf)
+    take = jnp.maximum(jnp.minimum(limit - jnp.sum(above), by_mass), 1.0)
+
+    def split_ties() -> jax.Array:  # the cut falls inside a tie group: lower ids first
+        return above | (at & (jnp.cumsum(at, axis=-1) <= take))
+
+    # A cumulative count over the row costs as much as the search; ties at the cut are rare.
+    keep = jax.lax.cond(jnp.sum(at) > take, split_ties, lambda: above | at)
+    return jax.vmap(jax.random.categorical)(keys, jnp.where(keep, x, NEG_INF))
 
 
 def _filtered_sample(
-    logits: jax.Array,  # f32[S, V]
-    temperature: jax.Array,  # f32[S]
-    top_k: jax.Array,  # i32[S]: 0 disables
-    top_p: jax.Array,  # f32[S]
-    min_p: jax.Array,  # f32[S]
-    keys: jax.Array,  # key[S]
-) -> jax.Array:  # i32[S]
-    """A token per row: greedy where temperature is 0, else drawn from the tokens the
-    filters keep, ranked by logit (ties: lower id first): rank < top_k, probability mass ranked
-    above < top_p, probability >= min_p x the top one's; the top token always. Rows without
-    filters draw from the whole vocabulary unsorted; rows whose kept tokens lie provably
-    within the top FILTER_CANDIDATES sort only those; the rest sort the whole row."""
+    logits: jax.Array,  # f32[1, V]
+    temperature: jax.Array,  # f32[1]
+    top_k: jax.Array,  # i32[1]: 0 disables
+    top_p: jax.Array,  # f32[1]
+    min_p: jax.Array,  # f32[1]
+    keys: jax.Array,  # key[1]
+    *,
+    candidates: int = FILTER_CANDIDATES,
+) -> jax.Array:  # i32[1]
+    """A row's token: greedy where temperature is 0, else drawn from the tokens the filters
+    keep, ranked by logit (ties: lower id first): rank < top_k, probability mass ranked
+    above < top_p, probability >= min_p x the top one's; the top token always.
+
+    Rows without filters draw from the whole vocabulary, Gumbel noise by token id. Rows whose
+    kept tokens lie provably within the top `candidates` draw among those, noise by rank
+    (as a full sort would); the rest find the cut by `_threshold_draw` and draw with noise by
+    token id: the same kept set and distribution, not the same token a full sort's
+    rank-ordered noise would pick (which needs every kept token's rank: a sort)."""
     greedy = temperature == 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
     vocab = logits.shape[-1]
-    cands = min(FILTER_CANDIDATES, vocab)
+    cands = min(candidates, vocab)
     no_top_k = (top_k <= 0) | (top_k >= vocab)
     unfiltered = no_top_k & (top_p >= 1.0) & (min_p <= 0.0)
 
     def draw_ranked(
         ranked: jax.Array, ids: jax.Array, log_norm: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
-        """Draw from the top-ranked logits `ranked` [S, R] (R <= V, most likely first) of
+        """Draw from the top-ranked logits `ranked` [1, R] (R <= V, most likely first) of
         token ids `ids`, the filters applied with probabilities over the whole vocabulary
         (`log_norm`: its logsumexp)."""
         probs = jnp.exp(ranked - log_norm)
@@ -123,12 +256,7 @@ def _filtered_sample(
 
     def filtered(x: jax.Array) -> tuple[jax.Array, jax.Array]:
         log_norm = jax.nn.logsumexp(x, axis=-1, keepdims=True)
-
-        def sorted_row() -> tuple[jax.Array, jax.Array]:
-            order = jnp.argsort(-x, axis=-1)  # stable: ties keep the lower id first
-            return draw_ranked(jnp.take_along_axis(x, order, axis=-1), order, log_norm)
-
-        values, ids = jax.lax.top_k(x, cands)  # ties: the lower id first, as the sort
+        values, ids = _top_candidates(x, cands)  # ties: the lower id first, as a sort
         probs = jnp.exp(values - log_norm)
         # The top `cands` tokens hold every kept one when top_k is at most that many, when
         # their mass reaches top_p (the next token has that much ranked above it), or when
@@ -138,7 +266,11 @@ def _filtered_sample(
             | (probs.sum(axis=-1) >= top_p)
             | (probs[:, -1] < min_p * probs[:, 0])
         )
-        return jax.lax.cond(jnp.all(fits), lambda: draw_ranked(values, ids, log_norm), sorted_row)
+
+        def search() -> tuple[jax.Array, jax.Array]:
+            return _threshold_draw(x, log_norm, top_k, top_p, min_p, keys), ids[:, 0]
+
+        return jax.lax.cond(jnp.all(fits), lambda: draw_ranked(values, ids, log_norm), search)
 
     sampled, best = jax.lax.cond(jnp.all(unfiltered), whole, filtered, scaled)
     return jnp.where(greedy, best, sampled).astype(jnp.int32)
@@ -160,10 +292,10 @@ def sample(
     num_rows: jax.Array | None = None,  # i32: the real rows (the rest a bucket's padding)
 ) -> SamplingOutput:
     """Each row's token (greedy, or drawn under its filters with its own key), and the
-    logprobs asked for. Random draws sort each row's logits: only the first `num_rows` rows
-    are drawn (default all), one at a time, so a bucket's padding rows cost nothing (a single
-    stream in a 16-row bucket sorted 16 rows of the vocabulary per token); padding rows get
-    token 0."""
+    logprobs asked for. Random draws are per row: only the first `num_rows` rows are drawn
+    (default all), one at a time, so a bucket's padding rows cost nothing (a single stream in
+    a 16-row bucket would otherwise rank 16 rows of the vocabulary per token); padding rows
+    get token 0."""
     any_random, any_penalty = flags[0] > 0, flags[1] > 0
     any_logprobs, any_top = flags[2] > 0, flags[3] > 0
     raw_logits = logits
@@ -204,7 +336,7 @@ def sample(
         chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
 
         def top(lp: jax.Array) -> tuple[jax.Array, jax.Array]:
-            values, ids = jax.lax.top_k(lp, k)
+            values, ids = largest_k(lp, k)
             return ids.astype(jnp.int32), values
 
         top_ids, top_values = jax.lax.cond(any_top, top, no_top, logprobs)

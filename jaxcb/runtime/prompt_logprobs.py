@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jaxcb.models.base import Params
 from jaxcb.models.packed import lm_head_weight, matmul
 from jaxcb.runtime.step_input import FLAG_PROMPT_TOP_LOGPROBS, StepInput
+from jaxcb.sampling import largest_k
 
 BLOCK_ROWS = 128  # rows of logits at a time
 
@@ -85,7 +86,7 @@ def prompt_logprobs(
             chosen = jnp.take_along_axis(logits, target[:, None], axis=-1)[:, 0] - lse
 
             def top(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-                values, ids = jax.lax.top_k(logits, k)  # [B, K]
+                values, ids = largest_k(logits, k)  # [B, K]: no whole-row sort on GPUs
                 return ids.astype(jnp.int32), values - lse[:, None]
 
             def no_top(logits: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,10 +31,10 @@ def run(
     keys = np.stack([np.zeros_like(seeds), seeds], axis=1).astype(np.uint32)
     out = jax.jit(sample, static_argnames="num_top_logprobs")(
         jnp.asarray(logits, jnp.float32),
-        temperature=jnp.full(s, temperature, jnp.float32),
-        top_k=jnp.full(s, top_k, jnp.int32),
-        top_p=jnp.full(s, top_p, jnp.float32),
-        min_p=jnp.full(s, min_p, jnp.float32),
+        temperature=jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (s,)),
+        top_k=jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (s,)),
+        top_p=jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (s,)),
+        min_p=jnp.broadcast_to(jnp.asarray(min_p, jnp.float32), (s,)),
         rng_keys=jnp.asarray(keys),
         sample_counters=jnp.asarray(np.zeros(s) if counters is None else counters, jnp.int32),
         flags=jnp.asarray(flags, jnp.int32),
@@ -91,7 +93,7 @@ def _allowed(logits, top_k=0, top_p=1.0, min_p=0.0):
         dict(top_k=5),  # within the top candidates
         dict(top_p=0.5),  # a peaked row: the top candidates hold the mass
         dict(min_p=0.2),
-        dict(top_p=0.95),  # a flat tail: more kept tokens than candidates, the full sort
+        dict(top_p=0.95),  # a flat tail: more kept tokens than candidates, the search
     ],
 )
 def test_large_vocabularies_take_each_path_exactly(kwargs):
@@ -172,3 +174,229 @@ def test_argmax_last_axis_matches_argmax_with_ties_and_odd_vocab():
         x[0, vocab // 2] = 5.0
         got = np.asarray(jax.jit(argmax_last_axis)(jnp.asarray(x)))
         np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+
+
+# --- Issue 18: no full-vocabulary sort. A plain full-sort reference, and the draws' law. ---
+
+
+def _key(seed: int, counter: int) -> jax.Array:
+    return jax.random.fold_in(jax.random.wrap_key_data(np.array([0, seed], np.uint32)), counter)
+
+
+def reference_token(row, temperature, top_k, top_p, min_p, seed, counter, candidates):
+    """One row's token by the full-sort definition, in float64 (asserting that no kept-set
+    or path decision lies within float32 rounding of its bound). The kept set: the row
+    sorted by logit (ties: lower id first), rank < top_k, mass ranked above < top_p,
+    probability >= min_p x the top one's, the top token always. The draw: Gumbel noise by
+    rank among the top `candidates` where they provably hold the kept set (as the code
+    before issue 18 drew), else by token id over the vocabulary (its full sort drew by rank)."""
+    vocab, tol = row.shape[0], 2e-6
+    if temperature == 0:
+        return int(np.argmax(row)), "greedy"
+    x = np.asarray(jnp.asarray(row, jnp.float32) / jnp.float32(temperature))
+    key = _key(seed, counter)[None]
+    if (top_k <= 0 or top_k >= vocab) and top_p >= 1 and min_p <= 0:
+        return int(jax.vmap(jax.random.categorical)(key, jnp.asarray(x)[None])[0]), "whole"
+    order = np.argsort(-x, kind="stable")
+    probs = np.exp(x[order].astype(np.float64) - x.max())
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    keep = (before < top_p) & (probs >= min_p * probs[0])
+    if 0 < top_k < vocab:
+        keep &= np.arange(vocab) < top_k
+    keep[0] = True
+    c = min(candidates, vocab)
+    if top_p < 1:  # no cut within rounding of top_p
+        assert np.abs(before - top_p).min() > tol and abs(probs[:c].sum() - top_p) > tol
+    if min_p > 0:
+        assert np.abs(probs / probs[0] - min_p).min() > tol
+    fits = 0 < top_k <= c or probs[:c].sum() >= top_p or probs[c - 1] < min_p * probs[0]
+    if fits:
+        ranked = jnp.where(jnp.asarray(keep[:c]), jnp.asarray(x[order[:c]]), -jnp.inf)
+        return int(order[int(jax.vmap(jax.random.categorical)(key, ranked[None])[0])]), "ranked"
+    kept = np.zeros(vocab, bool)
+    kept[order[keep]] = True
+    masked = jnp.where(jnp.asarray(kept), jnp.asarray(x), -jnp.inf)
+    return int(jax.vmap(jax.random.categorical)(key, masked[None])[0]), "threshold"
+
+
+def mixed_rows(vocab=4096, seed=0):
+    """Rows and filters that take every path: peaked rows (the candidates hold the kept set),
+    flat rows (kept sets of thousands), and three-level rows whose cuts fall inside groups
+    of ~1,365 tied tokens (ties: lower ids first)."""
+    rng = np.random.default_rng(seed)
+    kinds = {
+        "peaked": lambda: rng.standard_normal(vocab) * 3.0,
+        "flat": lambda: rng.standard_normal(vocab) * 0.3,
+        "ties": lambda: rng.integers(0, 3, vocab) * 0.25,
+    }
+    cases = [  # kind, temperature, top_k, top_p, min_p
+        ("peaked", 1.0, 0, 0.9, 0.0),
+        ("peaked", 0.7, 50, 0.9, 0.0),
+        ("peaked", 1.3, 0, 1.0, 0.05),
+        ("peaked", 0.0, 50, 0.9, 0.0),
+        ("peaked", 1.0, 0, 1.0, 0.0),
+        ("flat", 1.0, 0, 0.9, 0.0),
+        ("flat", 0.8, 2000, 1.0, 0.0),
+        ("flat", 1.0, 50, 0.9, 0.0),
+        ("flat", 1.0, 0, 0.8, 0.2),
+        ("flat", 1.2, 3000, 0.95, 0.1),
+        ("flat", 1.0, 0, 1.0, 0.0),
+        ("ties", 1.0, 0, 0.35, 0.0),
+        ("ties", 1.0, 1500, 1.0, 0.0),
+        ("ties", 1.0, 700, 1.0, 0.0),
+        ("ties", 1.0, 0, 1.0, 0.7),
+        ("ties", 1.0, 0, 0.3, 0.0),
+    ]
+    rows, params = [], []
+    for kind, *p in cases * 3:
+        rows.append(kinds[kind]().astype(np.float32))
+        params.append(p)
+    return np.stack(rows), np.array(params, np.float64)
+
+
+def test_same_tokens_as_a_full_sort_on_seeded_requests():
+    """Every path's token equals the plain full-sort reference's on seeded requests: 48 rows
+    of 4,096 tokens (more than FILTER_CANDIDATES), both the candidate and the threshold path
+    taken, cuts inside tie groups included."""
+    from jaxcb.sampling import FILTER_CANDIDATES
+
+    logits, params = mixed_rows()
+    temperature, top_k, top_p, min_p = params.T
+    seeds, counters = np.arange(len(logits)) * 7 + 3, np.arange(len(logits)) % 5
+    got = run(
+        logits,
+        temperature=temperature,
+        top_k=top_k.astype(np.int32),
+        top_p=top_p,
+        min_p=min_p,
+        seeds=seeds,
+        counters=counters,
+    )
+    want, paths = zip(
+        *(
+            reference_token(row, t, int(k), p, m, int(s), int(c), FILTER_CANDIDATES)
+            for row, (t, k, p, m), s, c in zip(logits, params, seeds, counters, strict=True)
+        ),
+        strict=True,
+    )
+    assert got.tolist() == list(want)
+    taken = {p: paths.count(p) for p in set(paths)}
+    assert taken == {"greedy": 3, "whole": 6, "ranked": 18, "threshold": 21}
+
+
+def draw_filtered(logits, *, candidates, seeds, top_k=0, top_p=1.0, min_p=0.0):
+    """Each row drawn by `_filtered_sample` with `candidates` top candidates (2: the
+    threshold search on any row whose kept set holds more than 2 tokens)."""
+    from jaxcb.sampling import _filtered_sample
+
+    filters = [jnp.full(1, v, t) for v, t in ((top_k, jnp.int32), (top_p, "f4"), (min_p, "f4"))]
+
+    def one(row, seed):
+        key = jax.random.fold_in(jax.random.wrap_key_data(jnp.stack([0, seed]).astype("u4")), 0)
+        return _filtered_sample(row[None], jnp.ones(1), *filters, key[None], candidates=candidates)
+
+    return np.asarray(jax.jit(jax.vmap(one))(jnp.asarray(logits), jnp.asarray(seeds))[:, 0])
+
+
+@pytest.mark.parametrize(
+    "row, kwargs",
+    [
+        (np.zeros(V), dict(top_p=0.3)),  # all tied: ids 0..3 (3/12 < 0.3 <= 4/12)
+        (np.zeros(V), dict(top_k=5)),
+        (LOGITS, dict(top_k=3)),
+        (LOGITS, dict(min_p=0.3)),
+        (np.repeat([1.0, 0.0, -1.0], 4), dict(top_p=0.7)),  # cut in the middle ties: ids 0..4
+    ],
+)
+def test_threshold_search_keeps_exactly_the_sorted_kept_set(row, kwargs):
+    """2,000 draws through the threshold search (2 candidates) land on exactly the kept set
+    of the sorted definition, ties at the cut split by id."""
+    tokens = draw_filtered(np.tile(row, (2000, 1)), candidates=2, seeds=np.arange(2000), **kwargs)
+    assert set(tokens.tolist()) == _allowed(row.astype(np.float32), **kwargs)
+
+
+@pytest.mark.parametrize("candidates", [1024, 2], ids=["candidates", "threshold-search"])
+def test_top_p_draws_follow_the_renormalized_nucleus(candidates):
+    """4,000 seeded draws under top_p 0.85 from p = (0.4, 0.25, 0.15, 0.1, 0.05, ...): only the
+    nucleus {0, 1, 2, 3} (mass ranked above < 0.85), in proportion 0.4 : 0.25 : 0.15 : 0.1.
+    Chi-square bound 16.27 (p = 0.001 at 3 degrees of freedom; fixed seeds, deterministic).
+    A filter cutting by inclusive mass drops token 3 (chi-square ~ 500), one drawing the
+    nucleus uniformly ~ 1,000."""
+    draws = 4000
+    tokens = draw_filtered(
+        np.tile(LOGITS, (draws, 1)), top_p=0.85, candidates=candidates, seeds=np.arange(draws)
+    )
+    counts = np.bincount(tokens, minlength=V)
+    assert counts[4:].sum() == 0
+    expected = draws * np.exp(LOGITS[:4]) / np.exp(LOGITS[:4]).sum()
+    chi2 = ((counts[:4] - expected) ** 2 / expected).sum()
+    assert chi2 < 16.27, (counts[:4], expected)
+
+
+def tie_heavy_rows(vocab=3000):
+    rng = np.random.default_rng(1)
+    rows = rng.integers(-2, 3, size=(6, vocab)).astype(np.float32)  # five values, many ties
+    rows[1, ::2] = -0.0  # -0.0 ranks below +0.0 in lax.top_k's total order
+    rows[1, 1::2] = 0.0
+    rows[2, 100:] = -np.inf  # fewer finite values than candidates
+    rows[3] = rng.standard_normal(vocab)
+    rows[4, :] = 1.0  # all tied
+    return rows
+
+
+def test_gpu_top_k_variants_match_lax_top_k():
+    """The GPU-side substitutes for XLA's whole-row sort give lax.top_k's answer exactly,
+    ties (lower id first), signed zeros and -inf included."""
+    from jaxcb.sampling import top_k_by_threshold, top_k_in_rounds
+
+    rows = jnp.asarray(tie_heavy_rows())
+    by_threshold = jax.jit(top_k_by_threshold, static_argnames="k")
+    for row in rows:
+        for k in (1, 7, 1024):
+            got_v, got_i = by_threshold(row[None], k=k)
+            want_v, want_i = jax.lax.top_k(row[None], k)
+            np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+            np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+    finite = rows[jnp.asarray([0, 1, 3, 4, 5])]  # k finite values per row
+    got_v, got_i = jax.jit(top_k_in_rounds, static_argnames="k")(finite, k=20)
+    want_v, want_i = jax.lax.top_k(finite, 20)
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+
+
+@pytest.mark.parametrize("target", ["v5e:2x2", "h100"])
+def test_compiled_for_accelerators_without_a_vocabulary_sort(target):
+    """`sample` (penalties, filters, top-20 logprobs) compiled for a TPU and an H100 on
+    compile-only devices holds no sort over the vocabulary: XLA sorts a row for lax.top_k(x,
+    1024) on both at this size and for top-20 on GPUs, as the code before issue 18 showed."""
+    from pallas_kernels.gpu_targets import cuda_plugin_installed
+
+    if target == "h100" and not cuda_plugin_installed():
+        pytest.skip("jax[cuda12] is not installed")
+    if target != "h100" and importlib.util.find_spec("libtpu") is None:
+        pytest.skip("jax[tpu] (libtpu) is not installed")
+    from jaxcb.runtime import aot
+
+    sharding = jax.sharding.SingleDeviceSharding(aot.target_devices(target)[0])
+    rows, vocab = 8, 4096
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    f32, i32 = jnp.float32, jnp.int32
+    per_row = dict(temperature=f32, top_k=i32, top_p=f32, min_p=f32, sample_counters=i32)
+    kwargs = {name: spec((rows,), dtype) for name, dtype in per_row.items()}
+    penalty_args = (spec((rows, 64), i32), spec((rows,), i32), spec((rows,), i32))
+    penalty_args += tuple(spec((rows,), f32) for _ in range(3))
+    lowered = jax.jit(sample, static_argnames="num_top_logprobs").lower(
+        spec((rows, vocab), f32),
+        rng_keys=spec((rows, 2), jnp.uint32),
+        flags=spec((4,), i32),
+        penalty_args=penalty_args,
+        num_top_logprobs=20,
+        num_rows=spec((), i32),
+        **kwargs,
+    )
+    sorts = [line for line in lowered.compile().as_text().splitlines() if " sort(" in line]
+    assert not [line for line in sorts if f"{vocab}]" in line], sorts
