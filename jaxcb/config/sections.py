@@ -97,6 +97,10 @@ class SchedulerConfig:
     # swap (copied to host memory, swap_space_gb, and back), auto (the cheaper, per request).
     preemption_mode: str = "recompute"  # recompute | swap | auto
     batching: str = "continuous"  # continuous | static | dynamic (padded-batch baselines)
+    # Schedule and pack step N+1 while the device runs step N; step N's tokens are read back
+    # after N+1 is dispatched, and decode rows take their input token on device. The same
+    # tokens; runs synchronously with swap preemption, the ITL controller or a baseline.
+    async_scheduling: bool = False  # overlap host scheduling with the device step
 
     def __post_init__(self) -> None:
         _check_types(self)

@@ -5,9 +5,57 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
+from jaxcb.config import EngineConfig
 from jaxcb.engine.detokenizer import IncrementalDetokenizer
 from jaxcb.engine.request import Request
 from jaxcb.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxcb.sampling_params import SamplingParams
+
+SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n samples
+
+
+def new_sample(
+    request_id: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    j: int,
+    *,
+    arrival: float,
+    priority: int,
+    rng: np.random.Generator,
+    max_model_len: int,
+    config: EngineConfig,
+    eos_token_ids: frozenset[int],
+) -> Request:
+    """Sample j of a request's n: its own id, seed and output budget; latency targets its
+    own, or the config's defaults. `rng` draws the seeds of requests that give none."""
+    room = max(1, max_model_len - len(prompt_ids))
+    cap = config.limits.max_output_tokens or room
+    if params.seed is not None:
+        seed = (params.seed + j * SEED_STRIDE) % (1 << 64)
+    else:
+        seed = int(rng.integers(0, 1 << 63))
+    sched = config.scheduler
+    return Request(
+        request_id=request_id if params.n == 1 else f"{request_id}-{j}",
+        prompt_token_ids=prompt_ids,
+        params=params,
+        seed=seed,
+        max_tokens=min(params.max_tokens or cap, cap, room),
+        eos_token_ids=eos_token_ids,
+        arrival_time=arrival,
+        priority=priority,
+        ttft_target_ms=_or(params.ttft_target_ms, sched.ttft_target_ms),
+        tpot_target_ms=_or(params.tpot_target_ms, sched.tpot_target_ms),
+        # the first sample computes the prompt logprobs for all n
+        prompt_logprobs=[None] if params.prompt_logprobs is not None and j == 0 else None,
+    )
+
+
+def _or(value: float | None, default: float | None) -> float | None:
+    return default if value is None else value
 
 
 @dataclass

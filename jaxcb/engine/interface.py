@@ -58,6 +58,17 @@ class Runner(Protocol):
         """Run the bucket's compiled step on `prepare`'s arrays; wait for the tokens."""
         ...
 
+    def dispatch(self, bucket: Bucket, prepared: Any) -> Any:
+        """`execute`'s first half: start the step, return a handle without waiting for it
+        (async scheduling). Rows whose chunk has a `prev_sample_row` take their last input
+        token from the previous dispatched step's sampled tokens, on the device. Only
+        needed with `scheduler.async_scheduling`."""
+        ...
+
+    def collect(self, handle: Any) -> StepResult:
+        """`execute`'s second half: wait for a dispatched step, read back its results."""
+        ...
+
     def check_health(self) -> None:
         """RuntimeError if the device state was lost (a failed step consumed its buffers)."""
         ...

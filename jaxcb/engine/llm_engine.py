@@ -2,6 +2,9 @@
 
 `step()` is: schedule (host) → pack into the smallest bucket → run the compiled step (device)
 → append sampled tokens, detokenize, check stops, free finished requests' pages (host).
+With `scheduler.async_scheduling` it runs a step ahead of the device: schedule, pack and
+dispatch step N+1, then read back and apply step N's tokens, so the host's work overlaps the
+device's (engine/inflight.py); a request's tokens come one `step()` later.
 
 The engine is handed a ready runner (runtime/setup.py builds it: mesh, params, KV pool,
 compiled buckets) and the model's tokenizer and EOS ids; it builds the host side itself (the
@@ -29,7 +32,9 @@ from jaxcb.config import EngineConfig
 from jaxcb.engine.buckets import pick_bucket
 from jaxcb.engine.builders import build_itl_controller, build_scheduler, build_swapper
 from jaxcb.engine.detokenizer import IncrementalDetokenizer
-from jaxcb.engine.groups import RequestGroup
+from jaxcb.engine.engine_stats import engine_stats
+from jaxcb.engine.groups import RequestGroup, new_sample
+from jaxcb.engine.inflight import InFlightStep, link_to_inflight, sync_reason
 from jaxcb.engine.interface import (
     Engine,
     EngineInfo,
@@ -47,8 +52,6 @@ from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n samples
 
 
 class LLMEngine(Engine):
@@ -81,6 +84,14 @@ class LLMEngine(Engine):
         self._records: list[StepRecord] | None = None  # record_steps() turns it on
         self.itl = build_itl_controller(config, info)  # None: the fixed token budget
         self._last_step_end: float | None = None  # perf_counter() after the last step, if any ran
+        # Async scheduling (engine/inflight.py): the step dispatched and not yet read back.
+        self._sync_reason = sync_reason(
+            config, runner, swap=self.swapper is not None, itl=self.itl is not None
+        )
+        if config.scheduler.async_scheduling and self._sync_reason:
+            logger.warning("async_scheduling is off: %s", self._sync_reason)
+        self._async = config.scheduler.async_scheduling and self._sync_reason is None
+        self._inflight: InFlightStep | None = None
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -106,7 +117,18 @@ class LLMEngine(Engine):
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = [
-            self._new_child(request_id, prompt_ids, params, j, arrival, priority)
+            new_sample(
+                request_id,
+                prompt_ids,
+                params,
+                j,
+                arrival=arrival,
+                priority=priority,
+                rng=self._rng,
+                max_model_len=self.max_model_len,
+                config=self.config,
+                eos_token_ids=self.eos_token_ids,
+            )
             for j in range(params.n)
         ]
         detoks = [
@@ -127,38 +149,6 @@ class LLMEngine(Engine):
         self._stats["requests"] += 1
         self._stats["prompt_tokens"] += len(prompt_ids) * params.n
         return request_id
-
-    def _new_child(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        j: int,
-        arrival: float,
-        priority: int,
-    ) -> Request:
-        """Sample j of n: its own id, seed and output budget; latency targets its own, or
-        the config's defaults."""
-        room = max(1, self.max_model_len - len(prompt_ids))
-        cap = self.limits.max_output_tokens or room
-        if params.seed is not None:
-            seed = (params.seed + j * SEED_STRIDE) % (1 << 64)
-        else:
-            seed = int(self._rng.integers(0, 1 << 63))
-        return Request(
-            request_id=request_id if params.n == 1 else f"{request_id}-{j}",
-            prompt_token_ids=prompt_ids,
-            params=params,
-            seed=seed,
-            max_tokens=min(params.max_tokens or cap, cap, room),
-            eos_token_ids=self.eos_token_ids,
-            arrival_time=arrival,
-            priority=priority,
-            ttft_target_ms=_or(params.ttft_target_ms, self.config.scheduler.ttft_target_ms),
-            tpot_target_ms=_or(params.tpot_target_ms, self.config.scheduler.tpot_target_ms),
-            # the first sample computes the prompt logprobs for all n
-            prompt_logprobs=[None] if params.prompt_logprobs is not None and j == 0 else None,
-        )
 
     def validate_request(
         self, prompt: str | Sequence[int], params: SamplingParams, *, priority: int = 0
@@ -182,6 +172,8 @@ class LLMEngine(Engine):
                 child.metrics.finished_time = now
                 self.scheduler.finish(child)
         self._stats["aborted"] += 1
+        if self._inflight is not None and self._inflight.all_finished:
+            self._retire()  # its tokens are all dropped: leave nothing in flight
         return self._output(group, now)
 
     def has_unfinished_requests(self) -> bool:
@@ -197,8 +189,24 @@ class LLMEngine(Engine):
 
     # ---- one step -----------------------------------------------------------------------
 
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether steps overlap (engine/inflight.py); settable between steps (the compiled
+        steps serve both ways), not while a step is in flight."""
+        return self._async
+
+    @async_scheduling.setter
+    def async_scheduling(self, on: bool) -> None:
+        if on and self._sync_reason:
+            raise ValueError(f"async_scheduling is not available: {self._sync_reason}")
+        if self._inflight is not None:
+            raise RuntimeError("a step is in flight: switch async_scheduling between runs")
+        self._async = bool(on)
+
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return outputs of requests that got tokens or finished."""
+        if self._async:
+            return self._step_async()
         t0 = time.perf_counter()
         sched, budget = self._schedule()
         if sched.is_empty:
@@ -211,6 +219,7 @@ class LLMEngine(Engine):
             self.info.buckets, sched.num_tokens + sched.num_padding_tokens, len(sched.chunks)
         )
         prepared = self.runner.prepare(sched, bucket)
+        samples = [c.samples for c in sched.chunks]
         t1 = time.perf_counter()
         swap_seconds = self._swap(sched)
         result = self.runner.execute(bucket, prepared)
@@ -218,7 +227,7 @@ class LLMEngine(Engine):
         if self.swapper is not None and self.swapper.cost is not None:
             self.swapper.cost.observe_step(sched.num_tokens, t2 - t1 - swap_seconds)
         self.scheduler.update_after_step(sched)
-        outputs = self._process_results(sched, result)
+        outputs = self._process_results(sched, result, samples)
         t3 = time.perf_counter()
         self._count_step(
             sched, bucket.num_tokens, budget, host=(t1 - t0) + (t3 - t2), device=t2 - t1
@@ -230,6 +239,55 @@ class LLMEngine(Engine):
             self.itl.feed(t3 - start, had_decode, bucket.num_tokens)
             self._last_step_end = t3 if self.scheduler.running else None
         return outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        """One iteration a step ahead of the device: schedule, pack and dispatch step N+1,
+        then read back step N's tokens and apply them (engine/inflight.py). Returns step
+        N's outputs. Host seconds: the work done here; device seconds: the waits for
+        results (which the host's work hides behind while the device is the slower)."""
+        t0 = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        waited = 0.0
+        pending = self._inflight
+        if pending is not None and pending.needs_host_tokens:
+            outputs, waited = self._retire()  # penalties read its tokens on the host
+            pending = None
+            self._stats["async_drains"] += 1
+        sched, budget = self._schedule()
+        if sched.is_empty:
+            if pending is not None:
+                more, seconds = self._retire()
+                outputs, waited = outputs + more, waited + seconds
+            self._stats["host_seconds"] += time.perf_counter() - t0 - waited
+            self._stats["device_seconds"] += waited
+            return outputs
+        bucket = pick_bucket(
+            self.info.buckets, sched.num_tokens + sched.num_padding_tokens, len(sched.chunks)
+        )
+        link_to_inflight(sched, pending)
+        prepared = self.runner.prepare(sched, bucket)
+        self._inflight = InFlightStep.dispatch(self.runner, sched, bucket, prepared)
+        if pending is not None:
+            more, seconds = self._retire(pending)
+            outputs, waited = outputs + more, waited + seconds
+        # (after step N's tokens: the pages this step fills are hashed with them)
+        self.scheduler.update_after_step(sched)
+        if self._inflight.all_finished:
+            waited += self._retire()[1]  # nothing of it is wanted: leave nothing in flight
+        t1 = time.perf_counter()
+        self._count_step(sched, bucket.num_tokens, budget, host=t1 - t0 - waited, device=waited)
+        return outputs
+
+    def _retire(self, step: InFlightStep | None = None) -> tuple[list[RequestOutput], float]:
+        """Read back a dispatched step (default: the one in flight) and apply its tokens;
+        (its outputs, seconds waited for them)."""
+        step = step or self._inflight
+        if step is self._inflight:
+            self._inflight = None
+        t0 = time.perf_counter()
+        result = step.collect(self.runner)
+        waited = time.perf_counter() - t0
+        return self._process_results(step.sched, result, step.samples), waited
 
     def _swap(self, sched: SchedulerOutput) -> float:
         """The step's swap copies (out, then in) before it runs; returns their seconds."""
@@ -275,7 +333,11 @@ class LLMEngine(Engine):
                 StepRecord.of(sched, bucket_tokens, self.pool.num_used, token_budget)
             )
 
-    def _process_results(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+    def _process_results(
+        self, sched: SchedulerOutput, result: StepResult, samples: list[bool]
+    ) -> list[RequestOutput]:
+        """Apply a step's tokens; `samples`: per chunk, whether the step sampled for it
+        (ScheduledChunk.samples, asked before the step ran)."""
         now = time.monotonic()
         touched: dict[str, RequestGroup] = {}
         record_prompt_logprobs(sched.chunks, result)
@@ -283,8 +345,8 @@ class LLMEngine(Engine):
             req = chunk.request
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-            if not chunk.samples or req.finished:
-                continue
+            if not samples[s] or req.finished:
+                continue  # (finished: it stopped on the previous step's token, or aborted)
             group = self._request_group[id(req)]
             touched[group.request_id] = group
             try:
@@ -388,57 +450,4 @@ class LLMEngine(Engine):
         return self.scheduler.reset_prefix_cache()
 
     def stats(self) -> dict[str, Any]:
-        s, info, kv = self._stats, self.info, self.kv_usage()
-        slots, queries = s["token_slots"], s["prefix_queries"]
-        return {
-            "steps": s["steps"],
-            "requests": s["requests"],
-            "aborted": s["aborted"],
-            "prompt_tokens": s["prompt_tokens"],
-            "generated_tokens": s["generated_tokens"],
-            "bucket_histogram": dict(sorted(self._bucket_hist.items())),
-            "padding_fraction": (slots - s["tokens_scheduled"]) / slots if slots else 0.0,
-            "compile_seconds": info.compile_seconds,
-            "compile_cache": dict(info.compile_cache),
-            "compile_seconds_per_bucket": dict(info.compile_seconds_per_bucket),
-            "kernels": {
-                "attention": info.attention_backend,
-                "matmul": info.matmul_backend,
-                **info.cpu_kernels,
-            },
-            "preemptions": s["preemptions"],
-            # computed tokens the preempted requests dropped (prefix cache hits not subtracted)
-            "recomputed_tokens": s["recomputed_tokens"],
-            "admitted_idle_pages": self.scheduler.admitted_idle_pages,
-            "predicted_output_len": self.scheduler.predicted_output_len,
-            "failed": s["failed"],
-            # preemption by swap (engine/swap.py): victims whose pages went to host memory,
-            # of them resumed, host pages held now, victims recomputed for want of host pages
-            "swapped_out_requests": self.swapper.num_swapped_out if self.swapper else 0,
-            "swapped_in_requests": self.swapper.num_swapped_in if self.swapper else 0,
-            "swap_pages_used": kv.num_swap_used,
-            "swap_pages_total": kv.num_swap_pages,
-            "swap_fallbacks": self.swapper.num_fallbacks if self.swapper else 0,
-            "swap_seconds": s["swap_seconds"],
-            "prefix_queries": queries,
-            "prefix_hits": s["prefix_hits"],
-            "prefix_hit_rate": s["prefix_hits"] / queries if queries else 0.0,
-            "kv_pages_total": kv.num_pages,
-            "kv_pool_sizing": info.kv_pool_sizing,
-            "kv_pages_used": kv.num_used,
-            "kv_pages_peak": kv.peak_used,
-            "kv_pages_cached": kv.num_cached,
-            "kv_pages_evicted": kv.num_evictions,
-            "host_seconds": s["host_seconds"],
-            "device_seconds": s["device_seconds"],
-            "num_running": self.num_running,
-            "num_waiting": self.num_waiting,
-            # the ITL controller's token budget per step; max_num_batched_tokens without one
-            "prefill_budget": (
-                self.itl.budget if self.itl else self.config.scheduler.max_num_batched_tokens
-            ),
-        }
-
-
-def _or(value: float | None, default: float | None) -> float | None:
-    return default if value is None else value
+        return engine_stats(self, self._stats, self._bucket_hist)

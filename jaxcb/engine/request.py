@@ -82,6 +82,11 @@ class Request:
     # Admission (reserve | predicted): K/V positions the request was promised pages for
     # when admitted; the pages it does not hold yet stay spoken for. 0: none (greedy).
     num_reserved_tokens: int = 0
+    # Async scheduling: tokens that dispatched steps are sampling for it and the host has
+    # not read back yet (0 or 1 when a step is scheduled; 2 briefly, while the engine reads
+    # the older one). They count in num_tokens: the next step is scheduled as if they were
+    # here, and the device feeds them in (ScheduledChunk.prev_sample_row).
+    num_inflight: int = 0
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -94,7 +99,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_inflight
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -115,6 +120,13 @@ class Request:
         return self.num_uncomputed_tokens == 1
 
     @property
+    def reached_max_tokens(self) -> bool:
+        """Its tokens in flight take it to max_tokens: it finishes when they are read back,
+        so it is never scheduled again (async scheduling; without tokens in flight such a
+        request has finished already)."""
+        return len(self.output_token_ids) + self.num_inflight >= self.max_tokens
+
+    @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
@@ -129,5 +141,5 @@ class Request:
             self.finish_reason, self.stop_reason = "stop", None
         elif token in self.params.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", token
-        elif len(self.output_token_ids) >= self.max_tokens or self.num_tokens >= max_model_len:
+        elif len(self.output_token_ids) >= self.max_tokens or len(self.token_ids) >= max_model_len:
             self.finish_reason = "length"

@@ -18,6 +18,9 @@ class ScheduledChunk:
     request: Request
     start: int  # position of the first token fed this step (= num_computed_tokens before)
     num_tokens: int  # tokens fed this step
+    # Async scheduling: the row of the step in flight whose sampled token is this chunk's
+    # last input token (the host has not read it back yet); -1: every input is on the host.
+    prev_sample_row: int = -1
 
     @property
     def end(self) -> int:
@@ -25,7 +28,8 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the newest token, so the step samples the next one."""
+        """The chunk reaches the newest token, so the step samples the next one. (Asked
+        before the step runs: the tokens it samples move the request's newest token on.)"""
         return self.end == self.request.num_tokens
 
     @property

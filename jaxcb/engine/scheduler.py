@@ -208,6 +208,8 @@ class Scheduler(BaseScheduler):
                     continue  # preempted earlier in this step, or already given its tokens
                 if request.is_decoding != decode_pass or budget == 0:
                     continue
+                if request.reached_max_tokens:
+                    continue  # its token in flight is its last (async scheduling)
                 n = min(request.num_uncomputed_tokens, budget, self.long_prefill_token_threshold)
                 num_preempted = len(out.preempted)
                 reserved = self._reserve_pages(request, n, scheduled, out)
@@ -267,6 +269,10 @@ class Scheduler(BaseScheduler):
         join the prefix cache."""
         for chunk in output.chunks:
             request = chunk.request
+            if request.finished:
+                # (async scheduling: it stopped on the token the step before this one
+                # sampled; what this step computed for it is dropped, its pages are free)
+                continue
             request.num_computed_tokens = chunk.end
             if self.enable_prefix_caching:
                 self._register_full_pages(request)

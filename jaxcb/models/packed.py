@@ -158,9 +158,16 @@ def _cannot_run(kernel: str, dtype: Any, tensor_parallel_size: int) -> list[str]
 
 
 def prepare_cpu_params(
-    params: Params, infos: Params, *, pack: str | None, greedy_screen: bool
+    params: Params,
+    infos: Params,
+    *,
+    pack: str | None,
+    greedy_screen: bool,
+    platform: str | None = None,
 ) -> tuple[Params, Params]:
-    """The params (and their declarations) as the CPU runs them best; unchanged elsewhere.
+    """The params (and their declarations) as the CPU runs them best; unchanged elsewhere
+    (`platform`: where the step will run, default jax's backend; a compile for an absent
+    accelerator names it).
 
     - A bfloat16 embedding table is stored as raw uint16 bits. XLA's CPU backend has no
       bfloat16 gather: looking up a few rows converted the whole table to float32 in every
@@ -170,7 +177,7 @@ def prepare_cpu_params(
       that fits its layout becomes {pack: packed}, and a float32 lm_head packed for a float32
       kernel gains its bf16 screen (`greedy_screen`).
     """
-    if jax.default_backend() != "cpu":
+    if (platform or jax.default_backend()) != "cpu":
         return params, infos
     params, infos = _embed_as_bits(params, infos)
     if pack:

@@ -9,6 +9,7 @@ sizing weighs a device's spare memory against its share.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -45,8 +46,11 @@ class DeviceState:
 jax.tree_util.register_dataclass(DeviceState, data_fields=["kv_caches"], meta_fields=[])
 
 
-def resolve_kv_cache_dtype(name: str, model_dtype: jnp.dtype, attention: str) -> jnp.dtype:
-    """ "auto": the model's dtype, except float32 with the "xla" backend on CPU.
+def resolve_kv_cache_dtype(
+    name: str, model_dtype: jnp.dtype, attention: str, platform: str | None = None
+) -> jnp.dtype:
+    """ "auto": the model's dtype, except float32 with the "xla" backend on CPU (`platform`:
+    where the step will run, default jax's backend).
 
     XLA's CPU backend cannot update a bfloat16 buffer in place with a scatter: every KV write
     copies the whole layer's pool (17 ms per write for a 2112-page pool, against 0.01 ms in
@@ -54,7 +58,7 @@ def resolve_kv_cache_dtype(name: str, model_dtype: jnp.dtype, attention: str) ->
     """
     if name != "auto":
         return jnp.dtype(name)
-    if attention == "xla" and jax.default_backend() == "cpu":
+    if attention == "xla" and (platform or jax.default_backend()) == "cpu":
         return jnp.dtype(jnp.float32)
     return jnp.dtype(model_dtype)
 
@@ -66,7 +70,48 @@ def page_bytes(spec: ModelSpec, page_size: int, itemsize: int) -> int:
     )
 
 
-def resolve_num_pages(
+@dataclass(frozen=True)
+class PoolSizing:
+    """How the pool's page count was decided: what the start-up log and stats() say.
+
+    `source`: "num_pages" or "kv_cache_memory_gb" (given), "cpu budget" (auto on CPU:
+    CPU_AUTO_BUDGET_BYTES less the weights), or "device memory" (auto on an accelerator, or
+    for an absent target: its memory limit x memory_utilization, less what is in use, the
+    weights' share and the compiled step's own buffers). Bytes are per device.
+    """
+
+    num_pages: int
+    source: str
+    wanted_pages: int  # max_num_seqs sequences of max_model_len
+    page_bytes: int  # one page's share on one device
+    memory_limit_bytes: int = 0  # what the device's allocator may hand out (0: not used)
+    utilization: float = 0.0
+    in_use_bytes: int = 0  # already allocated when sized (weights restored to the device)
+    params_bytes: int = 0  # the weights' share, not yet on the device
+    program_bytes: int = 0  # the compiled step's temporaries and fresh outputs (largest)
+
+    @property
+    def spare_bytes(self) -> int:
+        """What the pool may take: the limit x utilization less everything else."""
+        budget = self.memory_limit_bytes * (self.utilization if self.source != "cpu budget" else 1)
+        return max(0, int(budget) - self.in_use_bytes - self.params_bytes - self.program_bytes)
+
+    def describe(self) -> str:
+        if self.source in ("num_pages", "kv_cache_memory_gb"):
+            return f"{self.num_pages} pages: {self.source} given"
+        gb = 1e9
+        why = (
+            f"limit {self.memory_limit_bytes / gb:.2f} GB"
+            + (f" x {self.utilization:g}" if self.source != "cpu budget" else "")
+            + f" - in use {self.in_use_bytes / gb:.2f} - weights {self.params_bytes / gb:.2f}"
+            + f" - compiled step {self.program_bytes / gb:.2f} = {self.spare_bytes / gb:.2f} GB"
+            + f" per device, {self.page_bytes} bytes a page"
+        )
+        capped = " (max_num_seqs x max_model_len)" if self.num_pages == self.wanted_pages else ""
+        return f"{self.num_pages} pages{capped} from {self.source}: {why}"
+
+
+def size_kv_pool(
     cache: CacheConfig,
     spec: ModelSpec,
     *,
@@ -76,37 +121,75 @@ def resolve_num_pages(
     params_bytes: int = 0,
     tensor_parallel_size: int = 1,
     device: jax.Device | None = None,
-) -> int:
-    """Pages in the pool; `params_bytes`: weights not yet on the devices when this is called
-    (all of them: each of the `tensor_parallel_size` devices holds its share)."""
+    memory_limit_bytes: int | None = None,
+    program_bytes: int = 0,
+) -> PoolSizing:
+    """The pool's page count and how it was found. `params_bytes`: weights not yet on the
+    devices when this is called (all of them: each of the `tensor_parallel_size` devices
+    holds its share). `memory_limit_bytes`: a device's memory for a target that is not
+    present (runtime/aot.py); else the device's allocator limit is read. `program_bytes`:
+    per device, the compiled step's temporaries and fresh outputs (runtime/aot.py's
+    `program_bytes` of the largest bucket), which the pool must leave room for."""
+    tp = tensor_parallel_size
     per_page = page_bytes(spec, cache.page_size, itemsize)
     min_pages = pages_per_seq(max_model_len, cache.page_size)
+    wanted = max_num_seqs * min_pages
     if cache.num_pages is not None:
-        num_pages = cache.num_pages
+        sizing = PoolSizing(cache.num_pages, "num_pages", wanted, -(-per_page // tp))
     elif cache.kv_cache_memory_gb is not None:
         num_pages = int(cache.kv_cache_memory_gb * GIB // per_page)
+        sizing = PoolSizing(num_pages, "kv_cache_memory_gb", wanted, -(-per_page // tp))
     else:
-        wanted = max_num_seqs * min_pages
-        tp = tensor_parallel_size
-        spare = _spare_device_bytes(cache.memory_utilization, device) - params_bytes // tp
-        num_pages = min(wanted, max(0, spare) // -(-per_page // tp))
-    if num_pages < min_pages:
-        raise ValueError(
-            f"the KV pool has {num_pages} pages of {cache.page_size} tokens "
-            f"({num_pages * cache.page_size} tokens), fewer than max_model_len={max_model_len} "
-            f"needs ({min_pages} pages); raise num_pages / kv_cache_memory_gb or lower "
-            "max_model_len"
+        limit, in_use = _device_memory(device, memory_limit_bytes)
+        sizing = PoolSizing(
+            0,
+            "cpu budget" if limit is None else "device memory",
+            wanted,
+            -(-per_page // tp),
+            memory_limit_bytes=CPU_AUTO_BUDGET_BYTES if limit is None else limit,
+            utilization=cache.memory_utilization,
+            in_use_bytes=in_use,
+            params_bytes=params_bytes // tp,
+            program_bytes=program_bytes if limit is not None else 0,
         )
-    return num_pages
+        num_pages = min(wanted, sizing.spare_bytes // sizing.page_bytes)
+        sizing = dataclasses.replace(sizing, num_pages=num_pages)
+    if sizing.num_pages < min_pages:
+        raise ValueError(
+            f"the KV pool has {sizing.num_pages} pages of {cache.page_size} tokens "
+            f"({sizing.num_pages * cache.page_size} tokens), fewer than max_model_len="
+            f"{max_model_len} needs ({min_pages} pages); raise num_pages / kv_cache_memory_gb "
+            f"or lower max_model_len ({sizing.describe()})"
+        )
+    return sizing
 
 
-def _spare_device_bytes(utilization: float, device: jax.Device | None = None) -> int:
+def _device_memory(
+    device: jax.Device | None, memory_limit_bytes: int | None
+) -> tuple[int | None, int]:
+    """(allocator limit, bytes in use) of the device; (None, 0) on CPU (no limit known).
+    `memory_limit_bytes` stands for an absent device: nothing is in use on it."""
+    if memory_limit_bytes is not None:
+        return memory_limit_bytes, 0
     device = device or jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
-        return CPU_AUTO_BUDGET_BYTES
-    free = stats["bytes_limit"] * utilization - stats.get("bytes_in_use", 0)
-    return max(0, int(free))
+        return None, 0
+    return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+
+
+def abstract_state(
+    spec: ModelSpec,
+    *,
+    num_pages: int,
+    page_size: int,
+    dtype: jnp.dtype,
+    sharding: jax.sharding.Sharding,
+) -> DeviceState:
+    """The state's shapes and shardings, no memory: for compiling for an absent target."""
+    shape = kv_pages_shape(num_pages, page_size, spec.num_kv_heads, spec.head_dim)
+    page = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    return DeviceState([(page, page) for _ in range(spec.num_layers)])
 
 
 def init_state(

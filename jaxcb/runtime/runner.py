@@ -1,7 +1,9 @@
 """ModelRunner: owns params and device state, compiles every bucket ahead of time, runs steps.
 
 It is the engine's `Runner` (engine/interface.py): `prepare` packs a scheduled step into the
-bucket's fixed-shape arrays, `execute` runs the bucket's compiled step on them.
+bucket's fixed-shape arrays, `execute` runs the bucket's compiled step on them and waits for
+its tokens; `dispatch` and `collect` are its two halves, for async scheduling (the engine
+packs the next step while this one runs).
 
 The runner works on a mesh (runtime/sharding.py): one device, or `tensor_parallel_size`
 devices over which the params and the KV pages are sharded. The step is jitted with explicit
@@ -11,10 +13,13 @@ tokens replicated), so the same buckets compile into one SPMD program per bucket
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -22,12 +27,13 @@ import numpy as np
 
 from jaxcb.engine.buckets import Bucket
 from jaxcb.engine.interface import StepResult
-from jaxcb.engine.scheduler import SchedulerOutput
+from jaxcb.engine.schedule import SchedulerOutput
 from jaxcb.models.base import AttentionBackend, ModelSpec, Params
 from jaxcb.models.packed import prepare_cpu_params
 from jaxcb.runtime import sharding
 from jaxcb.runtime import step as step_module
-from jaxcb.runtime.kv_cache import HostSwapPool, init_state
+from jaxcb.runtime.kv_cache import HostSwapPool, abstract_state, init_state
+from jaxcb.runtime.prompt_logprobs import PromptLogprobsOutput
 from jaxcb.runtime.step_input import (
     FLAG_PROMPT_TOP_LOGPROBS,
     FLAG_TOP_LOGPROBS,
@@ -35,8 +41,20 @@ from jaxcb.runtime.step_input import (
     empty_step_input,
     pack_step_input,
 )
+from jaxcb.sampling import SamplingOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingStep:
+    """A dispatched step whose outputs are still (or may still be) computing."""
+
+    out: SamplingOutput
+    prompt_out: PromptLogprobsOutput
+    num_prompt_rows: int  # prompt logprob rows it computes (0: none)
+    want_top: bool  # some sampled row wants its top logprobs
+    want_prompt_top: bool  # some prompt logprob row wants its top-k
 
 
 class ModelRunner:
@@ -57,6 +75,7 @@ class ModelRunner:
         pack_matmuls: str | None = None,
         greedy_screen: bool = True,
         num_swap_pages: int = 0,
+        abstract: bool = False,
     ) -> None:
         """`infos`: the params' declarations (the family's `param_infos`: shapes, logical
         axes). `pack_matmuls`: a native matmul kernel ("amx", "avx512_bf16", "avx512") to run
@@ -64,7 +83,10 @@ class ModelRunner:
         models/packed.py). `greedy_screen`: with "avx512", also keep the bf16 screen of the
         float32 lm_head that finds greedy tokens at bf16 cost (if this CPU has AVX512-BF16).
         `num_swap_pages`: host slots for pages preempted by swap (0: none; kv_cache.py's
-        HostSwapPool)."""
+        HostSwapPool). `abstract`: `params` are jax.ShapeDtypeStructs and no KV pool is
+        allocated; such a runner only compiles (`compile`, `compiled_step`) and cannot run a
+        step: for a target that is not present (runtime/aot.py, on its compile-only
+        devices), or to measure the compiled step's memory before the pool is sized."""
         self.spec = spec
         self.page_size = page_size
         self.pages_per_seq = pages_per_seq
@@ -72,24 +94,31 @@ class ModelRunner:
         self.mesh = mesh = mesh if mesh is not None else sharding.replica_mesh(1)
         tp = sharding.tensor_parallel_size(mesh)
         attention = sharding.shard_attention(attention, mesh)  # per KV-head shard if tp > 1
-        params, infos = prepare_cpu_params(
-            params, infos, pack=pack_matmuls, greedy_screen=greedy_screen
-        )
+        platform = mesh.devices.flat[0].platform  # a compile-only device's too
+        if abstract and (pack_matmuls or num_swap_pages):
+            raise ValueError("an abstract runner takes no packed matmuls and no swap pool")
+        if not abstract:  # (the CPU's packing reads the weights)
+            params, infos = prepare_cpu_params(
+                params, infos, pack=pack_matmuls, greedy_screen=greedy_screen, platform=platform
+            )
         rules = sharding.rules_for(spec, tp)
         self._replicated = sharding.replicated(mesh)
         if pack_matmuls:  # one device: packed weights are never sharded
             self.param_shardings = jax.tree_util.tree_map(lambda _: self._replicated, params)
         else:
             self.param_shardings = sharding.param_shardings(infos, mesh, rules)
-        self.params = sharding.shard_params(params, self.param_shardings)
         self.kv_sharding = sharding.kv_pages_sharding(mesh)
-        self.state = init_state(
-            spec,
-            num_pages=num_pages,
-            page_size=page_size,
-            dtype=kv_cache_dtype,
-            sharding=self.kv_sharding,
-        )
+        pool = dict(num_pages=num_pages, page_size=page_size, dtype=kv_cache_dtype)
+        if abstract:
+            self.params = jax.tree_util.tree_map(
+                lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
+                params,
+                self.param_shardings,
+            )
+            self.state = abstract_state(spec, sharding=self.kv_sharding, **pool)
+        else:
+            self.params = sharding.shard_params(params, self.param_shardings)
+            self.state = init_state(spec, sharding=self.kv_sharding, **pool)
         state_shardings = jax.tree_util.tree_map(lambda _: self.kv_sharding, self.state)
         # The static arguments are bound here: jit takes no keyword arguments alongside
         # in_shardings.
@@ -104,7 +133,13 @@ class ModelRunner:
             step,
             donate_argnames=("state",),
             in_shardings=(self.param_shardings, state_shardings, self._replicated),
-            out_shardings=(self._replicated, self._replicated, self._replicated, state_shardings),
+            out_shardings=(
+                self._replicated,
+                self._replicated,
+                self._replicated,
+                state_shardings,
+                self._replicated,  # the sampled tokens for the next step (async scheduling)
+            ),
         )
         self.swap_pool = None
         if num_swap_pages > 0:
@@ -122,30 +157,72 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self._compiled: dict[Bucket, jax.stages.Compiled] = {}
         self._no_penalty_tokens: dict[Bucket, jax.Array] = {}
+        # The last step's sampled tokens on device, i32[num_sampled_rows] (the largest
+        # bucket's S, so one shape for every bucket): a step packed before its predecessor's
+        # tokens were read back takes its decode inputs from here (StepInput.prev_rows).
+        self.num_sampled_rows = 0
+        self._sampled: jax.Array | None = None
         self.compile_seconds: dict[int, float] = {}
+        self.bucket_compile_seconds: dict[Bucket, float] = {}
+        self.lower_seconds: dict[Bucket, float] = {}
 
-    def compile(self, buckets: tuple[Bucket, ...], progress: bool = False) -> float:
-        """AOT-compile the step for every bucket; returns total seconds."""
-        items = buckets
-        if progress:
-            from tqdm.auto import tqdm
+    def compile(
+        self, buckets: tuple[Bucket, ...], progress: bool = False, threads: int = 1
+    ) -> float:
+        """AOT-compile the step for every bucket; returns the seconds summed over buckets
+        (each bucket's lowering and compile; with threads, more than the wall time).
 
-            items = tqdm(buckets, desc="compiling buckets", unit="bucket", leave=False)
-        total = 0.0
-        for bucket in items:
-            t0 = time.perf_counter()
-            example = empty_step_input(bucket, self.pages_per_seq, self.max_model_len)
-            lowered = self._step.lower(self.params, self.state, example)
-            self._compiled[bucket] = lowered.compile()
-            seconds = time.perf_counter() - t0
-            # per token bucket (its sequence-row variants summed)
-            t = bucket.num_tokens
-            self.compile_seconds[t] = self.compile_seconds.get(t, 0.0) + seconds
-            total += seconds
-            logger.info(
-                "compiled bucket T=%d S=%d in %.2fs", bucket.num_tokens, bucket.num_seqs, seconds
+        `threads` > 1: the buckets are lowered one after another (tracing is Python and
+        holds the GIL), then compiled that many at a time (XLA's compiler releases it)."""
+        rows = max(b.num_seqs for b in buckets)
+        if self._compiled and rows > self.num_sampled_rows:
+            raise ValueError(
+                f"buckets of {rows} sequence rows need a larger sampled-token buffer than the "
+                f"{self.num_sampled_rows} rows already compiled: compile every bucket at once"
             )
+        self.num_sampled_rows = max(self.num_sampled_rows, rows)
+        lowered = {}
+        for bucket in buckets:
+            t0 = time.perf_counter()
+            lowered[bucket] = self.trace_step(bucket).lower()
+            self.lower_seconds[bucket] = time.perf_counter() - t0
+
+        def compile_one(bucket: Bucket) -> tuple[Bucket, jax.stages.Compiled, float]:
+            t0 = time.perf_counter()
+            compiled = lowered[bucket].compile()
+            return bucket, compiled, self.lower_seconds[bucket] + time.perf_counter() - t0
+
+        total = 0.0
+        with ThreadPoolExecutor(threads) if threads > 1 else contextlib.nullcontext() as pool:
+            done = pool.map(compile_one, buckets) if pool else map(compile_one, buckets)
+            if progress:
+                from tqdm.auto import tqdm
+
+                done = tqdm(
+                    done, total=len(buckets), desc="compiling buckets", unit="bucket", leave=False
+                )
+            for bucket, compiled, seconds in done:
+                self._compiled[bucket] = compiled
+                # per token bucket (its sequence-row variants summed)
+                t = bucket.num_tokens
+                self.compile_seconds[t] = self.compile_seconds.get(t, 0.0) + seconds
+                self.bucket_compile_seconds[bucket] = seconds
+                total += seconds
+                logger.info("compiled bucket T=%d S=%d in %.2fs", t, bucket.num_seqs, seconds)
         return total
+
+    def trace_step(self, bucket: Bucket) -> jax.stages.Traced:
+        """The step traced for the bucket's shapes: what `compile` lowers (its jaxpr names
+        the Pallas kernels and the cost estimates they declare)."""
+        example = empty_step_input(
+            bucket, self.pages_per_seq, self.max_model_len, self.num_sampled_rows
+        )
+        return self._step.trace(self.params, self.state, example)
+
+    def compiled_step(self, bucket: Bucket) -> jax.stages.Compiled:
+        """The bucket's compiled step (after `compile`): its memory_analysis and
+        cost_analysis are what runtime/aot.py reports."""
+        return self._compiled[bucket]
 
     def prepare(self, sched: SchedulerOutput, bucket: Bucket) -> StepInput:
         return pack_step_input(
@@ -158,6 +235,12 @@ class ModelRunner:
         )
 
     def execute(self, bucket: Bucket, inp: StepInput) -> StepResult:
+        """Run the step and wait for its tokens."""
+        return self.collect(self.dispatch(bucket, inp))
+
+    def dispatch(self, bucket: Bucket, inp: StepInput) -> PendingStep:
+        """Start the bucket's compiled step and return without waiting for it: jax
+        dispatches asynchronously while nothing reads the outputs (`collect` does)."""
         compiled = self._compiled[bucket]
         if inp.penalty_tokens is None:
             if bucket not in self._no_penalty_tokens:
@@ -166,10 +249,26 @@ class ModelRunner:
                     np.zeros(shape, np.int32), self._replicated
                 )
             inp.penalty_tokens = self._no_penalty_tokens[bucket]
-        out, prompt_out, _logits, self.state = compiled(self.params, self.state, inp)  # step()
-        want_top = bool(inp.flags[FLAG_TOP_LOGPROBS])
+        if self._sampled is None:
+            rows = max(self.num_sampled_rows, bucket.num_seqs)
+            self._sampled = jax.device_put(np.zeros(rows, np.int32), self._replicated)
+        inp.prev_token_ids = self._sampled
+        # step()
+        out, prompt_out, _logits, self.state, self._sampled = compiled(self.params, self.state, inp)
         num_prompt_rows = int(inp.num_prompt_logprob_rows[0])
-        want_prompt_top = num_prompt_rows > 0 and bool(inp.flags[FLAG_PROMPT_TOP_LOGPROBS])
+        return PendingStep(
+            out,
+            prompt_out,
+            num_prompt_rows=num_prompt_rows,
+            want_top=bool(inp.flags[FLAG_TOP_LOGPROBS]),
+            want_prompt_top=num_prompt_rows > 0 and bool(inp.flags[FLAG_PROMPT_TOP_LOGPROBS]),
+        )
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        """Wait for a dispatched step and read back what the host needs of it."""
+        out, prompt_out = pending.out, pending.prompt_out
+        want_top, want_prompt_top = pending.want_top, pending.want_prompt_top
+        num_prompt_rows = pending.num_prompt_rows
         wanted = {
             "token_ids": out.token_ids,
             "logprobs": out.logprobs,

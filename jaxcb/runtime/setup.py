@@ -33,12 +33,13 @@ from jaxcb.models.base import ModelSpec
 from jaxcb.models.default_model import DEFAULT_NAME
 from jaxcb.models.loader import LoadedModel, load_model
 from jaxcb.models.packed import matmul_backend, matmul_report
-from jaxcb.runtime import compile_cache, sharding
+from jaxcb.runtime import aot, compile_cache, sharding
 from jaxcb.runtime.kv_cache import (
+    PoolSizing,
     num_swap_pages,
     page_bytes,
     resolve_kv_cache_dtype,
-    resolve_num_pages,
+    size_kv_pool,
 )
 from jaxcb.runtime.runner import ModelRunner
 from pallas_kernels.ragged_paged_attention import pages_per_seq
@@ -121,20 +122,21 @@ def build_runner(
     )
     cpu_kernels = _cpu_kernels(config, matmul, dtype, sharding.tensor_parallel_size(mesh))
     kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, dtype, attention.name)
-    num_pages = resolve_num_pages(
-        cache,
-        spec,
-        itemsize=kv_dtype.itemsize,
-        max_model_len=max_model_len,
-        max_num_seqs=sched.max_num_seqs,
-        params_bytes=_host_bytes(model.params),
-        tensor_parallel_size=config.parallel.tensor_parallel_size,
-        device=mesh.devices.flat[0],
-    )
     token_buckets = sched.token_buckets or default_token_buckets(
         sched.max_num_batched_tokens, smallest=smallest_token_bucket(matmul)
     )
     buckets = make_buckets(token_buckets, sched.max_num_seqs, sched.seq_buckets)
+    runner_args = dict(
+        kv_cache_dtype=kv_dtype,
+        page_size=cache.page_size,
+        pages_per_seq=pages_per_seq(max_model_len, cache.page_size),
+        max_model_len=max_model_len,
+        attention=attention,
+        num_top_logprobs=MAX_TOP_LOGPROBS,
+        mesh=mesh,
+    )
+    pool = _size_pool(config, model, max_model_len, buckets, runner_args)
+    num_pages = pool.num_pages
     swap_pages = 0
     swapping = sched.preemption_mode != "recompute" and sched.batching == "continuous"
     if swapping:
@@ -145,17 +147,11 @@ def build_runner(
         spec,
         model.params,
         registry.param_infos(spec),
-        kv_cache_dtype=kv_dtype,
         num_pages=num_pages,
-        page_size=cache.page_size,
-        pages_per_seq=pages_per_seq(max_model_len, cache.page_size),
-        max_model_len=max_model_len,
-        attention=attention,
-        num_top_logprobs=MAX_TOP_LOGPROBS,
-        mesh=mesh,
         pack_matmuls=None if matmul == "xla" else matmul,
         greedy_screen=config.kernels.greedy_screen,
         num_swap_pages=swap_pages,
+        **runner_args,
     )
     compile_seconds, cache_figures = _compile(runner, buckets, config, compile_progress)
     compile_seconds += runner.compile_swap()
@@ -186,6 +182,7 @@ def build_runner(
         page_size=cache.page_size,
         num_pages=num_pages,
         kv_cache_bytes=num_pages * page_bytes(spec, cache.page_size, kv_dtype.itemsize),
+        kv_pool_sizing=pool.describe(),
         kv_cache_dtype=str(kv_dtype),
         attention_backend=attention.name,
         matmul_backend=matmul,
@@ -199,6 +196,7 @@ def build_runner(
         swap_bytes_per_s=swap_bytes_per_s,
     )
     _log_ready(info, config)
+    logger.info("KV pool: %s", pool.describe())
     return runner, info, model
 
 
@@ -243,6 +241,51 @@ def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
             f"max_position_embeddings={spec.max_position_embeddings}"
         )
     return max_model_len
+
+
+def _size_pool(
+    config: EngineConfig,
+    model: LoadedModel,
+    max_model_len: int,
+    buckets: tuple[Bucket, ...],
+    runner_args: dict[str, Any],
+) -> PoolSizing:
+    """The KV pool's page count (kv_cache.size_kv_pool) and how it was found.
+
+    Sized from an accelerator's memory (auto sizing), the pool leaves room for the compiled
+    step's own buffers: the largest bucket is compiled once beforehand on an abstract runner
+    (no memory taken; runtime/aot.py) with the pool sized without them, and its temporaries
+    and fresh outputs are measured. That is one compile more at start-up (a cache hit on
+    later starts); with num_pages or kv_cache_memory_gb given, or on CPU, there is none."""
+    spec, cache = model.spec, config.cache
+
+    def size(program_bytes: int = 0) -> PoolSizing:
+        return size_kv_pool(
+            cache,
+            spec,
+            itemsize=runner_args["kv_cache_dtype"].itemsize,
+            max_model_len=max_model_len,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            params_bytes=_host_bytes(model.params),
+            tensor_parallel_size=config.parallel.tensor_parallel_size,
+            device=runner_args["mesh"].devices.flat[0],
+            program_bytes=program_bytes,
+        )
+
+    pool = size()
+    if pool.source != "device memory":
+        return pool
+    compile_cache.configure(config.compilation_cache)
+    params = registry.abstract_params(spec, jnp.dtype(config.dtype))
+    probe = ModelRunner(
+        spec,
+        params,
+        registry.param_infos(spec),
+        num_pages=pool.num_pages,
+        abstract=True,
+        **runner_args,
+    )
+    return size(aot.measure_program_bytes(probe, buckets))
 
 
 def _host_bytes(params: Any) -> int:

@@ -10,6 +10,7 @@ shardings (runner.py) and `spec`, `attention`, `num_top_logprobs` static; the de
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jaxcb.models import registry
 from jaxcb.models.base import AttentionBackend, AttentionMetadata, ModelSpec, Params
@@ -31,9 +32,14 @@ def step(
     attention: AttentionBackend,
     num_top_logprobs: int,
     logits_shardings: tuple[jax.sharding.Sharding, ...] = (),
-) -> tuple[SamplingOutput, PromptLogprobsOutput, jax.Array, DeviceState]:
+) -> tuple[SamplingOutput, PromptLogprobsOutput, jax.Array, DeviceState, jax.Array]:
     """Sampled tokens, the prompt logprobs asked for (zeros unless some row asked), the
-    logits the tokens were drawn from (f32[S, V]) and the new state.
+    logits the tokens were drawn from (f32[S, V]), the new state, and the sampled tokens
+    again in the next step's `prev_token_ids` buffer (i32[P]).
+
+    Async scheduling: the engine packs step N+1 before it has read step N's tokens back, so
+    a decode row's input token may still be on the device; `inp.prev_rows` says which row of
+    the previous step's buffer holds it (the host never waits for it).
 
     `logits_shardings`: shardings the logits take in turn before sampling. With tensor
     parallelism: by vocabulary (as the vocab-sharded lm_head makes them; otherwise XLA may
@@ -56,10 +62,14 @@ def step(
         num_seqs=inp.num_seqs,
         slot_mapping=inp.slot_mapping,
     )
+    linked = inp.prev_rows >= 0
+    input_ids = jnp.where(
+        linked, inp.prev_token_ids[jnp.where(linked, inp.prev_rows, 0)], inp.input_ids
+    )
     logits, greedy_ids, kv_caches, hidden = registry.family(spec).forward(
         params,
         state.kv_caches,
-        inp.input_ids,
+        input_ids,
         inp.positions,
         inp.logits_indices,
         meta,
@@ -98,4 +108,5 @@ def step(
     prompt_out = prompt_logprobs(
         params, hidden, inp, num_top_logprobs=num_top_logprobs, logits_shardings=logits_shardings
     )
-    return out, prompt_out, logits, DeviceState(kv_caches)
+    sampled = jax.lax.dynamic_update_slice(inp.prev_token_ids, out.token_ids, (0,))
+    return out, prompt_out, logits, DeviceState(kv_caches), sampled

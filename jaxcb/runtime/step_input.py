@@ -59,6 +59,14 @@ class StepInput:
     # i32[S, M]: each row's tokens so far, for penalties; None (a device-resident zero array
     # is used) unless some row has penalties, so most steps send nothing this size.
     penalty_tokens: np.ndarray | jax.Array | None
+    # Async scheduling (engine/llm_engine.py): a decode row whose input token the previous
+    # step sampled, not yet read back by the host, takes it on device: prev_rows[t] is that
+    # token's row in the previous step's sampled tokens, -1 where input_ids holds the token.
+    prev_rows: np.ndarray  # i32[T]
+    # i32[P]: the previous step's sampled tokens (its first S rows), the runner's device
+    # buffer; P is the runner's largest bucket's S, the same for every bucket. None when
+    # packed: the runner fills it in.
+    prev_token_ids: np.ndarray | jax.Array | None
 
     @property
     def num_tokens(self) -> int:
@@ -70,8 +78,11 @@ jax.tree_util.register_dataclass(
 )
 
 
-def empty_step_input(bucket: Bucket, pages_per_seq: int, max_model_len: int) -> StepInput:
-    """An all-padding input of the bucket's shapes (used for compilation)."""
+def empty_step_input(
+    bucket: Bucket, pages_per_seq: int, max_model_len: int, num_sampled_rows: int = 0
+) -> StepInput:
+    """An all-padding input of the bucket's shapes (used for compilation); the previous
+    step's token buffer holds `num_sampled_rows` (at least the bucket's S)."""
     t, s = bucket.num_tokens, bucket.num_seqs
     i32, f32 = np.int32, np.float32
     return StepInput(
@@ -99,6 +110,8 @@ def empty_step_input(bucket: Bucket, pages_per_seq: int, max_model_len: int) -> 
         repetition_penalty=np.ones(s, f32),
         flags=np.zeros(NUM_FLAGS, i32),
         penalty_tokens=np.zeros((s, max_model_len), i32),
+        prev_rows=np.full(t, -1, i32),
+        prev_token_ids=np.zeros(max(s, num_sampled_rows), i32),
     )
 
 
@@ -117,7 +130,7 @@ def pack_step_input(
     element-wise numpy writes cost ~10 µs per sequence, over a millisecond per step of 128.
     """
     inp = empty_step_input(bucket, pages_per_seq, max_model_len=1)
-    inp.penalty_tokens = None
+    inp.penalty_tokens = inp.prev_token_ids = None
     chunks = sched.chunks
     num_seqs = len(chunks)
     reqs = [c.request for c in chunks]
@@ -131,6 +144,8 @@ def pack_step_input(
     token_ids: list[int] = []
     for c in chunks:
         token_ids += c.request.token_ids[c.start : c.end]
+        if c.prev_sample_row >= 0:  # its last token is still on the device (async scheduling)
+            token_ids.append(0)
     seq_of_row = np.repeat(np.arange(num_seqs, dtype=np.int32), lens)
     positions = np.arange(total, dtype=np.int32) + np.repeat(starts - (cu - lens), lens)
     for s, req in enumerate(reqs):
@@ -144,10 +159,15 @@ def pack_step_input(
     inp.cu_q_lens[num_seqs + 1 :] = total
     inp.kv_lens[:num_seqs] = ends
     inp.logits_indices[:num_seqs] = cu - 1
+    linked = [(s, c.prev_sample_row) for s, c in enumerate(chunks) if c.prev_sample_row >= 0]
+    if linked:
+        rows, prev = zip(*linked, strict=True)
+        inp.prev_rows[cu[list(rows)] - 1] = prev
     inp.num_seqs[0] = num_seqs
     inp.num_compute_tokens[0] = min(total + sched.num_padding_tokens, bucket.num_tokens)
     inp.num_prompt_tokens[:num_seqs] = [r.num_prompt_tokens for r in reqs]
-    inp.sample_counters[:num_seqs] = [len(r.output_token_ids) for r in reqs]
+    # (tokens generated so far: those read back, and the one a step in flight is sampling)
+    inp.sample_counters[:num_seqs] = [len(r.output_token_ids) + r.num_inflight for r in reqs]
     inp.rng_keys[:num_seqs, 0] = [(r.seed >> 32) & 0xFFFFFFFF for r in reqs]
     inp.rng_keys[:num_seqs, 1] = [r.seed & 0xFFFFFFFF for r in reqs]
     inp.temperature[:num_seqs] = [p.temperature for p in params]
@@ -170,7 +190,11 @@ def pack_step_input(
     if inp.flags[FLAG_PENALTY]:
         inp.penalty_tokens = np.zeros((bucket.num_seqs, max_model_len), np.int32)
         for s, chunk in enumerate(chunks):
-            inp.penalty_tokens[s, : chunk.end] = chunk.request.token_ids[: chunk.end]
+            # A row linked to a step in flight lacks its newest token here; the engine links
+            # no row with penalties (their history is read here, on the host), so such a
+            # row's history is never used.
+            history = chunk.request.token_ids[: chunk.end]
+            inp.penalty_tokens[s, : len(history)] = history
     return inp
 
 

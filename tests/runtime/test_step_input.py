@@ -162,3 +162,25 @@ def test_prompt_logprob_rows_follow_the_chunks():
         top_logprobs=5,
     )
     assert plain.num_prompt_logprob_rows[0] == 0 and plain.flags[FLAG_PROMPT_TOP_LOGPROBS] == 0
+
+
+def test_a_token_in_flight_is_linked_to_its_row():
+    """Async scheduling: `dec`'s newest token is still being sampled by the step in flight
+    (row 2 there): its input row takes that row's token on device, the host packs 0, and
+    its seeded draw counts the token in flight among those generated."""
+    greedy = SamplingParams(temperature=0)
+    dec = request("dec", [1, 2, 3, 4, 5], [7, 3], greedy, seed=0)
+    dec.append_token(6)
+    dec.num_inflight = 1  # token 7, at position 6
+    other = request("other", [10, 11, 12], [4], greedy, seed=1)
+    other.append_token(13)
+    sched = SchedulerOutput(
+        chunks=[ScheduledChunk(other, 3, 1), ScheduledChunk(dec, 6, 1, prev_sample_row=2)]
+    )
+    inp = pack(sched, Bucket(16, 4), pages_per_seq=3, max_model_len=32, top_logprobs=0)
+    np.testing.assert_array_equal(inp.input_ids[:2], [13, 0])
+    np.testing.assert_array_equal(inp.prev_rows[:3], [-1, 2, -1])
+    assert (inp.prev_rows[2:] == -1).all() and inp.prev_token_ids is None
+    np.testing.assert_array_equal(inp.positions[:2], [3, 6])
+    np.testing.assert_array_equal(inp.kv_lens[:2], [4, 7])
+    np.testing.assert_array_equal(inp.sample_counters[:2], [1, 2])

@@ -1,0 +1,70 @@
+"""LLMEngine.stats(): the engine's counters, its KV pool and its runtime in one dict (what
+`LLM.stats()`, the server's metrics and the benchmarks read)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxcb.engine.llm_engine import LLMEngine
+
+
+def engine_stats(
+    engine: LLMEngine, counters: Counter[str], bucket_hist: Counter[int]
+) -> dict[str, Any]:
+    """`counters`: the engine's running totals; `bucket_hist`: steps per token bucket."""
+    s, info, kv = counters, engine.info, engine.kv_usage()
+    slots, queries = s["token_slots"], s["prefix_queries"]
+    return {
+        "steps": s["steps"],
+        "requests": s["requests"],
+        "aborted": s["aborted"],
+        "prompt_tokens": s["prompt_tokens"],
+        "generated_tokens": s["generated_tokens"],
+        "bucket_histogram": dict(sorted(bucket_hist.items())),
+        "padding_fraction": (slots - s["tokens_scheduled"]) / slots if slots else 0.0,
+        "compile_seconds": info.compile_seconds,
+        "compile_cache": dict(info.compile_cache),
+        "compile_seconds_per_bucket": dict(info.compile_seconds_per_bucket),
+        "kernels": {
+            "attention": info.attention_backend,
+            "matmul": info.matmul_backend,
+            **info.cpu_kernels,
+        },
+        "preemptions": s["preemptions"],
+        # computed tokens the preempted requests dropped (prefix cache hits not subtracted)
+        "recomputed_tokens": s["recomputed_tokens"],
+        "admitted_idle_pages": engine.scheduler.admitted_idle_pages,
+        "predicted_output_len": engine.scheduler.predicted_output_len,
+        "failed": s["failed"],
+        # preemption by swap (engine/swap.py): victims whose pages went to host memory,
+        # of them resumed, host pages held now, victims recomputed for want of host pages
+        "swapped_out_requests": engine.swapper.num_swapped_out if engine.swapper else 0,
+        "swapped_in_requests": engine.swapper.num_swapped_in if engine.swapper else 0,
+        "swap_pages_used": kv.num_swap_used,
+        "swap_pages_total": kv.num_swap_pages,
+        "swap_fallbacks": engine.swapper.num_fallbacks if engine.swapper else 0,
+        "swap_seconds": s["swap_seconds"],
+        "prefix_queries": queries,
+        "prefix_hits": s["prefix_hits"],
+        "prefix_hit_rate": s["prefix_hits"] / queries if queries else 0.0,
+        "kv_pages_total": kv.num_pages,
+        "kv_pool_sizing": info.kv_pool_sizing,
+        "kv_pages_used": kv.num_used,
+        "kv_pages_peak": kv.peak_used,
+        "kv_pages_cached": kv.num_cached,
+        "kv_pages_evicted": kv.num_evictions,
+        "host_seconds": s["host_seconds"],
+        "device_seconds": s["device_seconds"],
+        # async scheduling: on or not, and the steps that waited for the previous step's
+        # tokens first (rows with penalties read them on the host)
+        "async_scheduling": engine.async_scheduling,
+        "async_drains": s["async_drains"],
+        "num_running": engine.num_running,
+        "num_waiting": engine.num_waiting,
+        # the ITL controller's token budget per step; max_num_batched_tokens without one
+        "prefill_budget": (
+            engine.itl.budget if engine.itl else engine.config.scheduler.max_num_batched_tokens
+        ),
+    }

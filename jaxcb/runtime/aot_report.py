@@ -1,0 +1,334 @@
+"""What a compiled step says of itself on its target, per bucket, and the roofline it implies.
+
+From an `AotBuild` (runtime/aot.py): each bucket's memory (memory_analysis: arguments,
+outputs, temporaries, aliased), whether the weights, the KV pool and the largest program's
+own buffers fit a chip, flops and bytes accessed, the roofline time of one step
+(max(flops / peak, bytes / bandwidth), per chip: an SPMD program's figures are one
+device's) and the decode rate it implies (S sequences / step time), and the bytes accessed
+against the ideal (`ideal_step_bytes`).
+
+Flops and bytes come from XLA's cost model of the optimized program: `cost_analysis()` on
+TPU; the GPU client does not implement it, so there XLA's HLO cost analysis is run over the
+compiled module's HLO through the CPU client (the same analysis; fusions counted as XLA
+fused them). It counts what the program would touch, whatever the live lengths: Pallas
+kernels count as the `pl.CostEstimate` they declare, and of two `lax.cond` branches the
+heavier one.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import jax
+
+from jaxcb.engine.buckets import Bucket
+from jaxcb.models.base import ModelSpec
+from jaxcb.runtime.aot import AotBuild, program_bytes
+
+GB = 1e9
+TRITON_CALL = 'custom_call_target="__gpu$xla.gpu.triton"'  # a Pallas Triton kernel in HLO
+
+
+@dataclass(frozen=True)
+class BucketReport:
+    num_tokens: int
+    num_seqs: int
+    compile_seconds: float
+    argument_bytes: int  # per device: weights, KV pool, step inputs
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int  # outputs written in place of a donated argument (the KV pool)
+    program_bytes: int  # temporaries + outputs not aliased
+    fits: bool  # arguments + program_bytes <= the chip's memory limit
+    flops: float
+    bytes_accessed: float
+    cost_source: str  # "cost_analysis" | "hlo_cost_analysis (CPU client)"
+    roofline_seconds: float
+    bound: str  # "compute" | "memory"
+    decode_tokens_per_s: float  # num_seqs / roofline_seconds
+    ideal_bytes: int
+    bytes_vs_ideal: float  # bytes_accessed / ideal_bytes
+    context_len: int  # live tokens per sequence the ideal assumes
+
+
+@dataclass(frozen=True)
+class AotReport:
+    target: str
+    platform: str
+    num_chips: int
+    tensor_parallel_size: int
+    attention: str
+    model: str
+    dtype: str
+    kv_cache_dtype: str
+    peak_flops: float  # per chip
+    hbm_bandwidth: float
+    memory_limit_bytes: int  # per chip, what the pool was sized against
+    params_bytes: int  # per chip
+    kv_pool_bytes: int  # per chip
+    num_pages: int
+    kv_pool_sizing: str  # how num_pages was decided
+    max_program_bytes: int  # the largest bucket's temporaries + fresh outputs
+    peak_bytes: int  # params + pool + max_program_bytes
+    fits: bool
+    context_len: int | None  # live tokens per sequence the ideal assumes, if given
+    probe_seconds: float
+    compile_seconds: float  # wall time for all buckets (without the probe)
+    buckets: list[BucketReport]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def step_cost(
+    compiled: jax.stages.Compiled, traced: jax.stages.Traced, kv_array_bytes: int
+) -> tuple[float, float, str]:
+    """(flops, bytes accessed, where they came from) of one compiled step, per device.
+
+    TPU: `cost_analysis()`, which counts each Mosaic kernel as the `pl.CostEstimate` it
+    declares. GPU: the client has none, so XLA's HLO cost analysis is run over the optimized
+    HLO on the CPU client (the analysis is target-independent; jaxlib has no public name
+    for it), with two corrections:
+    - it counts a Triton kernel as -1 (unknown), and Pallas drops the estimate of a Triton
+      call: each such call is counted as the estimate its kernel declared in the step's
+      jaxpr (`traced`) instead;
+    - it counts a scatter as reading and writing its whole operand, but the KV write
+      scatters into the donated pool in place: each scatter into a KV pool array
+      (`kv_array_bytes`, one layer's K or V on one device) is counted as its update rows.
+    """
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):  # older jax: one dict per module
+        cost = cost[0] if cost else None
+    if cost and "flops" in cost:
+        return float(cost["flops"]), float(cost.get("bytes accessed", 0.0)), "cost_analysis"
+    from jaxlib import _jax
+
+    cpu = jax.devices("cpu")[0].client
+    flops = bytes_accessed = 0.0
+    for module in compiled.runtime_executable().hlo_modules():
+        figures = _jax.hlo_module_cost_analysis(cpu, module)
+        flops += float(figures.get("flops", 0.0))
+        bytes_accessed += float(figures.get("bytes accessed", 0.0))
+    source = "hlo_cost_analysis (CPU client)"
+    num_calls = compiled.as_text().count(TRITON_CALL)
+    if num_calls:
+        declared_calls, declared_flops, declared_bytes = declared_kernel_costs(traced.jaxpr)
+        if declared_calls != num_calls:
+            raise ValueError(
+                f"the compiled step has {num_calls} Triton calls, its jaxpr {declared_calls} "
+                "Pallas calls: cannot tell which cost estimate is whose"
+            )
+        flops += num_calls + declared_flops  # each call counted -1
+        bytes_accessed += num_calls + declared_bytes
+        source += " + the Triton kernels' declared cost"
+    overcount = inplace_scatter_overcount(compiled.as_text(), kv_array_bytes)
+    if overcount:
+        bytes_accessed -= overcount
+        source += " - the in-place KV writes' whole-pool bytes"
+    return flops, bytes_accessed, source
+
+
+_SHAPE = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]")
+_SCATTER = re.compile(r"= (\w+)\[([\d,]*)\]\S* scatter\(%[^,]+, %[^,]+, %([^,)]+)\)")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
+
+
+def _array_bytes(dtype: str, dims: str) -> int:
+    itemsize = _ITEMSIZE.get(dtype, 8 if dtype.endswith("64") else 4)
+    return itemsize * math.prod(int(d) for d in dims.split(",") if d)
+
+
+def inplace_scatter_overcount(hlo_text: str, operand_bytes: int) -> int:
+    """Bytes XLA's HLO cost analysis counts too many for the scatters into an operand of
+    `operand_bytes` (the donated KV pool's arrays), done in place: it counts the operand
+    read and the result written whole (2 x operand), where the in-place write touches only
+    the update rows (their bytes; reading them as the scatter's input is counted already)."""
+    lines = hlo_text.splitlines()
+    shapes = {m[1]: _array_bytes(m[2], m[3]) for m in map(_SHAPE.match, lines) if m}
+    over = 0
+    for dtype, dims, updates in _SCATTER.findall(hlo_text):
+        if _array_bytes(dtype, dims) == operand_bytes:
+            over += 2 * operand_bytes - shapes.get(updates, 0)
+    return over
+
+
+def declared_kernel_costs(jaxpr: Any) -> tuple[int, float, float]:
+    """(calls, flops, bytes accessed) of the Pallas calls in a jaxpr, as their
+    `pl.CostEstimate`s declare (none declared: 0), sub-jaxprs included (a scan's body
+    times its length)."""
+    calls, flops, accessed = 0, 0.0, 0.0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            estimate = eqn.params.get("cost_estimate")
+            calls += 1
+            flops += estimate.flops if estimate else 0.0
+            accessed += estimate.bytes_accessed if estimate else 0.0
+            continue
+        times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                if hasattr(inner, "eqns"):
+                    c, f, b = declared_kernel_costs(inner)
+                    calls, flops, accessed = (
+                        calls + times * c,
+                        flops + times * f,
+                        accessed + times * b,
+                    )
+    return calls, flops, accessed
+
+
+def ideal_step_bytes(
+    spec: ModelSpec,
+    bucket: Bucket,
+    *,
+    params_bytes: int,
+    itemsize: int,
+    kv_itemsize: int,
+    context_len: int,
+    tensor_parallel_size: int = 1,
+) -> dict[str, int]:
+    """The bytes one step must move at least, per device, by part: the weights once
+    (`params_bytes`, per device; of an untied embedding table only the T rows looked up),
+    the live KV once (num_seqs x context_len tokens), the new KV written (T tokens), and
+    the activations: each matmul's input and output once per layer (`itemsize`) and the
+    float32 logits of the num_seqs rows."""
+    t, s, tp = bucket.num_tokens, bucket.num_seqs, tensor_parallel_size
+    h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    hq, hkv = spec.num_q_heads * d, spec.num_kv_heads * d
+    kv_token = 2 * spec.num_layers * hkv * kv_itemsize // tp  # K and V of one token
+    weights = params_bytes
+    if not spec.tie_word_embeddings:  # the lookup reads T rows, not the table
+        weights += t * h * itemsize - spec.vocab_size * h * itemsize // tp
+    per_layer = 4 * h + (hq + 2 * hkv + hq + 3 * i) // tp  # qkv, o, gate_up, down in + out
+    activations = t * per_layer * itemsize * spec.num_layers + s * spec.vocab_size * 4 // tp
+    parts = {
+        "weights": weights,
+        "live_kv": s * context_len * kv_token,
+        "new_kv": t * kv_token,
+        "activations": activations,
+    }
+    return parts | {"total": sum(parts.values())}
+
+
+def report(build: AotBuild, *, context_len: int | None = None) -> AotReport:
+    """The report of a compiled build. `context_len`: live tokens per sequence the ideal
+    bytes assume; default, per bucket, the full pool shared by its S sequences, at most
+    max_model_len each (what the attention kernels' cost estimates assume too)."""
+    runner, spec, target = build.runner, build.spec, build.target
+    pool_tokens = build.pool.num_pages * build.config.cache.page_size
+    itemsize = jax.numpy.dtype(build.config.dtype).itemsize
+    kv_array_bytes = build.pool.num_pages * build.pool.page_bytes // (2 * spec.num_layers)
+    rows = []
+    for bucket in build.buckets:
+        compiled = runner.compiled_step(bucket)
+        mem = compiled.memory_analysis()
+        traced = runner.trace_step(bucket)
+        flops, accessed, source = step_cost(compiled, traced, kv_array_bytes)
+        compute_s, memory_s = flops / target.peak_flops, accessed / target.hbm_bandwidth
+        seconds = max(compute_s, memory_s)
+        context = context_len or min(runner.max_model_len, pool_tokens // bucket.num_seqs)
+        ideal = ideal_step_bytes(
+            spec,
+            bucket,
+            params_bytes=build.params_bytes,
+            itemsize=itemsize,
+            kv_itemsize=build.kv_dtype.itemsize,
+            context_len=context,
+            tensor_parallel_size=build.tensor_parallel_size,
+        )["total"]
+        program = program_bytes(compiled)
+        rows.append(
+            BucketReport(
+                num_tokens=bucket.num_tokens,
+                num_seqs=bucket.num_seqs,
+                compile_seconds=runner.bucket_compile_seconds[bucket],
+                argument_bytes=mem.argument_size_in_bytes,
+                output_bytes=mem.output_size_in_bytes,
+                temp_bytes=mem.temp_size_in_bytes,
+                alias_bytes=mem.alias_size_in_bytes,
+                program_bytes=program,
+                fits=mem.argument_size_in_bytes + program <= build.memory_limit_bytes,
+                flops=flops,
+                bytes_accessed=accessed,
+                cost_source=source,
+                roofline_seconds=seconds,
+                bound="compute" if compute_s >= memory_s else "memory",
+                decode_tokens_per_s=bucket.num_seqs / seconds if seconds > 0 else math.inf,
+                ideal_bytes=ideal,
+                bytes_vs_ideal=accessed / ideal,
+                context_len=context,
+            )
+        )
+    kv_pool_bytes = build.pool.num_pages * build.pool.page_bytes
+    max_program = max(r.program_bytes for r in rows)
+    peak = build.params_bytes + kv_pool_bytes + max_program
+    return AotReport(
+        target=target.name,
+        platform=target.platform,
+        num_chips=target.num_chips,
+        tensor_parallel_size=build.tensor_parallel_size,
+        attention=build.attention,
+        model=str(build.config.model),
+        dtype=str(build.config.dtype),
+        kv_cache_dtype=str(build.kv_dtype),
+        peak_flops=target.peak_flops,
+        hbm_bandwidth=target.hbm_bandwidth,
+        memory_limit_bytes=build.memory_limit_bytes,
+        params_bytes=build.params_bytes,
+        kv_pool_bytes=kv_pool_bytes,
+        num_pages=build.pool.num_pages,
+        kv_pool_sizing=build.pool.describe(),
+        max_program_bytes=max_program,
+        peak_bytes=peak,
+        fits=peak <= build.memory_limit_bytes and all(r.fits for r in rows),
+        context_len=context_len,
+        probe_seconds=build.probe_seconds,
+        compile_seconds=build.compile_seconds,
+        buckets=rows,
+    )
+
+
+def format_report(rep: AotReport) -> str:
+    """The report as a table, one line per bucket, and a verdict."""
+    lines = [
+        f"target {rep.target} ({rep.platform}, {rep.num_chips} chip(s);"
+        f" TP {rep.tensor_parallel_size}), attention {rep.attention},"
+        f" {rep.dtype} weights, {rep.kv_cache_dtype} KV",
+        f"per chip: peak {rep.peak_flops / 1e12:.0f} TFLOP/s, {rep.hbm_bandwidth / GB:.0f} GB/s,"
+        f" memory limit {rep.memory_limit_bytes / GB:.2f} GB",
+        f"KV pool: {rep.kv_pool_sizing}",
+        "",
+        f"{'bucket (T, S)':>14} {'compile s':>9} {'args GB':>8} {'out GB':>7} {'temp GB':>8}"
+        f" {'alias GB':>8} {'fits':>4} {'GFLOP':>8} {'GB acc.':>8} {'ideal GB':>8} {'ratio':>6}"
+        f" {'roofline ms':>11} {'bound':>7} {'decode tok/s':>12}",
+    ]
+    for r in rep.buckets:
+        lines.append(
+            f"{f'({r.num_tokens}, {r.num_seqs})':>14} {r.compile_seconds:9.1f}"
+            f" {r.argument_bytes / GB:8.2f} {r.output_bytes / GB:7.3f} {r.temp_bytes / GB:8.3f}"
+            f" {r.alias_bytes / GB:8.2f} {'yes' if r.fits else 'NO':>4} {r.flops / 1e9:8.1f}"
+            f" {r.bytes_accessed / GB:8.2f} {r.ideal_bytes / GB:8.2f} {r.bytes_vs_ideal:6.2f}"
+            f" {r.roofline_seconds * 1e3:11.3f} {r.bound:>7} {r.decode_tokens_per_s:12.0f}"
+        )
+    source = rep.buckets[0].cost_source if rep.buckets else "-"
+    verdict = "fits" if rep.fits else "does not fit"
+    lines += [
+        "",
+        f"flops and bytes: {source}",
+        "ideal bytes: weights once + live KV once + new KV + activations, at "
+        + (
+            f"{rep.context_len} live tokens per sequence"
+            if rep.context_len
+            else "a full KV pool shared by the S sequences (at most max_model_len each)"
+        ),
+        f"compile: {rep.compile_seconds:.1f}s for {len(rep.buckets)} buckets"
+        + (f" (+{rep.probe_seconds:.1f}s sizing the pool)" if rep.probe_seconds else ""),
+        f"{verdict}: weights {rep.params_bytes / GB:.2f} + KV pool {rep.kv_pool_bytes / GB:.2f}"
+        f" + largest step buffers {rep.max_program_bytes / GB:.2f} = {rep.peak_bytes / GB:.2f} GB"
+        f" per chip, limit {rep.memory_limit_bytes / GB:.2f} GB",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,193 @@
+"""The whole step compiled for TPU (Mosaic) and H100 (Triton) without the hardware.
+
+These compile for real through jax[tpu] / jax[cuda12] (the test extra installs both) on
+compile-only devices; where a plugin is missing they skip. Tiny Llama and Qwen3 configs,
+two buckets each, sampling and prefix caching on: each (target, model, TP) is one build.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from jaxcb.config import EngineConfig
+from jaxcb.engine.buckets import Bucket
+from jaxcb.models import registry
+from jaxcb.runtime import aot, aot_report
+from pallas_kernels.gpu_targets import cuda_plugin_installed
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+HAS_TPU = importlib.util.find_spec("libtpu") is not None
+HAS_CUDA = cuda_plugin_installed()
+needs_tpu = pytest.mark.skipif(not HAS_TPU, reason="jax[tpu] (libtpu) is not installed")
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="jax[cuda12] is not installed")
+
+# head_dim 128 (a TPU lane row), 4 KV heads (TP 4 splits them), vocab divisible by 4.
+TINY = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+}
+MODELS = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "tie_word_embeddings": True,
+    },
+}
+SMALL = dict(
+    dtype="bfloat16",
+    max_model_len=256,
+    page_size=16,
+    token_buckets=(16, 32),
+    max_num_batched_tokens=32,
+    max_num_seqs=8,
+    seq_buckets=(),
+    enable_prefix_caching=True,
+)
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("aot_compile", SCRIPTS / "aot_compile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory):
+    def write(family: str) -> Path:
+        path = tmp_path_factory.mktemp(family) / "config.json"
+        path.write_text(json.dumps({**TINY, **MODELS[family]}))
+        return path
+
+    return {family: write(family) for family in MODELS}
+
+
+CASES = [
+    pytest.param("v5e:1x1", "llama", 1, "pallas-tpu", "tpu_custom_call", marks=needs_tpu),
+    pytest.param("v5e:2x2", "qwen3", 4, "pallas-tpu", "tpu_custom_call", marks=needs_tpu),
+    pytest.param("h100", "qwen3", 1, "pallas-gpu", aot_report.TRITON_CALL, marks=needs_cuda),
+    pytest.param("h100x8", "llama", 2, "pallas-gpu", aot_report.TRITON_CALL, marks=needs_cuda),
+]
+
+
+@pytest.mark.parametrize(("target", "family", "tp", "backend", "kernel_call"), CASES)
+def test_step_compiles_for_target(model_dir, target, family, tp, backend, kernel_call):
+    # num_pages given: no sizing compile, except in the first H100 case (auto sizing).
+    pages = {} if target == "h100" else {"num_pages": 96}
+    config = EngineConfig.from_dict(
+        None, model=str(model_dir[family]), tensor_parallel_size=tp, **SMALL, **pages
+    )
+    build = aot.compile_for_target(config, aot.get_target(target))
+    rep = aot_report.report(build)
+    assert rep.attention == backend and rep.tensor_parallel_size == tp
+    assert [(b.num_tokens, b.num_seqs) for b in rep.buckets] == [(16, 8), (32, 8)]
+    spec = build.spec
+    params = registry.num_params(spec) * 2  # bf16
+    assert params / tp <= rep.params_bytes < params / tp * 1.05  # (norms stay whole)
+    if pages:
+        assert rep.num_pages == 96 and rep.probe_seconds == 0
+    else:  # sized from the target's memory, with the compiled step's buffers measured
+        assert "device memory" in rep.kv_pool_sizing and rep.probe_seconds > 0
+        assert rep.num_pages == 8 * 256 // 16  # max_num_seqs full sequences fit easily
+    for b in rep.buckets:
+        assert b.compile_seconds > 0 and b.fits
+        # The KV pool is donated: every one of its bytes is aliased, output to argument.
+        assert b.alias_bytes == rep.kv_pool_bytes
+        assert b.argument_bytes >= rep.params_bytes + rep.kv_pool_bytes
+        assert b.temp_bytes > 0 and b.program_bytes > 0
+        assert b.flops > 0 and b.bytes_accessed > 0
+        assert 0.5 < b.bytes_vs_ideal < 100  # what the compiled step touches, against the ideal
+        assert b.roofline_seconds == max(
+            b.flops / rep.peak_flops, b.bytes_accessed / rep.hbm_bandwidth
+        )
+        assert b.decode_tokens_per_s == pytest.approx(b.num_seqs / b.roofline_seconds)
+    assert rep.fits and rep.peak_bytes <= rep.memory_limit_bytes
+    # Attention went through the Pallas kernel (Mosaic / Triton), one call per layer.
+    hlo = build.runner.compiled_step(build.buckets[0]).as_text()
+    assert hlo.count(kernel_call) == spec.num_layers
+    text = aot_report.format_report(rep)
+    assert "(32, 8)" in text and text.splitlines()[-1].startswith("fits:")
+
+
+def test_ideal_bytes_parts():
+    spec = registry.spec_from_hf_config({**TINY, **MODELS["llama"]})
+    parts = aot_report.ideal_step_bytes(
+        spec,
+        Bucket(8, 8),
+        params_bytes=10_000,
+        itemsize=2,
+        kv_itemsize=2,
+        context_len=100,
+        tensor_parallel_size=1,
+    )
+    kv_token = 2 * 2 * 4 * 128 * 2  # K and V, 2 layers, 4 KV heads, head_dim 128, bf16
+    assert parts["live_kv"] == 8 * 100 * kv_token and parts["new_kv"] == 8 * kv_token
+    # untied: the lookup reads 8 rows of the table, not all 512
+    assert parts["weights"] == 10_000 - 512 * 128 * 2 + 8 * 128 * 2
+    assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
+
+
+def test_bad_target_is_one_line(model_dir, capsys):
+    argv = ["--target", "v9z:1x1", "--model", str(model_dir["llama"])]
+    assert load_script().main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "unknown target 'v9z:1x1'" in err and all(name in err for name in aot.TARGETS)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        pytest.param(["--num-pages", "100000000"], id="huge-pool"),
+        pytest.param(["--hbm-gb", "0.001"], id="tiny-hbm"),
+    ],
+)
+@needs_cuda
+def test_too_small_target_does_not_fit(model_dir, capsys, flags):
+    argv = ["--target", "h100", "--model", str(model_dir["llama"]), *flags]
+    argv += ["--max-model-len", "256", "--max-num-batched-tokens", "32", "--max-num-seqs", "8"]
+    assert load_script().main(argv) == 1  # decided before any bucket is compiled
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "does not fit on h100" in err
+
+
+def test_pool_sizing_leaves_room_for_the_step():
+    from jaxcb.config import CacheConfig
+    from jaxcb.runtime.kv_cache import CPU_AUTO_BUDGET_BYTES, page_bytes, size_kv_pool
+
+    spec = registry.spec_from_hf_config({**TINY, **MODELS["llama"]})
+    per_page = page_bytes(spec, 16, 2)
+    common = dict(itemsize=2, max_model_len=256, max_num_seqs=1000, params_bytes=4 << 20)
+    # An accelerator's memory: limit x utilization - weights - the compiled step's buffers.
+    sized = size_kv_pool(
+        CacheConfig(memory_utilization=0.5),
+        spec,
+        memory_limit_bytes=1 << 30,
+        program_bytes=100 << 20,
+        tensor_parallel_size=2,
+        **common,
+    )
+    spare = (1 << 29) - (2 << 20) - (100 << 20)  # weights split over the 2 devices
+    assert sized.source == "device memory" and sized.page_bytes == per_page // 2
+    assert sized.num_pages == spare // (per_page // 2) < sized.wanted_pages
+    assert "compiled step 0.10" in sized.describe() and "x 0.5" in sized.describe()
+    # On CPU (no memory limit known): a fixed budget less the weights, as before.
+    cpu = size_kv_pool(CacheConfig(), spec, **common)
+    assert cpu.source == "cpu budget"
+    assert cpu.num_pages == min(cpu.wanted_pages, (CPU_AUTO_BUDGET_BYTES - (4 << 20)) // per_page)
+    given = size_kv_pool(CacheConfig(num_pages=40), spec, **common)
+    assert (given.num_pages, given.source) == (40, "num_pages")
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        size_kv_pool(CacheConfig(), spec, memory_limit_bytes=1 << 20, **common)
