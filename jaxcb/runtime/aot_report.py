@@ -7,12 +7,14 @@ own buffers fit a chip, flops and bytes accessed, the roofline time of one step
 device's) and the decode rate it implies (S sequences / step time), and the bytes accessed
 against the ideal (`ideal_step_bytes`).
 
-Flops and bytes come from XLA's cost model of the optimized program: `cost_analysis()` on
-TPU; the GPU client does not implement it, so there XLA's HLO cost analysis is run over the
-compiled module's HLO through the CPU client (the same analysis; fusions counted as XLA
-fused them). It counts what the program would touch, whatever the live lengths: Pallas
-kernels count as the `pl.CostEstimate` they declare, and of two `lax.cond` branches the
-heavier one.
+Bytes are HBM traffic read off the optimized program (`hbm_traffic.py`: what each
+instruction reads and writes outside VMEM, in-place and sliced accesses as such) plus the
+Pallas kernels' declared `pl.CostEstimate`, twice: a greedy step (every `lax.cond` by its
+lightest branch; it sets the roofline) and every option on (the heaviest branches). XLA's
+own "bytes accessed" is kept beside them (on TPU it counts VMEM traffic too). Flops:
+`cost_analysis()` on TPU; the GPU client does not implement it, so there XLA's HLO cost
+analysis is run over the compiled module through the CPU client. Both count what the
+program would touch whatever the live lengths: the kernels' estimates assume a full pool.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import jax
 
 from jaxcb.engine.buckets import Bucket
 from jaxcb.models.base import ModelSpec
+from jaxcb.runtime import hbm_traffic
 from jaxcb.runtime.aot import AotBuild, program_bytes
 
 GB = 1e9
@@ -36,7 +39,8 @@ TRITON_CALL = 'custom_call_target="__gpu$xla.gpu.triton"'  # a Pallas Triton ker
 class BucketReport:
     num_tokens: int
     num_seqs: int
-    compile_seconds: float
+    compile_seconds: float  # tracing, lowering and compiling
+    lower_seconds: float  # tracing and lowering alone (a warm start still pays it)
     argument_bytes: int  # per device: weights, KV pool, step inputs
     output_bytes: int
     temp_bytes: int
@@ -44,13 +48,16 @@ class BucketReport:
     program_bytes: int  # temporaries + outputs not aliased
     fits: bool  # arguments + program_bytes <= the chip's memory limit
     flops: float
-    bytes_accessed: float
-    cost_source: str  # "cost_analysis" | "hlo_cost_analysis (CPU client)"
-    roofline_seconds: float
+    bytes_accessed: float  # HBM, every lax.cond by its heaviest branch (every option on)
+    greedy_bytes: float  # HBM, every lax.cond by its lightest branch (a greedy step)
+    xla_bytes_accessed: float  # XLA's own figure (on TPU: VMEM traffic included)
+    cost_source: str
+    roofline_seconds: float  # of the greedy step
     bound: str  # "compute" | "memory"
     decode_tokens_per_s: float  # num_seqs / roofline_seconds
     ideal_bytes: int
-    bytes_vs_ideal: float  # bytes_accessed / ideal_bytes
+    bytes_vs_ideal: float  # greedy_bytes / ideal_bytes
+    all_options_vs_ideal: float  # bytes_accessed / ideal_bytes
     context_len: int  # live tokens per sequence the ideal assumes
 
 
@@ -83,52 +90,62 @@ class AotReport:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class StepCost:
+    flops: float
+    hbm_bytes: float  # every lax.cond by its heaviest branch (every sampling option on)
+    greedy_hbm_bytes: float  # every lax.cond by its lightest branch (a greedy decode)
+    xla_bytes: float  # XLA's own "bytes accessed" (on TPU VMEM traffic too)
+    source: str
+
+
 def step_cost(
     compiled: jax.stages.Compiled, traced: jax.stages.Traced, kv_array_bytes: int
-) -> tuple[float, float, str]:
-    """(flops, bytes accessed, where they came from) of one compiled step, per device.
+) -> StepCost:
+    """Flops and bytes of one compiled step, per device.
 
-    TPU: `cost_analysis()`, which counts each Mosaic kernel as the `pl.CostEstimate` it
-    declares. GPU: the client has none, so XLA's HLO cost analysis is run over the optimized
-    HLO on the CPU client (the analysis is target-independent; jaxlib has no public name
-    for it), with two corrections:
-    - it counts a Triton kernel as -1 (unknown), and Pallas drops the estimate of a Triton
-      call: each such call is counted as the estimate its kernel declared in the step's
-      jaxpr (`traced`) instead;
-    - it counts a scatter as reading and writing its whole operand, but the KV write
-      scatters into the donated pool in place: each scatter into a KV pool array
-      (`kv_array_bytes`, one layer's K or V on one device) is counted as its update rows.
-    """
+    Bytes: HBM traffic by `hbm_traffic.hbm_bytes` over the optimized HLO (each conditional
+    by its heaviest and by its lightest branch), plus the Pallas kernels' declared
+    `pl.CostEstimate` bytes (read from the step's jaxpr, `traced`: jax 0.10.2's Triton
+    lowering drops them, and the walker counts kernel calls as 0). XLA's own figure is kept
+    alongside: on TPU `cost_analysis()`, which counts VMEM traffic too (a lone matmul: 4.7x
+    its bytes); on GPU, where the client has no cost analysis, XLA's HLO cost analysis over
+    the compiled module through the CPU client, corrected for the Triton calls (counted -1)
+    and for the in-place KV scatters (counted as whole-pool reads and writes).
+
+    Flops: `cost_analysis()` on TPU (Mosaic kernels as declared); on GPU the HLO cost
+    analysis plus the Triton kernels' declared flops."""
+    text = compiled.as_text()
+    declared_calls, declared_flops, declared_bytes = declared_kernel_costs(traced.jaxpr)
+    hbm = hbm_traffic.hbm_bytes(text) + declared_bytes
+    greedy = hbm_traffic.hbm_bytes(text, branch="min") + declared_bytes
+    source = "HBM bytes from the optimized HLO + the Pallas kernels' declared cost"
     cost = compiled.cost_analysis()
     if isinstance(cost, list):  # older jax: one dict per module
         cost = cost[0] if cost else None
     if cost and "flops" in cost:
-        return float(cost["flops"]), float(cost.get("bytes accessed", 0.0)), "cost_analysis"
+        flops, xla_bytes = float(cost["flops"]), float(cost.get("bytes accessed", 0.0))
+        return StepCost(flops, hbm, greedy, xla_bytes, source + "; flops: cost_analysis")
     from jaxlib import _jax
 
     cpu = jax.devices("cpu")[0].client
-    flops = bytes_accessed = 0.0
+    flops = xla_bytes = 0.0
     for module in compiled.runtime_executable().hlo_modules():
         figures = _jax.hlo_module_cost_analysis(cpu, module)
         flops += float(figures.get("flops", 0.0))
-        bytes_accessed += float(figures.get("bytes accessed", 0.0))
-    source = "hlo_cost_analysis (CPU client)"
-    num_calls = compiled.as_text().count(TRITON_CALL)
+        xla_bytes += float(figures.get("bytes accessed", 0.0))
+    num_calls = text.count(TRITON_CALL)
     if num_calls:
-        declared_calls, declared_flops, declared_bytes = declared_kernel_costs(traced.jaxpr)
         if declared_calls != num_calls:
             raise ValueError(
                 f"the compiled step has {num_calls} Triton calls, its jaxpr {declared_calls} "
                 "Pallas calls: cannot tell which cost estimate is whose"
             )
         flops += num_calls + declared_flops  # each call counted -1
-        bytes_accessed += num_calls + declared_bytes
-        source += " + the Triton kernels' declared cost"
-    overcount = inplace_scatter_overcount(compiled.as_text(), kv_array_bytes)
-    if overcount:
-        bytes_accessed -= overcount
-        source += " - the in-place KV writes' whole-pool bytes"
-    return flops, bytes_accessed, source
+        xla_bytes += num_calls + declared_bytes
+    xla_bytes -= inplace_scatter_overcount(text, kv_array_bytes)
+    source += "; flops: HLO cost analysis (CPU client) + the Triton kernels' declared flops"
+    return StepCost(flops, hbm, greedy, xla_bytes, source)
 
 
 _SHAPE = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]")
@@ -227,8 +244,9 @@ def report(build: AotBuild, *, context_len: int | None = None) -> AotReport:
         compiled = runner.compiled_step(bucket)
         mem = compiled.memory_analysis()
         traced = runner.trace_step(bucket)
-        flops, accessed, source = step_cost(compiled, traced, kv_array_bytes)
-        compute_s, memory_s = flops / target.peak_flops, accessed / target.hbm_bandwidth
+        cost = step_cost(compiled, traced, kv_array_bytes)
+        compute_s = cost.flops / target.peak_flops
+        memory_s = cost.greedy_hbm_bytes / target.hbm_bandwidth
         seconds = max(compute_s, memory_s)
         context = context_len or min(runner.max_model_len, pool_tokens // bucket.num_seqs)
         ideal = ideal_step_bytes(
@@ -246,20 +264,24 @@ def report(build: AotBuild, *, context_len: int | None = None) -> AotReport:
                 num_tokens=bucket.num_tokens,
                 num_seqs=bucket.num_seqs,
                 compile_seconds=runner.bucket_compile_seconds[bucket],
+                lower_seconds=runner.lower_seconds[bucket],
                 argument_bytes=mem.argument_size_in_bytes,
                 output_bytes=mem.output_size_in_bytes,
                 temp_bytes=mem.temp_size_in_bytes,
                 alias_bytes=mem.alias_size_in_bytes,
                 program_bytes=program,
                 fits=mem.argument_size_in_bytes + program <= build.memory_limit_bytes,
-                flops=flops,
-                bytes_accessed=accessed,
-                cost_source=source,
+                flops=cost.flops,
+                bytes_accessed=cost.hbm_bytes,
+                greedy_bytes=cost.greedy_hbm_bytes,
+                xla_bytes_accessed=cost.xla_bytes,
+                cost_source=cost.source,
                 roofline_seconds=seconds,
                 bound="compute" if compute_s >= memory_s else "memory",
                 decode_tokens_per_s=bucket.num_seqs / seconds if seconds > 0 else math.inf,
                 ideal_bytes=ideal,
-                bytes_vs_ideal=accessed / ideal,
+                bytes_vs_ideal=cost.greedy_hbm_bytes / ideal,
+                all_options_vs_ideal=cost.hbm_bytes / ideal,
                 context_len=context,
             )
         )
@@ -303,7 +325,8 @@ def format_report(rep: AotReport) -> str:
         f"KV pool: {rep.kv_pool_sizing}",
         "",
         f"{'bucket (T, S)':>14} {'compile s':>9} {'args GB':>8} {'out GB':>7} {'temp GB':>8}"
-        f" {'alias GB':>8} {'fits':>4} {'GFLOP':>8} {'GB acc.':>8} {'ideal GB':>8} {'ratio':>6}"
+        f" {'alias GB':>8} {'fits':>4} {'GFLOP':>8} {'HBM GB':>7} {'ideal GB':>8} {'ratio':>6}"
+        f" {'all-on GB':>9} {'ratio':>6}"
         f" {'roofline ms':>11} {'bound':>7} {'decode tok/s':>12}",
     ]
     for r in rep.buckets:
@@ -311,7 +334,8 @@ def format_report(rep: AotReport) -> str:
             f"{f'({r.num_tokens}, {r.num_seqs})':>14} {r.compile_seconds:9.1f}"
             f" {r.argument_bytes / GB:8.2f} {r.output_bytes / GB:7.3f} {r.temp_bytes / GB:8.3f}"
             f" {r.alias_bytes / GB:8.2f} {'yes' if r.fits else 'NO':>4} {r.flops / 1e9:8.1f}"
-            f" {r.bytes_accessed / GB:8.2f} {r.ideal_bytes / GB:8.2f} {r.bytes_vs_ideal:6.2f}"
+            f" {r.greedy_bytes / GB:7.2f} {r.ideal_bytes / GB:8.2f} {r.bytes_vs_ideal:6.2f}"
+            f" {r.bytes_accessed / GB:9.2f} {r.all_options_vs_ideal:6.2f}"
             f" {r.roofline_seconds * 1e3:11.3f} {r.bound:>7} {r.decode_tokens_per_s:12.0f}"
         )
     source = rep.buckets[0].cost_source if rep.buckets else "-"
@@ -319,6 +343,9 @@ def format_report(rep: AotReport) -> str:
     lines += [
         "",
         f"flops and bytes: {source}",
+        "HBM GB: a greedy step (every lax.cond by its lightest branch), which sets the roofline;"
+        " all-on GB: every branch at its heaviest (sampling filters, penalties, logprobs,"
+        " prompt logprobs at once)",
         "ideal bytes: weights once + live KV once + new KV + activations, at "
         + (
             f"{rep.context_len} live tokens per sequence"
@@ -326,7 +353,9 @@ def format_report(rep: AotReport) -> str:
             else "a full KV pool shared by the S sequences (at most max_model_len each)"
         ),
         f"compile: {rep.compile_seconds:.1f}s for {len(rep.buckets)} buckets"
-        + (f" (+{rep.probe_seconds:.1f}s sizing the pool)" if rep.probe_seconds else ""),
+        + (f" (+{rep.probe_seconds:.1f}s sizing the pool)" if rep.probe_seconds else "")
+        + f"; tracing and lowering {sum(r.lower_seconds for r in rep.buckets):.1f}s of it"
+        " (what a start from the persistent cache still pays, besides loading the programs)",
         f"{verdict}: weights {rep.params_bytes / GB:.2f} + KV pool {rep.kv_pool_bytes / GB:.2f}"
         f" + largest step buffers {rep.max_program_bytes / GB:.2f} = {rep.peak_bytes / GB:.2f} GB"
         f" per chip, limit {rep.memory_limit_bytes / GB:.2f} GB",
