@@ -12,6 +12,7 @@ filters rank a bounded candidate set, or find their cut by a threshold search (s
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -35,7 +36,18 @@ jax.tree_util.register_dataclass(
 )
 
 
-def argmax_last_axis(x: jax.Array, lanes: int = 128) -> jax.Array:  # i32[S]
+def argmax_last_axis(x: jax.Array) -> jax.Array:  # i32[S]
+    """First index of the maximum along the last axis: `argmax_in_blocks` on CPU, XLA's
+    argmax elsewhere (where reshaping a vocabulary split over chips into blocks would
+    gather it whole first)."""
+    return jax.lax.platform_dependent(
+        x,
+        cpu=argmax_in_blocks,
+        default=lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32),
+    )
+
+
+def argmax_in_blocks(x: jax.Array, lanes: int = 128) -> jax.Array:  # i32[S]
     """First index of the maximum along the last axis, computed in two passes.
 
     XLA's CPU backend lowers argmax to a (value, index) pair reduction that does not
@@ -54,23 +66,24 @@ def argmax_last_axis(x: jax.Array, lanes: int = 128) -> jax.Array:  # i32[S]
 
 def apply_penalties(
     logits: jax.Array,  # f32[S, V]
-    history: jax.Array,  # i32[S, M]: each row's tokens so far (prompt, then output)
-    history_lens: jax.Array,  # i32[S]: valid entries of each history row
-    num_prompt_tokens: jax.Array,  # i32[S]
+    token_ids: jax.Array,  # i32[S, M]: each row's distinct tokens so far, ascending, then
+    # ids past the vocabulary (dropped), distinct per column (step_input.penalty_arrays)
+    output_counts: jax.Array,  # f32[S, M]: how often each came out (0: in the prompt only)
     presence: jax.Array,  # f32[S]
     frequency: jax.Array,  # f32[S]
     repetition: jax.Array,  # f32[S]
 ) -> jax.Array:
-    """vLLM/OpenAI semantics: repetition over prompt + output, presence/frequency over output."""
+    """vLLM/OpenAI semantics: repetition over prompt + output, presence/frequency over output.
+
+    The (row, token) pairs are unique and sorted, and the scatters say so: XLA on TPU
+    sorts a scatter's indices otherwise (2M of them at 256 rows x 8,192 tokens)."""
     num_seqs, vocab = logits.shape
-    cols = jnp.arange(history.shape[1])[None, :]  # [1, M]
-    seen = cols < history_lens[:, None]  # [S, M]
-    is_output = seen & (cols >= num_prompt_tokens[:, None])
-    rows = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], history.shape)
-    tokens = jnp.clip(history, 0, vocab - 1)
-    zeros = jnp.zeros((num_seqs, vocab), jnp.float32)
-    out_counts = zeros.at[rows, tokens].add(is_output.astype(jnp.float32))  # [S, V]
-    any_seen = zeros.at[rows, tokens].max(seen.astype(jnp.float32)) > 0  # [S, V]
+    rows = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], token_ids.shape)
+    scatter = dict(mode="drop", unique_indices=True, indices_are_sorted=True)
+    out_counts = (
+        jnp.zeros((num_seqs, vocab), jnp.float32).at[rows, token_ids].set(output_counts, **scatter)
+    )
+    any_seen = jnp.zeros((num_seqs, vocab), bool).at[rows, token_ids].set(True, **scatter)
     rep = repetition[:, None]
     logits = jnp.where(any_seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - frequency[:, None] * out_counts
@@ -209,6 +222,11 @@ def _threshold_draw(
     return jax.vmap(jax.random.categorical)(keys, jnp.where(keep, x, NEG_INF))
 
 
+def _draw_whole(scaled: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(each row drawn from its whole distribution, its argmax) of [R, V] scaled logits."""
+    return jax.vmap(jax.random.categorical)(keys, scaled), jnp.argmax(scaled, axis=-1)
+
+
 def _filtered_sample(
     logits: jax.Array,  # f32[1, V]
     temperature: jax.Array,  # f32[1]
@@ -252,7 +270,7 @@ def _filtered_sample(
         return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0], ids[:, 0]
 
     def whole(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return jax.vmap(jax.random.categorical)(keys, x), jnp.argmax(x, axis=-1)
+        return _draw_whole(x, keys)
 
     def filtered(x: jax.Array) -> tuple[jax.Array, jax.Array]:
         log_norm = jax.nn.logsumexp(x, axis=-1, keepdims=True)
@@ -276,6 +294,38 @@ def _filtered_sample(
     return jnp.where(greedy, best, sampled).astype(jnp.int32)
 
 
+def draw_all_rows(
+    logits: jax.Array,  # f32[S, V]
+    temperature: jax.Array,  # f32[S]
+    top_k: jax.Array,  # i32[S]
+    top_p: jax.Array,  # f32[S]
+    min_p: jax.Array,  # f32[S]
+    keys: jax.Array,  # key[S]
+    real: jax.Array,  # bool[S]: rows to draw (the rest: any token)
+) -> jax.Array:  # i32[S]
+    """Every row's `_filtered_sample` at once, each row's token the one it would draw
+    alone: when no real row has a filter, the unfiltered draw over the batch (what each
+    row's own call does then); else the per-row call vmapped (its conds become selects,
+    so every row pays for the candidates, the draw among them and the threshold search)."""
+    vocab = logits.shape[-1]
+    # Padding rows draw unfiltered, so that they never send the batch down the filtered path.
+    top_k, top_p, min_p = jnp.where(real, top_k, 0), jnp.where(real, top_p, 1.0), min_p * real
+    unfiltered = ((top_k <= 0) | (top_k >= vocab)) & (top_p >= 1.0) & (min_p <= 0.0)
+
+    def one(x: jax.Array, *row: jax.Array) -> jax.Array:
+        return _filtered_sample(x[None], *(a[None] for a in row))[0]
+
+    def plain(x: jax.Array) -> jax.Array:  # `_filtered_sample`'s unfiltered path, batched
+        greedy = temperature == 0
+        sampled, best = _draw_whole(x / jnp.where(greedy, 1.0, temperature)[:, None], keys)
+        return jnp.where(greedy, best, sampled).astype(jnp.int32)
+
+    def filtered(x: jax.Array) -> jax.Array:
+        return jax.vmap(one)(x, temperature, top_k, top_p, min_p, keys)
+
+    return jax.lax.cond(jnp.all(unfiltered), plain, filtered, logits)
+
+
 def sample(
     logits: jax.Array,  # f32[S, V]
     *,
@@ -290,12 +340,17 @@ def sample(
     num_top_logprobs: int,
     greedy_ids: jax.Array | None = None,  # i32[S]: the logits' argmax, if already known
     num_rows: jax.Array | None = None,  # i32: the real rows (the rest a bucket's padding)
+    rows_at_once: bool | None = None,
 ) -> SamplingOutput:
     """Each row's token (greedy, or drawn under its filters with its own key), and the
-    logprobs asked for. Random draws are per row: only the first `num_rows` rows are drawn
-    (default all), one at a time, so a bucket's padding rows cost nothing (a single stream in
-    a 16-row bucket would otherwise rank 16 rows of the vocabulary per token); padding rows
-    get token 0."""
+    logprobs asked for; padding rows (from `num_rows`, default none) get token 0.
+
+    Random draws (`rows_at_once`, default by platform): on CPU one row at a time, and only
+    the first `num_rows` rows, so a bucket's padding rows cost nothing (a single stream in
+    a 16-row bucket would otherwise rank 16 rows of the vocabulary per token); on GPU and
+    TPU every row at once (`draw_all_rows`), where a loop of 256 rows, each a threshold
+    search of ~32 passes, runs thousands of small kernels one after another, and with the
+    logits split by vocabulary over chips, an all-reduce inside each. Same tokens."""
     any_random, any_penalty = flags[0] > 0, flags[1] > 0
     any_logprobs, any_top = flags[2] > 0, flags[3] > 0
     raw_logits = logits
@@ -303,7 +358,14 @@ def sample(
     num_seqs = logits.shape[0]
     rows = num_seqs if num_rows is None else jnp.clip(num_rows, 0, num_seqs)
 
-    def draw(x: jax.Array) -> jax.Array:
+    def draw_rows_at_once(x: jax.Array) -> jax.Array:
+        real = jnp.arange(num_seqs) < rows
+        data = jax.random.wrap_key_data(rng_keys)
+        keys = jax.vmap(jax.random.fold_in)(data, sample_counters)
+        tokens = draw_all_rows(x, temperature, top_k, top_p, min_p, keys, real)
+        return jnp.where(real, tokens, 0)
+
+    def draw_row_by_row(x: jax.Array) -> jax.Array:
         def one(i: jax.Array, out: jax.Array) -> jax.Array:
             def row(a: jax.Array) -> jax.Array:
                 return jax.lax.dynamic_slice_in_dim(a, i, 1, axis=0)
@@ -316,6 +378,13 @@ def sample(
             return jax.lax.dynamic_update_slice_in_dim(out, token, i, axis=0)
 
         return jax.lax.fori_loop(0, rows, one, jnp.zeros(num_seqs, jnp.int32))
+
+    if rows_at_once is None:  # a loop over rows on CPU; all rows at once on accelerators
+        draw = functools.partial(
+            jax.lax.platform_dependent, cpu=draw_row_by_row, default=draw_rows_at_once
+        )
+    else:
+        draw = draw_rows_at_once if rows_at_once else draw_row_by_row
 
     def general(x: jax.Array) -> jax.Array:
         x = jax.lax.cond(any_penalty, lambda y: apply_penalties(y, *penalty_args), lambda y: y, x)

@@ -39,6 +39,7 @@ from jaxcb.runtime.step_input import (
     FLAG_TOP_LOGPROBS,
     StepInput,
     empty_step_input,
+    no_penalties,
     pack_step_input,
 )
 from jaxcb.sampling import SamplingOutput
@@ -122,12 +123,13 @@ class ModelRunner:
         state_shardings = jax.tree_util.tree_map(lambda _: self.kv_sharding, self.state)
         # The static arguments are bound here: jit takes no keyword arguments alongside
         # in_shardings.
+        logits_shardings = sharding.logits_shardings(mesh, rules)
         step = functools.partial(
             step_module.step,
             spec=spec,
             attention=attention,
             num_top_logprobs=num_top_logprobs,
-            logits_shardings=sharding.logits_shardings(mesh, rules),
+            logits_shardings=logits_shardings,
         )
         self._step = jax.jit(
             step,
@@ -136,7 +138,7 @@ class ModelRunner:
             out_shardings=(
                 self._replicated,
                 self._replicated,
-                self._replicated,
+                logits_shardings[-1] if logits_shardings else self._replicated,  # unread
                 state_shardings,
                 self._replicated,  # the sampled tokens for the next step (async scheduling)
             ),
@@ -156,7 +158,7 @@ class ModelRunner:
             )
         self.max_model_len = max_model_len
         self._compiled: dict[Bucket, jax.stages.Compiled] = {}
-        self._no_penalty_tokens: dict[Bucket, jax.Array] = {}
+        self._no_penalty_tokens: dict[Bucket, tuple[jax.Array, jax.Array]] = {}
         # The last step's sampled tokens on device, i32[num_sampled_rows] (the largest
         # bucket's S, so one shape for every bucket): a step packed before its predecessor's
         # tokens were read back takes its decode inputs from here (StepInput.prev_rows).
@@ -244,11 +246,9 @@ class ModelRunner:
         compiled = self._compiled[bucket]
         if inp.penalty_tokens is None:
             if bucket not in self._no_penalty_tokens:
-                shape = (bucket.num_seqs, self.max_model_len)
-                self._no_penalty_tokens[bucket] = jax.device_put(
-                    np.zeros(shape, np.int32), self._replicated
-                )
-            inp.penalty_tokens = self._no_penalty_tokens[bucket]
+                arrays = no_penalties(bucket.num_seqs, self.max_model_len)
+                self._no_penalty_tokens[bucket] = jax.device_put(arrays, self._replicated)
+            inp.penalty_tokens, inp.penalty_counts = self._no_penalty_tokens[bucket]
         if self._sampled is None:
             rows = max(self.num_sampled_rows, bucket.num_seqs)
             self._sampled = jax.device_put(np.zeros(rows, np.int32), self._replicated)

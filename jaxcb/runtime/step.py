@@ -85,8 +85,7 @@ def step(
         logits = jax.lax.with_sharding_constraint(logits, sharding)
     penalty_args = (
         inp.penalty_tokens,
-        inp.kv_lens,
-        inp.num_prompt_tokens,
+        inp.penalty_counts,
         inp.presence_penalty,
         inp.frequency_penalty,
         inp.repetition_penalty,

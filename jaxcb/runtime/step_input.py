@@ -56,9 +56,12 @@ class StepInput:
     repetition_penalty: np.ndarray  # f32[S]
     # i32[NUM_FLAGS]: any random row / penalties / logprobs / top logprobs / prompt top-k
     flags: np.ndarray
-    # i32[S, M]: each row's tokens so far, for penalties; None (a device-resident zero array
-    # is used) unless some row has penalties, so most steps send nothing this size.
+    # Penalties (`penalty_arrays`): i32[S, M] each row's distinct tokens so far (prompt and
+    # output), ascending, then PENALTY_PAD + column; f32[S, M] how often each came out. None
+    # (device-resident padding is used) unless some row has penalties, so most steps send
+    # nothing this size.
     penalty_tokens: np.ndarray | jax.Array | None
+    penalty_counts: np.ndarray | jax.Array | None
     # Async scheduling (engine/llm_engine.py): a decode row whose input token the previous
     # step sampled, not yet read back by the host, takes it on device: prev_rows[t] is that
     # token's row in the previous step's sampled tokens, -1 where input_ids holds the token.
@@ -109,7 +112,8 @@ def empty_step_input(
         frequency_penalty=np.zeros(s, f32),
         repetition_penalty=np.ones(s, f32),
         flags=np.zeros(NUM_FLAGS, i32),
-        penalty_tokens=np.zeros((s, max_model_len), i32),
+        penalty_tokens=no_penalties(s, max_model_len)[0],
+        penalty_counts=no_penalties(s, max_model_len)[1],
         prev_rows=np.full(t, -1, i32),
         prev_token_ids=np.zeros(max(s, num_sampled_rows), i32),
     )
@@ -130,7 +134,7 @@ def pack_step_input(
     element-wise numpy writes cost ~10 µs per sequence, over a millisecond per step of 128.
     """
     inp = empty_step_input(bucket, pages_per_seq, max_model_len=1)
-    inp.penalty_tokens = inp.prev_token_ids = None
+    inp.penalty_tokens = inp.penalty_counts = inp.prev_token_ids = None
     chunks = sched.chunks
     num_seqs = len(chunks)
     reqs = [c.request for c in chunks]
@@ -188,14 +192,43 @@ def pack_step_input(
     if any(r.prompt_logprobs is not None for r in reqs):
         _pack_prompt_logprob_rows(inp, chunks, cu - lens, num_top_logprobs)
     if inp.flags[FLAG_PENALTY]:
-        inp.penalty_tokens = np.zeros((bucket.num_seqs, max_model_len), np.int32)
-        for s, chunk in enumerate(chunks):
-            # A row linked to a step in flight lacks its newest token here; the engine links
-            # no row with penalties (their history is read here, on the host), so such a
-            # row's history is never used.
-            history = chunk.request.token_ids[: chunk.end]
-            inp.penalty_tokens[s, : len(history)] = history
+        # A row linked to a step in flight lacks its newest token here; the engine links no
+        # row with penalties (their history is read here, on the host), so such a row's
+        # history is never used.
+        inp.penalty_tokens, inp.penalty_counts = penalty_arrays(
+            [c.request.token_ids[: c.end] for c in chunks],
+            [c.request.num_prompt_tokens for c in chunks],
+            num_rows=bucket.num_seqs,
+            max_model_len=max_model_len,
+        )
     return inp
+
+
+#: Token id of penalty padding (plus its column): past any vocabulary, so the device's
+#: scatter drops it, and distinct per column, so every (row, id) index is unique and sorted.
+PENALTY_PAD = 1 << 30
+
+
+def no_penalties(num_rows: int, max_model_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Penalty arrays of rows without history: padding only."""
+    pad = PENALTY_PAD + np.arange(max_model_len, dtype=np.int32)
+    return np.tile(pad, (num_rows, 1)), np.zeros((num_rows, max_model_len), np.float32)
+
+
+def penalty_arrays(
+    histories: list, num_prompt_tokens: list[int], *, num_rows: int, max_model_len: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct tokens, output counts) per row, as the device's penalties take them: each
+    row's distinct tokens of prompt and output ascending, padded by PENALTY_PAD + column,
+    and how many times each occurs in the output (0: prompt only). Sorted, unique (row, id)
+    pairs let the device scatter without sorting them (TPUs sort a scatter's indices
+    otherwise: 256 x 8,192 of them at the 8B preset's shapes)."""
+    ids, counts = no_penalties(num_rows, max_model_len)
+    for row, (history, prompt_len) in enumerate(zip(histories, num_prompt_tokens, strict=True)):
+        distinct, where = np.unique(np.asarray(history, np.int32), return_inverse=True)
+        ids[row, : len(distinct)] = distinct
+        counts[row, : len(distinct)] = np.bincount(where[prompt_len:], minlength=len(distinct))
+    return ids, counts
 
 
 def _pack_prompt_logprob_rows(

@@ -25,11 +25,12 @@ def run(
     counters=None,
     flags=(1, 0, 0, 0),
     num_rows=None,
+    rows_at_once=None,
 ):
     s = logits.shape[0]
     seeds = np.arange(s) if seeds is None else np.asarray(seeds)
     keys = np.stack([np.zeros_like(seeds), seeds], axis=1).astype(np.uint32)
-    out = jax.jit(sample, static_argnames="num_top_logprobs")(
+    out = jax.jit(sample, static_argnames=("num_top_logprobs", "rows_at_once"))(
         jnp.asarray(logits, jnp.float32),
         temperature=jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (s,)),
         top_k=jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (s,)),
@@ -39,15 +40,15 @@ def run(
         sample_counters=jnp.asarray(np.zeros(s) if counters is None else counters, jnp.int32),
         flags=jnp.asarray(flags, jnp.int32),
         penalty_args=(
-            jnp.zeros((s, 4), jnp.int32),
-            jnp.zeros(s, jnp.int32),
-            jnp.zeros(s, jnp.int32),
+            jnp.full((s, 4), 1 << 30, jnp.int32) + jnp.arange(4, dtype=jnp.int32),
+            jnp.zeros((s, 4)),
             jnp.zeros(s),
             jnp.zeros(s),
             jnp.ones(s),
         ),
         num_top_logprobs=3,
         num_rows=None if num_rows is None else jnp.int32(num_rows),
+        rows_at_once=rows_at_once,
     )
     return np.asarray(out.token_ids)
 
@@ -143,25 +144,30 @@ def test_same_seed_same_draw_different_counter_different_draw():
 
 
 def test_penalties_match_vllm_semantics():
-    logits = jnp.asarray([[2.0, -1.0, 0.5, 3.0]], jnp.float32)
-    # history: prompt [0], output [3, 3]
-    history = jnp.asarray([[0, 3, 3, 1, 1]], jnp.int32)  # entries past length 3 are stale
+    from jaxcb.runtime.step_input import penalty_arrays
+
+    logits = jnp.asarray([[2.0, -1.0, 0.5, 3.0], [1.0, 1.0, 1.0, 1.0]], jnp.float32)
+    # row 0: prompt [0], output [3, 3]; row 1: padding
+    ids, counts = penalty_arrays([[0, 3, 3]], [1], num_rows=2, max_model_len=5)
+    np.testing.assert_array_equal(ids[0, :2], [0, 3])
+    np.testing.assert_array_equal(counts[0], [0, 2, 0, 0, 0])
+    assert len(set(ids[1])) == 5 and ids[1].min() >= 4  # distinct, past the vocabulary
     out = apply_penalties(
         logits,
-        history,
-        jnp.asarray([3]),  # valid history length
-        jnp.asarray([1]),  # prompt tokens
-        jnp.asarray([0.5]),  # presence
-        jnp.asarray([0.25]),  # frequency
-        jnp.asarray([2.0]),  # repetition
+        jnp.asarray(ids),
+        jnp.asarray(counts),
+        jnp.asarray([0.5, 0.5]),  # presence
+        jnp.asarray([0.25, 0.25]),  # frequency
+        jnp.asarray([2.0, 2.0]),  # repetition
     )
     expected = [
         2.0 / 2,  # in prompt: repetition only
-        -1.0,  # only in stale history: untouched
+        -1.0,  # not seen: untouched
         0.5,
         3.0 / 2 - 0.25 * 2 - 0.5,  # output twice: repetition, frequency x2, presence
     ]
     np.testing.assert_allclose(np.asarray(out)[0], expected, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(out)[1], [1.0] * 4)
 
 
 def test_argmax_last_axis_matches_argmax_with_ties_and_odd_vocab():
@@ -255,10 +261,12 @@ def mixed_rows(vocab=4096, seed=0):
     return np.stack(rows), np.array(params, np.float64)
 
 
-def test_same_tokens_as_a_full_sort_on_seeded_requests():
+@pytest.mark.parametrize("rows_at_once", [False, True], ids=["row-by-row", "rows-at-once"])
+def test_same_tokens_as_a_full_sort_on_seeded_requests(rows_at_once):
     """Every path's token equals the plain full-sort reference's on seeded requests: 48 rows
     of 4,096 tokens (more than FILTER_CANDIDATES), both the candidate and the threshold path
-    taken, cuts inside tie groups included."""
+    taken, cuts inside tie groups included; drawn row by row (CPU) and all rows at once
+    (GPU/TPU)."""
     from jaxcb.sampling import FILTER_CANDIDATES
 
     logits, params = mixed_rows()
@@ -272,6 +280,7 @@ def test_same_tokens_as_a_full_sort_on_seeded_requests():
         min_p=min_p,
         seeds=seeds,
         counters=counters,
+        rows_at_once=rows_at_once,
     )
     want, paths = zip(
         *(
@@ -283,6 +292,22 @@ def test_same_tokens_as_a_full_sort_on_seeded_requests():
     assert got.tolist() == list(want)
     taken = {p: paths.count(p) for p in set(paths)}
     assert taken == {"greedy": 3, "whole": 6, "ranked": 18, "threshold": 21}
+
+
+def test_rows_at_once_draws_each_row_as_alone_and_skips_padding():
+    """All rows at once: unfiltered batches (padding rows with filters must not divert them)
+    and mixed batches give each real row the token it draws row by row; padding rows get 0."""
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((8, 300)).astype(np.float32) * 2
+    temperature = np.array([1.0, 0.0, 0.7, 1.0, 1.3, 1.0, 0.0, 1.0])
+    for top_p in (np.ones(8), np.array([1.0, 1.0, 0.9, 1.0, 0.5, 1.0, 1.0, 0.2])):
+        common = dict(temperature=temperature, top_p=top_p, seeds=np.arange(8) + 11)
+        top_p_padding = np.where(np.arange(8) < 5, top_p, 0.1)  # padding rows filtered
+        loop = run(logits, num_rows=5, rows_at_once=False, **common)
+        common["top_p"] = top_p_padding
+        batch = run(logits, num_rows=5, rows_at_once=True, **common)
+        assert batch.tolist() == loop.tolist()
+        assert batch[5:].tolist() == [0, 0, 0]
 
 
 def draw_filtered(logits, *, candidates, seeds, top_k=0, top_p=1.0, min_p=0.0):
@@ -387,7 +412,7 @@ def test_compiled_for_accelerators_without_a_vocabulary_sort(target):
     f32, i32 = jnp.float32, jnp.int32
     per_row = dict(temperature=f32, top_k=i32, top_p=f32, min_p=f32, sample_counters=i32)
     kwargs = {name: spec((rows,), dtype) for name, dtype in per_row.items()}
-    penalty_args = (spec((rows, 64), i32), spec((rows,), i32), spec((rows,), i32))
+    penalty_args = (spec((rows, 64), i32), spec((rows, 64), f32))
     penalty_args += tuple(spec((rows,), f32) for _ in range(3))
     lowered = jax.jit(sample, static_argnames="num_top_logprobs").lower(
         spec((rows, vocab), f32),
@@ -400,3 +425,29 @@ def test_compiled_for_accelerators_without_a_vocabulary_sort(target):
     )
     sorts = [line for line in lowered.compile().as_text().splitlines() if " sort(" in line]
     assert not [line for line in sorts if f"{vocab}]" in line], sorts
+
+
+def test_penalty_scatter_compiles_for_tpu_without_a_sort():
+    """The penalties' scatters into [S, V] logits split over a v5e x4's chips: with the
+    history sent as (row, token) pairs that may repeat, XLA sorted all S x M of them (524,288
+    here; 2M at the Qwen3-8B preset's shapes); sorted unique pairs need no sort."""
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("jax[tpu] (libtpu) is not installed")
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jaxcb.runtime import aot
+
+    mesh = Mesh(np.array(aot.target_devices("v5e:2x2")[:4]), ("tp",))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    rows, history, vocab = 256, 2048, 65536
+
+    def penalize(logits, *args):
+        split = NamedSharding(mesh, PartitionSpec(None, "tp"))
+        return apply_penalties(jax.lax.with_sharding_constraint(logits, split), *args)
+
+    shapes = [((rows, vocab), jnp.float32), ((rows, history), jnp.int32)]
+    shapes += [((rows, history), jnp.float32)] + [((rows,), jnp.float32)] * 3
+    args = [jax.ShapeDtypeStruct(s, d, sharding=replicated) for s, d in shapes]
+    with jax.set_mesh(mesh):
+        text = jax.jit(penalize).lower(*args).compile().as_text()
+    assert not [line for line in text.splitlines() if " sort(" in line]

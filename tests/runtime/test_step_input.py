@@ -13,6 +13,7 @@ from jaxcb.runtime.step_input import (
     FLAG_PROMPT_TOP_LOGPROBS,
     FLAG_RANDOM,
     FLAG_TOP_LOGPROBS,
+    PENALTY_PAD,
     pack_step_input,
 )
 from jaxcb.sampling_params import SamplingParams
@@ -82,7 +83,7 @@ def test_chunks_laid_out_on_the_token_axis():
     # flags count sampling rows only: `mid` (random, penalties) samples nothing this step
     assert inp.flags[FLAG_RANDOM] == 0 and inp.flags[FLAG_PENALTY] == 0
     assert inp.flags[FLAG_LOGPROBS] == 1 and inp.flags[FLAG_TOP_LOGPROBS] == 1
-    assert inp.penalty_tokens is None
+    assert inp.penalty_tokens is None and inp.penalty_counts is None
 
 
 def test_a_baselines_batch_padding_is_computed():
@@ -102,7 +103,9 @@ def test_penalty_rows_carry_each_sequence_history():
     sched = SchedulerOutput(chunks=[ScheduledChunk(a, 3, 1)])
     inp = pack(sched, Bucket(16, 2), pages_per_seq=2, max_model_len=8, top_logprobs=0)
     assert inp.flags[FLAG_RANDOM] == 1 and inp.flags[FLAG_PENALTY] == 1
-    np.testing.assert_array_equal(inp.penalty_tokens, [[1, 2, 3, 4, 0, 0, 0, 0], [0] * 8])
+    pad = PENALTY_PAD + np.arange(8)
+    np.testing.assert_array_equal(inp.penalty_tokens, [[1, 2, 3, 4, *pad[4:]], pad])
+    np.testing.assert_array_equal(inp.penalty_counts, [[0, 0, 0, 1, 0, 0, 0, 0], [0] * 8])
     assert inp.flags[FLAG_TOP_LOGPROBS] == 0
 
 
