@@ -297,10 +297,14 @@ def _host_bytes(params: Any) -> int:
 def _compile(
     runner: ModelRunner, buckets: tuple[Bucket, ...], config: EngineConfig, progress: bool
 ) -> tuple[float, dict[str, Any]]:
-    """Compile every bucket through the persistent cache; (seconds, what the cache gave)."""
+    """Compile every bucket through the persistent cache; (seconds, what the cache gave).
+    On accelerators several buckets compile at once (aot.DEFAULT_COMPILE_THREADS: the host
+    compiles a GPU or TPU program, and XLA releases the GIL); CPU compiles one at a time."""
     cache_path = compile_cache.configure(config.compilation_cache)
     entries_before = compile_cache.count_step_entries(cache_path)
-    seconds = runner.compile(buckets, progress=progress)
+    on_cpu = runner.mesh.devices.flat[0].platform == "cpu"
+    threads = 1 if on_cpu else aot.DEFAULT_COMPILE_THREADS
+    seconds = runner.compile(buckets, progress=progress, threads=threads)
     fresh = compile_cache.count_step_entries(cache_path) - entries_before
     return seconds, {
         "dir": str(cache_path) if cache_path else None,
