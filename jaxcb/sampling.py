@@ -222,6 +222,11 @@ def _threshold_draw(
     return jax.vmap(jax.random.categorical)(keys, jnp.where(keep, x, NEG_INF))
 
 
+def _unfiltered(top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, vocab: int) -> jax.Array:
+    """Rows whose filters keep the whole vocabulary."""
+    return ((top_k <= 0) | (top_k >= vocab)) & (top_p >= 1.0) & (min_p <= 0.0)
+
+
 def _draw_whole(scaled: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(each row drawn from its whole distribution, its argmax) of [R, V] scaled logits."""
     return jax.vmap(jax.random.categorical)(keys, scaled), jnp.argmax(scaled, axis=-1)
@@ -251,7 +256,7 @@ def _filtered_sample(
     vocab = logits.shape[-1]
     cands = min(candidates, vocab)
     no_top_k = (top_k <= 0) | (top_k >= vocab)
-    unfiltered = no_top_k & (top_p >= 1.0) & (min_p <= 0.0)
+    unfiltered = _unfiltered(top_k, top_p, min_p, vocab)
 
     def draw_ranked(
         ranked: jax.Array, ids: jax.Array, log_norm: jax.Array
@@ -310,7 +315,7 @@ def draw_all_rows(
     vocab = logits.shape[-1]
     # Padding rows draw unfiltered, so that they never send the batch down the filtered path.
     top_k, top_p, min_p = jnp.where(real, top_k, 0), jnp.where(real, top_p, 1.0), min_p * real
-    unfiltered = ((top_k <= 0) | (top_k >= vocab)) & (top_p >= 1.0) & (min_p <= 0.0)
+    unfiltered = _unfiltered(top_k, top_p, min_p, vocab)
 
     def one(x: jax.Array, *row: jax.Array) -> jax.Array:
         return _filtered_sample(x[None], *(a[None] for a in row))[0]

@@ -238,7 +238,7 @@ def test_bfloat16_model_and_kv_cache_dtypes():
     Greedy tokens agree across the three set-ups at first."""
     prompt = [[10, 11, 12, 13]]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    small = {**CONFIG, "token_buckets": [16, 64]}
+    small = {**CONFIG, "max_num_batched_tokens": 16, "token_buckets": [16]}  # one compile
     xla = LLM(dtype="bfloat16", attention="xla", **small)
     assert xla.engine.info.kv_cache_dtype == "float32"
     forced = LLM(dtype="bfloat16", attention="xla", kv_cache_dtype="bfloat16", **small)
