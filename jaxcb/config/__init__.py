@@ -33,6 +33,7 @@ from jaxcb.config.sections import (
     BATCHING_MODES,
     DTYPES,
     MATMUL_BACKENDS,
+    QUANTIZATIONS,
     SCHEDULING_POLICIES,
     CacheConfig,
     KernelConfig,
@@ -51,6 +52,7 @@ __all__ = [
     "BATCHING_MODES",
     "DTYPES",
     "MATMUL_BACKENDS",
+    "QUANTIZATIONS",
     "SCHEDULING_POLICIES",
     "SECTIONS",
     "CacheConfig",
@@ -71,6 +73,7 @@ class EngineConfig:
     model: str | None = None  # HF dir, .gguf file, hub id or built-in name; None: SmolLM2
     tokenizer: str | None = None  # tokenizer directory; None = the model directory
     dtype: str = "float32"  # weights, activations and KV pages
+    quantization: str = "none"  # none | int8 (weight-only, per output channel)
     max_model_len: int | None = None  # prompt + output tokens; None = model's max positions
     seed: int = 0  # seeds requests that bring no seed of their own
     # Persistent XLA compilation cache: "auto" (a dir under the jaxcb cache), "off", or a path.
@@ -84,6 +87,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check_types(self)
         _check(self.dtype in DTYPES, f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        _check(
+            self.quantization in QUANTIZATIONS,
+            f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}",
+        )
         _check(
             self.max_model_len is None or self.max_model_len >= 1,
             f"max_model_len must be >= 1, got {self.max_model_len}",

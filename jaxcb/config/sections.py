@@ -12,6 +12,7 @@ from jaxcb.config.values import check as _check
 from jaxcb.config.values import check_types as _check_types
 
 DTYPES = ("float32", "bfloat16")
+QUANTIZATIONS = ("none", "int8")  # weight quantization (jaxcb/models/quant.py)
 ATTENTION_BACKENDS = ("auto", "native", "xla", "pallas", "pallas-tpu", "pallas-gpu")
 MATMUL_BACKENDS = ("auto", "amx", "avx512_bf16", "avx512", "avx2_bf16", "avx2", "xla")
 SCHEDULING_POLICIES = ("fcfs", "priority", "srpf", "edf")

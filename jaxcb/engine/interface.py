@@ -112,6 +112,8 @@ class EngineInfo:
     num_swap_pages: int = 0
     swap_bytes_per_s: float = 0.0
     kv_pool_sizing: str = ""  # how num_pages was decided (runtime/kv_cache.py's PoolSizing)
+    quantization: str = "none"  # of the weights (EngineConfig.quantization)
+    weight_bytes: int = 0  # the weights as stored on the devices (all of them)
 
     @property
     def token_buckets(self) -> list[int]:

@@ -79,12 +79,15 @@ class ParamInfo:
     """One parameter's declaration: its shape and the logical axis of each dimension.
 
     `matmul`: a weight the forward multiplies by (through packed.matmul), which the CPU path
-    may pack for a native kernel as its [shape[0], -1] matrix.
+    may pack for a native kernel as its [shape[0], -1] matrix. `dtype`: its own dtype
+    (a quantized weight's int8 values and float32 scales, models/quant.py); None: the
+    model's.
     """
 
     shape: tuple[int, ...]
     axes: tuple[str, ...]
     matmul: bool = False
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
         if len(self.shape) != len(self.axes):
@@ -99,7 +102,9 @@ def abstract_from_infos(infos: Params, dtype: Any) -> Params:
     """The params pytree as ShapeDtypeStructs: what a checkpoint must hold, and the target
     of a restore."""
     return jax.tree_util.tree_map(
-        lambda info: jax.ShapeDtypeStruct(info.shape, dtype), infos, is_leaf=is_param_info
+        lambda info: jax.ShapeDtypeStruct(info.shape, info.dtype or dtype),
+        infos,
+        is_leaf=is_param_info,
     )
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from jaxcb import native
 from jaxcb.models.base import ParamInfo, Params
 from jaxcb.models.layers import dense
+from jaxcb.models.quant import int8_matmul, is_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -28,10 +29,12 @@ Weight = jax.Array | dict[str, jax.Array]
 
 
 def matmul(x: jax.Array, w: Weight, rows: jax.Array | None = None) -> jax.Array:
-    """x @ w for a [in, ...] weight viewed as [in, out] (float32 result), or a weight packed
-    for a native kernel ({kernel name: packed}). `rows` (i32 scalar): how many leading rows of
-    x are real, the rest a bucket's padding; the native kernels skip the padding and return
-    zeros there, XLA computes it."""
+    """x @ w for a [in, ...] weight viewed as [in, out] (float32 result), a weight packed
+    for a native kernel ({kernel name: packed}), or a quantized one (models/quant.py).
+    `rows` (i32 scalar): how many leading rows of x are real, the rest a bucket's padding;
+    the native kernels skip the padding and return zeros there, XLA computes it."""
+    if is_quantized(w):
+        return int8_matmul(x, w)
     if isinstance(w, dict):
         ((kernel, packed),) = w.items()
         return native.PACKED_MATMULS[kernel].kernel(x, packed, rows)
@@ -44,7 +47,7 @@ def matmul_and_argmax(
     """`matmul(x, w, rows)` and, when the weight's native kernel takes it from its
     accumulators on the way out, the argmax of each result row (i32, first index on ties);
     else None."""
-    if isinstance(w, dict):
+    if isinstance(w, dict) and not is_quantized(w):
         ((kernel, packed),) = w.items()
         argmax = native.PACKED_MATMULS[kernel].argmax
         if argmax is not None:
@@ -55,7 +58,7 @@ def matmul_and_argmax(
 def packed_swiglu(w: Weight) -> Callable[..., jax.Array] | None:
     """For a gate_up weight packed for a native kernel that fuses silu(gate) * up into its
     epilogue: that fused kernel (x, packed, rows) -> act; else None."""
-    if not isinstance(w, dict):
+    if not isinstance(w, dict) or is_quantized(w):
         return None
     ((kernel, packed),) = w.items()
     return native.PACKED_MATMULS[kernel].swiglu if packed.shape[0] % 2 == 0 else None

@@ -29,10 +29,11 @@ from jaxcb.engine.interface import MAX_TOP_LOGPROBS, Engine, EngineInfo
 from jaxcb.engine.llm_engine import LLMEngine
 from jaxcb.engine.replicated import ReplicatedEngine
 from jaxcb.models import registry
-from jaxcb.models.base import ModelSpec
+from jaxcb.models.base import ModelSpec, abstract_from_infos
 from jaxcb.models.default_model import DEFAULT_NAME
 from jaxcb.models.loader import LoadedModel, load_model
 from jaxcb.models.packed import matmul_backend, matmul_report
+from jaxcb.models.quant import check_platform, quantize_params, weight_bytes
 from jaxcb.runtime import aot, compile_cache, sharding
 from jaxcb.runtime.kv_cache import (
     PoolSizing,
@@ -117,9 +118,8 @@ def build_runner(
     spec, cache, sched = model.spec, config.cache, config.scheduler
     max_model_len = resolve_max_model_len(config, spec)
     attention = get_attention_backend(config.kernels.attention)
-    matmul = matmul_backend(
-        config.kernels.matmul, dtype=dtype, tensor_parallel_size=sharding.tensor_parallel_size(mesh)
-    )
+    params, infos = quantize_params(model.params, registry.param_infos(spec), config.quantization)
+    matmul = _matmul_backend(config, dtype, sharding.tensor_parallel_size(mesh))
     cpu_kernels = _cpu_kernels(config, matmul, dtype, sharding.tensor_parallel_size(mesh))
     kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, dtype, attention.name)
     token_buckets = sched.token_buckets or default_token_buckets(
@@ -135,7 +135,7 @@ def build_runner(
         num_top_logprobs=MAX_TOP_LOGPROBS,
         mesh=mesh,
     )
-    pool = _size_pool(config, model, max_model_len, buckets, runner_args)
+    pool = _size_pool(config, model, infos, max_model_len, buckets, runner_args)
     num_pages = pool.num_pages
     swap_pages = 0
     swapping = sched.preemption_mode != "recompute" and sched.batching == "continuous"
@@ -145,8 +145,8 @@ def build_runner(
         )
     runner = ModelRunner(
         spec,
-        model.params,
-        registry.param_infos(spec),
+        params,
+        infos,
         num_pages=num_pages,
         pack_matmuls=None if matmul == "xla" else matmul,
         greedy_screen=config.kernels.greedy_screen,
@@ -182,6 +182,8 @@ def build_runner(
         page_size=cache.page_size,
         num_pages=num_pages,
         kv_cache_bytes=num_pages * page_bytes(spec, cache.page_size, kv_dtype.itemsize),
+        quantization=config.quantization,
+        weight_bytes=weight_bytes(runner.params),
         kv_pool_sizing=pool.describe(),
         kv_cache_dtype=str(kv_dtype),
         attention_backend=attention.name,
@@ -198,6 +200,21 @@ def build_runner(
     _log_ready(info, config)
     logger.info("KV pool: %s", pool.describe())
     return runner, info, model
+
+
+def _matmul_backend(config: EngineConfig, dtype: Any, tensor_parallel_size: int) -> str:
+    """packed.matmul_backend's choice; quantized weights go to XLA's dot (one-line
+    ValueError if a native kernel is named for them)."""
+    requested = config.kernels.matmul
+    check_platform(config.quantization, jax.default_backend())
+    if config.quantization == "none":
+        return matmul_backend(requested, dtype=dtype, tensor_parallel_size=tensor_parallel_size)
+    if requested not in ("auto", "xla"):
+        raise ValueError(
+            f"kernels.matmul={requested!r} cannot run quantization={config.quantization!r} "
+            "weights: use kernels.matmul auto or xla"
+        )
+    return "xla"
 
 
 def smallest_token_bucket(matmul: str) -> int:
@@ -246,6 +263,7 @@ def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
 def _size_pool(
     config: EngineConfig,
     model: LoadedModel,
+    infos: Any,
     max_model_len: int,
     buckets: tuple[Bucket, ...],
     runner_args: dict[str, Any],
@@ -276,11 +294,11 @@ def _size_pool(
     if pool.source != "device memory":
         return pool
     compile_cache.configure(config.compilation_cache)
-    params = registry.abstract_params(spec, jnp.dtype(config.dtype))
+    params = abstract_from_infos(infos, jnp.dtype(config.dtype))
     probe = ModelRunner(
         spec,
         params,
-        registry.param_infos(spec),
+        infos,
         num_pages=pool.num_pages,
         abstract=True,
         **runner_args,
@@ -315,13 +333,15 @@ def _compile(
 
 def _log_ready(info: EngineInfo, config: EngineConfig) -> None:
     logger.info(
-        "engine ready: %s (%s%s), dtype %s, %d %s KV pages x %d tokens (%.1f MiB), "
-        "buckets %s, attention %s, matmul %s, on %s, load %.1fs, compile %.1fs (%d of %d "
-        "buckets from the compilation cache)",
+        "engine ready: %s (%s%s), dtype %s%s, weights %.1f MiB, %d %s KV pages x %d tokens "
+        "(%.1f MiB), buckets %s, attention %s, matmul %s, on %s, load %.1fs, compile %.1fs "
+        "(%d of %d buckets from the compilation cache)",
         info.model_path,
         info.architecture,
         ", RANDOM WEIGHTS" if info.random_weights else "",
         config.dtype,
+        f", {info.quantization} weights" if info.quantization != "none" else "",
+        info.weight_bytes / 2**20,
         info.num_pages,
         info.kv_cache_dtype,
         info.page_size,

@@ -50,7 +50,9 @@ def sampling() -> list[SamplingParams]:
     return [greedy] * 4 + [seeded, scored]
 
 
-def spec_of(array: jax.Array | dict[str, jax.Array]) -> list:
+def spec_of(array: jax.Array | dict[str, jax.Array]) -> list | dict:
+    if isinstance(array, dict) and "q" in array:  # an int8 weight (models/quant.py)
+        return {part: spec_of(value) for part, value in array.items()}
     if isinstance(array, dict):  # {kernel: packed}: a weight packed for a native matmul
         (array,) = array.values()
     return [None if a is None else str(a) for a in array.sharding.spec]
@@ -138,6 +140,8 @@ def main(work: Path) -> None:
         "tp4-xla": dict(attention="xla", tensor_parallel_size=4),
         "dp2": dict(attention="native", data_parallel_size=2, server=True),
         "dp2-tp2": dict(attention="native", mesh_shape=[2, 2]),
+        "int8": dict(attention="native", quantization="int8"),
+        "int8-tp2": dict(attention="native", quantization="int8", tensor_parallel_size=2),
     }
     for name, overrides in runs.items():
         results[name] = run(model, **overrides)

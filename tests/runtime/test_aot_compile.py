@@ -122,6 +122,17 @@ def test_step_compiles_for_target(model_dir, target, family, tp, backend, kernel
     assert "(32, 8)" in text and text.splitlines()[-1].startswith("fits:")
 
 
+@needs_tpu
+def test_int8_weights_are_refused_for_accelerators(model_dir, capsys):
+    """int8 weights are CPU-only for now (models/quant.check_platform): XLA materializes
+    the dequantized weights on GPU/TPU. One line, before anything is compiled."""
+    argv = ["--target", "v5e:2x2", "--model", str(model_dir["qwen3"]), "--quantization", "int8"]
+    argv += ["--max-model-len", "256", "--max-num-batched-tokens", "32", "--max-num-seqs", "8"]
+    assert load_script().main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "quantization='int8' runs on CPU only" in err
+
+
 def test_ideal_bytes_parts():
     spec = registry.spec_from_hf_config({**TINY, **MODELS["llama"]})
     parts = aot_report.ideal_step_bytes(

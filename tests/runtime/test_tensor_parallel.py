@@ -51,6 +51,18 @@ def test_same_tokens_as_one_device(report: dict, name: str) -> None:
     assert report[name]["tokens"] == report["tp1"]["tokens"]
 
 
+def test_int8_weights_split_like_their_float_weights(report: dict) -> None:
+    """int8 weights (models/quant.py) under TP 2: the same tokens as on one device, the
+    int8 values and their group scales split along the weight's own axes."""
+    assert report["int8-tp2"]["tokens"] == report["int8"]["tokens"]
+    (replica,) = report["int8-tp2"]["replicas"]
+    params = replica["params"]
+    for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+        assert params[name]["q"] == params[name]["scale"] == params[name]["zero"], name
+    assert params["wqkv"]["q"] == [None, "tensor", None, None]  # by KV head
+    assert params["wo"]["q"] == ["tensor", None]  # by input (query heads): whole groups
+
+
 @pytest.mark.parametrize("name", RUNS)
 def test_same_prompt_logprobs_as_one_device(report: dict, name: str) -> None:
     (want,) = report["tp1"]["prompt_logprobs"]
