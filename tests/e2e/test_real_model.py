@@ -104,11 +104,14 @@ def reference(hf_model) -> list[list[int]]:
     return out
 
 
-def run_jaxcb(smollm2: Path, dtype: str, **flags) -> tuple[list[list[int]], list[str], LLM]:
+def run_jaxcb(
+    smollm2: Path, dtype: str, every: int = 1, **flags
+) -> tuple[list[list[int]], list[str], LLM]:
+    """The chats (every `every`-th of them) through jaxcb."""
     llm = LLM(str(smollm2), dtype=dtype, **{**ENGINE, **flags})
     prompts = [
         llm.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
-        for m in chats()
+        for m in chats()[::every]
     ]
     outs = llm.generate(
         prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False
@@ -162,10 +165,13 @@ def test_bfloat16_agreement_with_float32_reference(smollm2: Path, reference) -> 
 
 def test_int8_weights_agree_with_float32_reference(smollm2: Path, reference) -> None:
     """int8 weight-only quantization (models/quant.py): at least 90% of the greedy tokens
-    equal the float32 reference's, position by position, on the same prompts, budget and
-    preempting pool (all of them: the file's Q4_1 blocks fit int8's 32-blocks exactly; a
-    symmetric per-group scale gave 75%)."""
-    got, texts, llm = run_jaxcb(smollm2, "float32", quantization="int8")
+    equal the float32 reference's, position by position, on every fourth chat (int8 runs on
+    XLA's slow CPU dot), same budget and pool (all of them on the whole set: the file's Q4_1
+    blocks fit int8's 32-blocks exactly; a symmetric per-channel scale gave 75%)."""
+    got, texts, llm = run_jaxcb(
+        smollm2, "float32", every=4, quantization="int8", token_buckets=[64], seq_buckets=[8]
+    )
+    reference = reference[::4]
     tokens = sum(len(b) for b in reference)
     same = sum(x == y for a, b in zip(got, reference, strict=True) for x, y in zip(a, b))  # noqa: B905
     agree = same / tokens
