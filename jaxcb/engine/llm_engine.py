@@ -35,14 +35,7 @@ from jaxcb.engine.detokenizer import IncrementalDetokenizer
 from jaxcb.engine.engine_stats import engine_stats
 from jaxcb.engine.groups import RequestGroup, new_sample
 from jaxcb.engine.inflight import InFlightStep, link_to_inflight, sync_reason
-from jaxcb.engine.interface import (
-    Engine,
-    EngineInfo,
-    KVUsage,
-    Runner,
-    StepRecord,
-    StepResult,
-)
+from jaxcb.engine.interface import Engine, EngineInfo, KVUsage, Runner, StepRecord, StepResult
 from jaxcb.engine.logprobs import append_sample_logprobs, record_prompt_logprobs
 from jaxcb.engine.page_pool import PagePool
 from jaxcb.engine.request import Request

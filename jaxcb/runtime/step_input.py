@@ -88,6 +88,7 @@ def empty_step_input(
     step's token buffer holds `num_sampled_rows` (at least the bucket's S)."""
     t, s = bucket.num_tokens, bucket.num_seqs
     i32, f32 = np.int32, np.float32
+    penalty_tokens, penalty_counts = no_penalties(s, max_model_len)
     return StepInput(
         input_ids=np.zeros(t, i32),
         positions=np.zeros(t, i32),
@@ -112,8 +113,8 @@ def empty_step_input(
         frequency_penalty=np.zeros(s, f32),
         repetition_penalty=np.ones(s, f32),
         flags=np.zeros(NUM_FLAGS, i32),
-        penalty_tokens=no_penalties(s, max_model_len)[0],
-        penalty_counts=no_penalties(s, max_model_len)[1],
+        penalty_tokens=penalty_tokens,
+        penalty_counts=penalty_counts,
         prev_rows=np.full(t, -1, i32),
         prev_token_ids=np.zeros(max(s, num_sampled_rows), i32),
     )
