@@ -28,6 +28,15 @@ STOP_TOKEN_KEYS = (
     "tokenizer.ggml.eot_token_id",  # end of turn
     "tokenizer.ggml.eom_token_id",  # end of message (Llama 3.1's tool calls)
 )
+#: The block types whose values are d x code + m with a float16 scale d and offset m per
+#: block of 32 (the layout of `quant.quantize_int8`'s groups): type -> the code's offset,
+#: m = -offset x d (Q8_0: d x q8 with q8 an int8, the code q8 + 128; Q4_0: d x (q4 - 8), the
+#: code q4), or None where the block stores m after d (Q4_1: d x q4 + m).
+BLOCK_OFFSETS = {
+    gguf.GGMLQuantizationType.Q8_0: 128,
+    gguf.GGMLQuantizationType.Q4_0: 8,
+    gguf.GGMLQuantizationType.Q4_1: None,
+}
 # What a failing reader throws on a truncated or corrupt file: numpy's errors from reading
 # past the end of its memory map, struct-like decoding errors, unknown enum values.
 _READER_ERRORS = (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, EOFError)
@@ -117,6 +126,24 @@ class GGUFFile:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         return np.asarray(values, dtype=np.float32).reshape(self.shapes[name])
 
+    def block_grid(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """(d, m), float32 arrays of the tensor's shape (numpy order): each element's block
+        scale and offset, the values being d x code + m with integer codes (what
+        `dequantize` gives, exactly), for a tensor stored as Q8_0, Q4_0 or Q4_1 (BLOCK_OFFSETS);
+        None for any other type. Read from the blocks' own bytes: f16 d first, then Q4_1's
+        f16 m."""
+        tensor = self._tensors[name]
+        if tensor.tensor_type not in BLOCK_OFFSETS:
+            return None
+        offset = BLOCK_OFFSETS[tensor.tensor_type]
+        block_size, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+        blocks = np.asarray(tensor.data).view(np.uint8).reshape(-1, type_size)
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+        m = -offset * d if offset is not None else blocks[:, 2:4].copy().view(np.float16)
+        shape = self.shapes[name]
+        d, m = (np.repeat(x.astype(np.float32), block_size, axis=1).reshape(shape) for x in (d, m))
+        return d, m
+
     def stored_dtype(self) -> str:
         """ "bfloat16" if every matrix is stored in bfloat16, else "float32" (what quantized,
         float16 and float32 tensors dequantize to without loss)."""
@@ -134,34 +161,39 @@ class GGUFFile:
         names: Mapping[str, str],
         num_layers: int,
         transform: Callable[[str, np.ndarray], np.ndarray],
+        values: Callable[[str], np.ndarray] | None = None,
     ) -> GGUFTensors:
         """The file's tensors under a family's Hugging Face names, for its params_from_hf.
 
         `names`: GGUF name -> Hugging Face name, "{n}" standing for the layer index;
-        `transform(hf_name, array)`: what the family undoes of llama.cpp's layout."""
+        `transform(hf_name, array)`: what the family undoes of llama.cpp's layout;
+        `values(gguf_name)`: the array a tensor stands for, float32 in numpy order (default:
+        `dequantize`; the loader's block grids take each element's block scale instead)."""
         hf_to_gguf = {}
         for gguf_name, hf_name in names.items():
             layers = range(num_layers) if "{n}" in gguf_name else [0]
             for n in layers:
                 hf_to_gguf[hf_name.format(n=n)] = gguf_name.format(n=n)
-        return GGUFTensors(self, hf_to_gguf, transform)
+        return GGUFTensors(self, hf_to_gguf, transform, values or self.dequantize)
 
 
 class GGUFTensors(CheckpointTensors):
     """`take(hf_name, shape)` finds the GGUF tensor, checks its shape against the one the
-    metadata implies, dequantizes it and applies the family's transform; the GGUF tensors
-    nobody took are reported once (warn_unused)."""
+    metadata implies, dequantizes it (or whatever `values` gives) and applies the family's
+    transform; the GGUF tensors nobody took are reported once (warn_unused)."""
 
     def __init__(
         self,
         file: GGUFFile,
         hf_to_gguf: dict[str, str],
         transform: Callable[[str, np.ndarray], np.ndarray],
+        values: Callable[[str], np.ndarray] | None = None,
     ) -> None:
         super().__init__(file.shapes, file.path)
         self.file = file
         self.hf_to_gguf = hf_to_gguf
         self.transform = transform
+        self.values = values or file.dequantize
 
     def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         gguf_name = self.hf_to_gguf.get(name, name)
@@ -174,7 +206,7 @@ class GGUFTensors(CheckpointTensors):
                 "from the GGUF metadata"
             )
         self.used.add(gguf_name)
-        return self.transform(name, self.file.dequantize(gguf_name))
+        return self.transform(name, self.values(gguf_name))
 
     def skip(self, name: str) -> None:
         self.used.add(self.hf_to_gguf.get(name, name))

@@ -15,17 +15,20 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from jaxcb.models import registry
-from jaxcb.models.base import ModelSpec, Params
+from jaxcb.models.base import ModelSpec, Params, is_param_info
 from jaxcb.models.default_model import NAME as TINY_NAME
 from jaxcb.models.default_model import SMOLLM2_NAME, builtin_model
-from jaxcb.models.gguf import GGUFFile, is_gguf_path
+from jaxcb.models.gguf import BLOCK_OFFSETS, GGUFFile, is_gguf_path
 from jaxcb.models.gguf_tokenizer import gguf_tokenizer
 from jaxcb.models.hub import download, looks_like_hub_id
 from jaxcb.models.registry import spec_from_gguf, spec_from_hf_config
 from jaxcb.models.weights import (
     CheckpointTensors,
     ModelLoadError,
+    cast,
     generation_eos,
     read_hf_config,
     read_safetensors,
@@ -43,6 +46,9 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     random_weights: bool  # the built-in tiny random-weight model: its text is noise
     format: str = "safetensors"  # "safetensors" (Hugging Face), "orbax" or "gguf"
+    #: {"layers": [{name: (d, m)}]}: the layer matmul weights a GGUF file stores in blocks
+    #: (load_gguf_block_grids), for quantize_params to hold exactly; loaded for int8 only
+    block_grids: Params | None = None
 
 
 def resolve_model(model: str | Path | None) -> tuple[Path, bool]:
@@ -77,14 +83,17 @@ def load_model(
     tokenizer_path: str | Path | None,
     dtype: Any,
     shardings: Callable[[ModelSpec], Any] | None = None,
+    quantization: str = "none",
 ) -> LoadedModel:
     """`shardings(spec)`: the params' target shardings. An orbax checkpoint is restored
     straight into them; safetensors and GGUF tensors (dequantized) are read into host memory
     (the runner places them). It is called before any weight is read, so a model that cannot
-    be sharded fails fast."""
+    be sharded fails fast. `quantization`: what the params will be quantized to
+    (quant.quantize_params); for "int8", a GGUF file's block-quantized layer matmul weights
+    come with their block grids (LoadedModel.block_grids) and stay float32 for exactness."""
     path, random_weights = resolve_model(model)
     if is_gguf_path(path):
-        return _load_gguf(path, tokenizer_path, dtype, shardings, random_weights)
+        return _load_gguf(path, tokenizer_path, dtype, shardings, random_weights, quantization)
     spec = spec_from_hf_config(read_hf_config(path))
     target = shardings(spec) if shardings is not None else None
     from jaxcb.models.checkpoint import is_orbax_checkpoint, restore_params
@@ -105,17 +114,25 @@ def _load_gguf(
     dtype: Any,
     shardings: Callable[[ModelSpec], Any] | None,
     random_weights: bool,
+    quantization: str = "none",
 ) -> LoadedModel:
     """A GGUF file: config, tokenizer and stop tokens from its metadata, its tensors
-    dequantized to `dtype` in host memory (the runner places them)."""
+    dequantized to `dtype` in host memory (the runner places them). For int8, the layer
+    matmul weights stored in blocks come with their block grids and stay float32 (their
+    values exactly, for quantize_params to recover the blocks' codes; it quantizes them
+    right after, so they never reach the devices as float32)."""
     file = GGUFFile(path)
     _, spec = spec_from_gguf(file)
     if shardings is not None:
         shardings(spec)  # fails fast if the model cannot be sharded
-    params = load_gguf_params(file, spec, dtype)
+    grids = load_gguf_block_grids(file, spec) if quantization == "int8" else None
+    if grids is None:
+        params = load_gguf_params(file, spec, dtype)
+    else:
+        params = _cast_all_but_grids(load_gguf_params(file, spec, np.float32), grids, dtype)
     tokenizer = load_tokenizer(Path(tokenizer_path)) if tokenizer_path else gguf_tokenizer(file)
     eos = _eos_ids(spec, set(file.stop_token_ids()), tokenizer)
-    return LoadedModel(path, spec, params, tokenizer, eos, random_weights, "gguf")
+    return LoadedModel(path, spec, params, tokenizer, eos, random_weights, "gguf", grids)
 
 
 def _eos_ids(spec: ModelSpec, more: set[int], tokenizer: Any | None) -> tuple[int, ...]:
@@ -144,6 +161,64 @@ def load_gguf_params(file: GGUFFile, spec: ModelSpec, dtype: Any) -> Params:
     tensors = file.tensors(family.GGUF_TENSORS, spec.num_layers, transform)
     params = family.params_from_hf(tensors, spec, dtype)
     tensors.warn_unused()
+    return params
+
+
+#: The dtype of the block grids' arrays: d and m are float16 in the blocks, so exact (a
+#: Q8_0 offset -128 d past float16's range becomes inf and that weight is quantized anew).
+GRID_DTYPE = np.float16
+
+
+def load_gguf_block_grids(file: GGUFFile, spec: ModelSpec) -> Params | None:
+    """{"layers": [{name: (d, m)}]}: for each layer matmul weight (ParamInfo.matmul) whose
+    GGUF tensors are all stored as Q8_0, Q4_0 or Q4_1, each element's block scale d and
+    offset m (GGUFFile.block_grid) in the params' layout, for quant.quantize_int8's `grid`;
+    None if no layer tensor is stored so.
+
+    The family's own params_from_hf puts them there: run twice more (d, then m) through
+    GGUFTensors that give each tensor's block grid instead of its values, after the same
+    transform (the families only permute and reshape their matmul weights, so each element
+    keeps its block's d and m). Tensors of other types give NaN, which marks the weights
+    built from them (left out). Peak host memory: the two grids' float16 arrays besides
+    the float32 params."""
+    block_types = {t.name for t in BLOCK_OFFSETS}
+    if not any(n.startswith("blk.") and file.type_name(n) in block_types for n in file.shapes):
+        return None
+    family = registry.family(spec)
+    transform = partial(family.tensor_from_gguf, spec=spec, arch=file.architecture)
+    infos = registry.param_infos(spec)["layers"]
+
+    def part(i: int) -> list[dict[str, np.ndarray]]:
+        def values(name: str) -> np.ndarray:
+            grid = file.block_grid(name) if name.startswith("blk.") else None
+            if grid is None:  # a view: nothing allocated for the table, the head, the norms
+                return np.broadcast_to(np.float32(np.nan), file.shapes[name])
+            return grid[i]
+
+        tensors = file.tensors(family.GGUF_TENSORS, spec.num_layers, transform, values)
+        layers = family.params_from_hf(tensors, spec, GRID_DTYPE)["layers"]
+        return [
+            {k: x for k, x in layer.items() if is_param_info(info[k]) and info[k].matmul}
+            for layer, info in zip(layers, infos, strict=True)
+        ]
+
+    scales, offsets = part(0), part(1)
+    layers = [
+        {k: (d[k], m[k]) for k in d if not np.isnan(d[k]).any()}
+        for d, m in zip(scales, offsets, strict=True)
+    ]
+    return {"layers": layers} if any(layers) else None
+
+
+def _cast_all_but_grids(params: Params, grids: Params, dtype: Any) -> Params:
+    """Every array of `params` cast to `dtype` but the layer weights `grids` holds."""
+    if np.dtype(dtype) == np.float32:
+        return params
+    params = {k: v if k == "layers" else cast(v, dtype) for k, v in params.items()}
+    params["layers"] = [
+        {k: x if k in grid else cast(x, dtype) for k, x in layer.items()}
+        for layer, grid in zip(params["layers"], grids["layers"], strict=True)
+    ]
     return params
 
 

@@ -3,9 +3,10 @@
 Every family multiplies through `matmul` (and `swiglu` / `lm_head` where it fits): a plain
 [in, out] weight goes to XLA (`layers.dense`); a weight packed for one of jaxcb's native CPU
 kernels, stored as {kernel: packed} ("amx", "avx512_bf16" or "avx2_bf16" for bfloat16,
-"avx512" or "avx2" for float32; jaxcb.native.PACKED_MATMULS), goes to that kernel. The
-runner decides (through `matmul_backend`) and packs once at load (`prepare_cpu_params`), so
-the forward code is the same on every backend.
+"avx512" or "avx2" for float32, "int8" for quantized weights whatever the model dtype;
+jaxcb.native.ALL_PACKED), goes to that kernel. The runner decides (through
+`matmul_backend`) and packs once at load (`prepare_cpu_params`), so the forward code is the
+same on every backend.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def matmul(x: jax.Array, w: Weight, rows: jax.Array | None = None) -> jax.Array:
         return int8_matmul(x, w)
     if isinstance(w, dict):
         ((kernel, packed),) = w.items()
-        return native.PACKED_MATMULS[kernel].kernel(x, packed, rows)
+        return native.ALL_PACKED[kernel].kernel(x, packed, rows)
     return dense(x, w.reshape(w.shape[0], -1))
 
 
@@ -49,7 +50,7 @@ def matmul_and_argmax(
     else None."""
     if isinstance(w, dict) and not is_quantized(w):
         ((kernel, packed),) = w.items()
-        argmax = native.PACKED_MATMULS[kernel].argmax
+        argmax = native.ALL_PACKED[kernel].argmax
         if argmax is not None:
             return argmax(x, packed, rows)
     return matmul(x, w, rows), None
@@ -61,7 +62,7 @@ def packed_swiglu(w: Weight) -> Callable[..., jax.Array] | None:
     if not isinstance(w, dict) or is_quantized(w):
         return None
     ((kernel, packed),) = w.items()
-    return native.PACKED_MATMULS[kernel].swiglu if packed.shape[0] % 2 == 0 else None
+    return native.ALL_PACKED[kernel].swiglu if packed.shape[0] % 2 == 0 else None
 
 
 def lm_head(
@@ -127,7 +128,12 @@ def matmul_backend(name: str, *, dtype: Any, tensor_parallel_size: int) -> str:
 
 
 def matmul_report(
-    chosen: str, *, requested: str, dtype: Any, tensor_parallel_size: int
+    chosen: str,
+    *,
+    requested: str,
+    dtype: Any,
+    tensor_parallel_size: int,
+    quantization: str = "none",
 ) -> dict[str, str]:
     """Each native matmul kernel with why it is not the one in use (the one in use: "in
     use"): what stats() and the start-up log say. Kernels that `auto` would only have tried
@@ -143,11 +149,21 @@ def matmul_report(
             report[kernel] = f"auto prefers {chosen}"
         else:
             report[kernel] = "; ".join(_cannot_run(kernel, dtype, tensor_parallel_size))
+    report[native.INT8_MATMUL.name] = _int8_report(chosen, quantization, tensor_parallel_size)
     return report
 
 
+def _int8_report(chosen: str, quantization: str, tensor_parallel_size: int) -> str:
+    if quantization == "none":
+        return "no quantized weights (quantization=none)"
+    if chosen == "xla":
+        return "the matmuls run on XLA (it dequantizes the int8 weights)"
+    why = _cannot_run(native.INT8_MATMUL.name, jnp.int8, tensor_parallel_size)
+    return "; ".join(why) + " (XLA dequantizes them)" if why else "in use for the int8 weights"
+
+
 def _cannot_run(kernel: str, dtype: Any, tensor_parallel_size: int) -> list[str]:
-    spec = native.PACKED_MATMULS[kernel]
+    spec = native.ALL_PACKED[kernel]
     found = []
     if jax.default_backend() != "cpu":
         found.append(f"the platform is {jax.default_backend()}, not cpu")
@@ -178,7 +194,8 @@ def prepare_cpu_params(
       nothing. Tied embeddings then keep a bf16 copy as lm_head.
     - `pack`: a native matmul kernel (see `matmul_backend`); every matmul weight of its dtype
       that fits its layout becomes {pack: packed}, and a float32 lm_head packed for a float32
-      kernel gains its bf16 screen (`greedy_screen`).
+      kernel gains its bf16 screen (`greedy_screen`). Quantized weights (models/quant.py)
+      become {"int8": packed} where the int8 kernel runs (else XLA dequantizes them).
     """
     if (platform or jax.default_backend()) != "cpu":
         return params, infos
@@ -214,8 +231,15 @@ def _embed_as_bits(params: Params, infos: Params) -> tuple[Params, Params]:
 
 def _pack_weights(params: Params, infos: Params, kernel: str, *, greedy_screen: bool) -> Params:
     spec = native.PACKED_MATMULS[kernel]
+    int8 = native.INT8_MATMUL
+    int8_runs = int8.available()
 
-    def pack(w: Any, info: ParamInfo) -> Any:
+    def pack(w: Any, info: Any) -> Any:
+        if is_quantized(w):  # to the int8 kernel where it runs and the layout fits, else XLA
+            shape = (w["q"].shape[0], int(np.prod(w["q"].shape[1:])))
+            if int8_runs and int8.can_pack(shape) and w["scale"].shape[0] * 32 == shape[0]:
+                return {int8.name: int8.pack(w)}
+            return w
         if not info.matmul:
             return w
         w2 = np.asarray(w)
@@ -224,7 +248,7 @@ def _pack_weights(params: Params, infos: Params, kernel: str, *, greedy_screen: 
             return w
         return {kernel: spec.pack(w2)}
 
-    packed = jax.tree_util.tree_map(pack, params, infos)
+    packed = jax.tree_util.tree_map(pack, params, infos, is_leaf=is_quantized)
     lm_head = packed.get("lm_head")
     if (
         greedy_screen

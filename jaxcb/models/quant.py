@@ -1,24 +1,31 @@
-"""Weight quantization: int8 weight-only, a scale and a zero point per group of inputs.
+"""Weight quantization: int8 weight-only, a float16 scale and minimum per group of inputs.
 
-A quantized weight is the pytree {"q": int8 [in, ...], "scale", "zero": [in / G, ...]}: the
-weight ≈ q * scale + zero, each output channel's inputs in groups of G = 32 (GGUF's block
-size; the whole input axis where 32 does not divide it), the group's [min, max] spread over
-the 256 int8 values. Asymmetric, as GGUF's Q4_1/Q5_1: a Q4_1 block's 16 levels are 17 int8
-steps apart, so a model that came as Q4_1 (the default SmolLM2 file) is held to float
-rounding; a symmetric scale (max magnitude -> 127) lost that grid and a quarter of the
-greedy tokens of the real-model chat set diverged from float32's.
+A quantized weight is the pytree {"q": int8 [in, ...], "scale", "min": float16 [in / G, ...]}:
+the weight = (q + 128) * scale + min, each output channel's inputs in groups of G = 32
+(GGUF's block size; the whole input axis where 32 does not divide it). This is GGUF's Q4_1 /
+Q8_1 form with 256 levels: a group's [min, max] spread over the codes 0..255 (stored as
+q = code - 128, an int8). Asymmetric because a Q4_1 block's 16 levels are 17 codes apart: a
+symmetric scale (max magnitude -> 127) lost that grid and a quarter of the greedy tokens of
+the real-model chat set diverged from float32's. A GGUF file's Q8_0, Q4_0 and Q4_1 blocks fit
+this form exactly (`quantize_int8`'s `grid`): Q8_0 d x q is code q + 128 at min -128 d, Q4_0
+d x (q - 8) is code q at min -8 d, Q4_1 d x q + m is code q at min m, all in float16 as
+GGUF stores them, so such weights load bit for bit.
 
-The scales and zero points are in the model's dtype; `packed.matmul` dequantizes to it and
-multiplies as for a plain weight (`layers.dense`), so a float32 engine computes in float32
-and a bfloat16 one in bfloat16 (w8a16). CPU only for now (`check_platform`): XLA
-materializes the dequantized weights every step, which on CPU is slow (the native CPU
-kernels do not take int8 yet) and on GPU/TPU moves more bytes than bfloat16 does: a fused
-int8 matmul kernel is what they need.
+float16 scales and minimums (as GGUF's) keep the overhead at 4 bytes a group of 32 weights:
+1.125 bytes a weight, 0.56x bfloat16. The codes are chosen against the rounded float16
+scale and minimum, so the rounding of those costs no accuracy beyond the int8 step.
+
+`packed.matmul` runs them in float32 whatever the model dtype (the activations between
+matmuls are float32 already): on CPU through jaxcb's native int8 kernel where one can run
+(native/matmul.cc: the codes widened and scaled in registers), else through XLA, which
+dequantizes to float32 and multiplies as for a plain weight (`layers.dense`). CPU
+only for now (`check_platform`): on GPU/TPU XLA materializes the dequantized weights every
+step, which moves more bytes than bfloat16 does: a fused int8 matmul kernel is what they need.
 
 `quantize_params` quantizes every layer matmul weight (the ParamInfos marked `matmul`);
 the embedding table and the output head stay in the model dtype (vLLM's int8 schemes keep
 them too: the head's error lands directly on the logits). The declarations follow: `q`,
-`scale` and `zero` keep the weight's logical axes (tensor parallelism splits them as it
+`scale` and `min` keep the weight's logical axes (tensor parallelism splits them as it
 split the weight; a split input axis splits whole groups where 32 x TP divides it).
 """
 
@@ -28,16 +35,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxcb.config import QUANTIZATIONS  # "none" (the model dtype), "int8" (w8a16 above)
 from jaxcb.models.base import ParamInfo, Params, is_param_info
 from jaxcb.models.layers import dense
 
-INT8_MAX = 127
+#: q = code - CODE_OFFSET: the codes 0..255 stored as int8.
+CODE_OFFSET = 128
+#: The dtype of the scales and minimums (GGUF's).
+SCALE_DTYPE = "float16"
 
 
 def is_quantized(w: Any) -> bool:
-    return isinstance(w, dict) and set(w) == {"q", "scale", "zero"}
+    return isinstance(w, dict) and set(w) == {"q", "scale", "min"}
 
 
 #: Input rows that share a scale (GGUF's block size): per output channel, every 32 inputs.
@@ -50,38 +61,78 @@ def group_size(num_inputs: int) -> int:
     return GROUP_SIZE if num_inputs % GROUP_SIZE == 0 else num_inputs
 
 
-@jax.jit
-def quantize_int8(w: jax.Array) -> dict[str, jax.Array]:
-    """{"q": int8 w.shape, "scale", "zero": [in / G, *w.shape[1:]] in w's dtype}: w [in, ...]
-    with one scale and zero point per output channel and group of G = group_size(in)
-    inputs, the group's range [min, max] spread over the 256 int8 values."""
-    g = group_size(w.shape[0])
-    w32 = w.astype(jnp.float32).reshape(w.shape[0] // g, g, *w.shape[1:])
-    lo, hi = jnp.min(w32, axis=1), jnp.max(w32, axis=1)
-    scale = jnp.where(hi > lo, (hi - lo) / 255, 1.0)
-    q = jnp.clip(jnp.round((w32 - lo[:, None]) / scale[:, None]), 0, 255) - 128
-    zero = lo + 128 * scale
-    return {
-        "q": q.astype(jnp.int8).reshape(w.shape),
-        "scale": scale.astype(w.dtype),
-        "zero": zero.astype(w.dtype),
-    }
+def quantize_int8(w: Any, grid: tuple[Any, Any] | None = None) -> dict[str, np.ndarray]:
+    """{"q": int8 w.shape, "scale", "min": float16 [in / G, *w.shape[1:]]} for w [in, ...]
+    (host numpy; one scale and minimum per output channel and group of G = group_size(in)
+    inputs).
+
+    Without `grid`: the group's range [min, max] spread over the 256 codes, the scale and
+    minimum rounded to float16 first and the codes chosen against the rounded values.
+    `grid` = (d, m), arrays of w's shape: w was dequantized from blocks whose values are
+    d x code + m (GGUF Q8_0 / Q4_0 / Q4_1 as `GGUFFile.block_grid` gives them); where d and m
+    are constant over each group, they are the group's scale and minimum and the codes are
+    recovered exactly (else the range above)."""
+    w32 = np.asarray(w, np.float32)
+    g = group_size(w32.shape[0])
+    grouped = w32.reshape(w32.shape[0] // g, g, *w32.shape[1:])
+    if grid is not None and (found := _grid_codes(grouped, grid)) is not None:
+        return found
+    lo, hi = grouped.min(axis=1), grouped.max(axis=1)
+    scale = ((hi - lo) / 255).astype(np.float16)
+    minimum = lo.astype(np.float16)
+    return _codes(grouped, scale, minimum)
+
+
+def _codes(grouped: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> dict[str, np.ndarray]:
+    # a scale may be negative: a Q4_0 block's d is its largest-magnitude value / -8
+    s32, m32 = scale.astype(np.float32)[:, None], minimum.astype(np.float32)[:, None]
+    safe = np.where(s32 != 0, s32, 1.0)
+    codes = np.where(s32 != 0, np.rint((grouped - m32) / safe), 0.0)
+    q = (np.clip(codes, 0, 255) - CODE_OFFSET).astype(np.int8).reshape(-1, *grouped.shape[2:])
+    # C order whatever the weight's (a transposed checkpoint tensor's is Fortran's; a grid's
+    # slices are strided): the native kernel's packing views them as bytes
+    arrays = {"q": q, "scale": scale, "min": minimum}
+    return {k: np.ascontiguousarray(x) for k, x in arrays.items()}
+
+
+def _grid_codes(grouped: np.ndarray, grid: tuple[Any, Any]) -> dict[str, np.ndarray] | None:
+    d, m = (np.asarray(a, np.float32).reshape(grouped.shape) for a in grid)
+    if not ((d == d[:, :1]).all() and (m == m[:, :1]).all()):
+        return None  # the blocks do not follow the groups (another layout): quantize anew
+    scale, minimum = d[:, 0].astype(np.float16), m[:, 0].astype(np.float16)
+    if not (np.array_equal(scale, d[:, 0]) and np.array_equal(minimum, m[:, 0])):
+        return None
+    found = _codes(grouped, scale, minimum)
+    if not np.array_equal(dequantize_np(found).reshape(grouped.shape), grouped):
+        return None  # codes beyond 0..255, or values off the grid
+    return found
+
+
+def dequantize_np(w: dict[str, np.ndarray]) -> np.ndarray:
+    """`dequantize` on the host, in float32."""
+    q, scale, minimum = (np.asarray(w[k]) for k in ("q", "scale", "min"))
+    groups = scale.shape[0]
+    codes = q.reshape(groups, -1, *q.shape[1:]).astype(np.float32) + CODE_OFFSET
+    out = codes * scale.astype(np.float32)[:, None] + minimum.astype(np.float32)[:, None]
+    return out.reshape(q.shape)
 
 
 def dequantize(w: dict[str, jax.Array], dtype: Any = jnp.float32) -> jax.Array:
-    """The weight a quantized one stands for, in `dtype` (the arithmetic in `dtype` too:
-    one elementwise expression XLA can fuse into the consumer's operand)."""
-    q, scale, zero = w["q"], w["scale"].astype(dtype), w["zero"].astype(dtype)
+    """The weight a quantized one stands for, in `dtype`: computed in float32 and rounded
+    once (one elementwise expression XLA can fuse into the consumer's operand)."""
+    q, scale, minimum = w["q"], w["scale"], w["min"]
     groups = scale.shape[0]
-    grouped = q.reshape(groups, q.shape[0] // groups, *q.shape[1:]).astype(dtype)
-    return (grouped * scale[:, None] + zero[:, None]).reshape(q.shape)
+    codes = q.reshape(groups, q.shape[0] // groups, *q.shape[1:]).astype(jnp.float32)
+    out = (codes + CODE_OFFSET) * scale.astype(jnp.float32)[:, None]
+    out = out + minimum.astype(jnp.float32)[:, None]
+    return out.reshape(q.shape).astype(dtype)
 
 
 def int8_matmul(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
     """x [T, in] @ a quantized [in, ...] weight viewed as [in, out]: float32 [T, out], the
-    weight dequantized to its scales' dtype (the model's) and multiplied as `layers.dense`
-    does (XLA fuses the dequantization into the dot on GPU and TPU)."""
-    weight = dequantize(w, w["scale"].dtype)
+    weight dequantized to float32 (exactly: every code times a float16 scale) and multiplied
+    as `layers.dense` does, as the native int8 kernel does in registers (w8a32 on CPU)."""
+    weight = dequantize(w, jnp.float32)
     return dense(x, weight.reshape(weight.shape[0], -1))
 
 
@@ -106,8 +157,8 @@ def _quantized_info(info: ParamInfo) -> dict[str, ParamInfo]:
     groups = info.shape[0] // group_size(info.shape[0])
     return {
         "q": ParamInfo(info.shape, info.axes, matmul=True, dtype="int8"),
-        "scale": ParamInfo((groups, *info.shape[1:]), info.axes),  # the model's dtype
-        "zero": ParamInfo((groups, *info.shape[1:]), info.axes),
+        "scale": ParamInfo((groups, *info.shape[1:]), info.axes, dtype=SCALE_DTYPE),
+        "min": ParamInfo((groups, *info.shape[1:]), info.axes, dtype=SCALE_DTYPE),
     }
 
 
@@ -124,17 +175,22 @@ def quantized_infos(infos: Params, quantization: str) -> Params:
     return infos
 
 
-def quantize_params(params: Params, infos: Params, quantization: str) -> tuple[Params, Params]:
+def quantize_params(
+    params: Params, infos: Params, quantization: str, grids: Params | None = None
+) -> tuple[Params, Params]:
     """(params, infos) with every layer matmul weight quantized (see the module doc);
-    unchanged for "none". The output head and the embedding table are left as they are."""
+    unchanged for "none". The output head and the embedding table are left as they are.
+    `grids`: {"layers": [{name: (d, m)}]} for weights dequantized from GGUF blocks
+    (loader.LoadedModel.block_grids), held to their blocks exactly."""
     new_infos = quantized_infos(infos, quantization)
     if quantization == "none":
         return params, infos
     params = dict(params)
+    layer_grids = (grids or {}).get("layers") or [{}] * len(params["layers"])
     params["layers"] = [
-        {k: quantize_int8(w) if is_param_info(info[k]) and info[k].matmul else w
+        {k: quantize_int8(w, grid.get(k)) if is_param_info(info[k]) and info[k].matmul else w
          for k, w in layer.items()}
-        for layer, info in zip(params["layers"], infos["layers"], strict=True)
+        for layer, info, grid in zip(params["layers"], infos["layers"], layer_grids, strict=True)
     ]  # fmt: skip
     return params, new_infos
 

@@ -1,6 +1,6 @@
 """jaxcb's native CPU kernels (C++ through XLA FFI): ragged paged attention, the in-place KV
 write, and matmuls over weights packed once at load time (AMX, AVX512-BF16, AVX-512 and AVX2,
-float32 and bfloat16), compiled per ISA level and chosen by what the CPU has.
+float32, bfloat16 and int8), compiled per ISA level and chosen by what the CPU has.
 
     build.py   the ISA levels, what this CPU fits (capped by JAXCB_CPU_ISA), compiling the
                sources (attention.cc, matmul.cc, common.h, simd.h) once per level into the
@@ -23,15 +23,19 @@ from jaxcb.native.build import (
     supported_levels,
 )
 from jaxcb.native.ops import (
+    ALL_PACKED,
     ARGMAX_SLOTS,
+    INT8_MATMUL,
     PACKED_MATMULS,
     PackedMatmul,
     can_pack_bf16,
     can_pack_f32,
+    can_pack_int8,
     matmul_argmax_screened_f32,
     pack_argmax_screen,
     pack_bf16,
     pack_f32,
+    pack_int8,
     packed_matmul,
     packed_matmul_argmax,
     packed_swiglu,
@@ -40,7 +44,9 @@ from jaxcb.native.ops import (
 )
 
 __all__ = [
+    "ALL_PACKED",
     "ARGMAX_SLOTS",
+    "INT8_MATMUL",
     "ISA_ENV",
     "ISA_LEVELS",
     "PACKED_MATMULS",
@@ -50,6 +56,7 @@ __all__ = [
     "available",
     "can_pack_bf16",
     "can_pack_f32",
+    "can_pack_int8",
     "cpu_flags",
     "cpu_model",
     "cpu_summary",
@@ -57,6 +64,7 @@ __all__ = [
     "pack_argmax_screen",
     "pack_bf16",
     "pack_f32",
+    "pack_int8",
     "packed_matmul",
     "packed_matmul_argmax",
     "packed_swiglu",

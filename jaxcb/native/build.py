@@ -67,6 +67,8 @@ MATMUL_BF16_WIDE_TARGET = "jaxcb_matmul_bf16_wide"
 SWIGLU_BF16_WIDE_TARGET = "jaxcb_swiglu_bf16_wide"
 MATMUL_ARGMAX_BF16_WIDE_TARGET = "jaxcb_matmul_argmax_bf16_wide"
 MATMUL_ARGMAX_SCREENED_F32_TARGET = "jaxcb_matmul_argmax_screened_f32"
+MATMUL_INT8_TARGET = "jaxcb_matmul_int8"
+SWIGLU_INT8_TARGET = "jaxcb_swiglu_int8"
 
 
 class NativeBuildError(RuntimeError):
@@ -250,6 +252,8 @@ def _load_level(name: str) -> Features:
             (SWIGLU_BF16_WIDE_TARGET, "JaxcbSwigluBf16Wide"),
             (MATMUL_ARGMAX_BF16_WIDE_TARGET, "JaxcbMatmulArgmaxBf16Wide"),
             (MATMUL_ARGMAX_SCREENED_F32_TARGET, "JaxcbMatmulArgmaxScreenedF32"),
+            (MATMUL_INT8_TARGET, "JaxcbMatmulInt8"),
+            (SWIGLU_INT8_TARGET, "JaxcbSwigluInt8"),
         ]
     if features.bf16_dot:
         symbols += [

@@ -636,12 +636,215 @@ ffi::Error MatmulArgmaxScreenedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   });
   return ffi::Error::Success();
 }
+
+// ---- int8 weights (models/quant.py): codes widened and scaled in registers --------------
+//
+// out[M, N] (f32) = a[M, K] (f32) x w[K, N], w = (q + 128) * scale + min per column and
+// group of 32 inputs, packed by pack_int8 (ops.py) as [N/16, K/32, 576] bytes: for each
+// 16-column block and group, the 32 x 16 codes q (int8; input r's 16 columns at byte 16 r),
+// then the 16 columns' float16 scales and float16 minimums. A group's share of a product is
+//   scale * sum_r a_r q_r + (128 scale + min) * sum_r a_r,
+// so a tile sums a_r q_r over the group in float32 (the codes widened in registers), then
+// folds that in with the scale and the row's sum of a over the group (once per call) with
+// the offset: the path of few rows (decode), which reads the weights once, as int8. Many rows
+// (prefill, batched decode) amortize a dequantization instead: a work item's slice of w is
+// dequantized to float32 into a per-thread scratch in pack_f32's layout and multiplied by
+// the float32 tiles above, at their rate.
+constexpr int64_t kInt8Group = 32;
+constexpr int64_t kInt8GroupBytes = kInt8Group * 16 + 2 * 16 * 2;  // codes, scales, minimums
+// Row counts up to this take the direct path; more dequantize the slice first.
+constexpr int64_t kInt8DirectRows = 4;
+
+// The scale and the offset (128 scale + min) of a group's 16 columns.
+inline void Int8GroupScales(const char* group, V16& scale, V16& offset) {
+  scale = V16::LoadF16(group + kInt8Group * 16);
+  offset = Fma(V16::Set(128.0f), scale, V16::LoadF16(group + kInt8Group * 16 + 32));
+}
+
+// MR rows x NR 16-column blocks (block j at w + j * w_stride) over `groups` groups, read as
+// int8: out (row stride n) = a (row stride k) x w; a_sums: each row's sum of a per group.
+template <int MR, int NR>
+void Int8MicroTile(const float* a, int64_t k, const float* a_sums, int64_t groups,
+                   const char* w, int64_t w_stride, float* out, int64_t n) {
+  V16 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = V16::Zero();
+  for (int64_t g = 0; g < groups; ++g) {
+    const char* wg = w + g * kInt8GroupBytes;
+    V16 part[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) part[i][j] = V16::Zero();
+    for (int r = 0; r < kInt8Group; ++r) {
+      V16 b[NR];
+      for (int j = 0; j < NR; ++j) {
+        b[j] = V16::LoadI8(reinterpret_cast<const int8_t*>(wg + j * w_stride + 16 * r));
+      }
+      for (int i = 0; i < MR; ++i) {
+        const V16 av = V16::Set(a[i * k + g * kInt8Group + r]);
+        for (int j = 0; j < NR; ++j) part[i][j] = Fma(av, b[j], part[i][j]);
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      V16 scale, offset;
+      Int8GroupScales(wg + j * w_stride, scale, offset);
+      for (int i = 0; i < MR; ++i) {
+        const V16 sum = V16::Set(a_sums[i * groups + g]);
+        acc[i][j] = Fma(scale, part[i][j], Fma(offset, sum, acc[i][j]));
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j].Store(out + i * n + 16 * j);
+}
+
+// Int8MicroTile<rows, blocks> for 1 <= rows <= MR and 1 <= blocks <= NR.
+template <int MR, int NR, typename... Args>
+void Int8Tile(int64_t rows, int64_t blocks, Args... args) {
+  if (blocks < NR) {
+    if constexpr (NR > 1) return Int8Tile<MR, NR - 1>(rows, blocks, args...);
+  }
+  if (rows < MR) {
+    if constexpr (MR > 1) return Int8Tile<MR - 1, NR>(rows, blocks, args...);
+  }
+  Int8MicroTile<MR, NR>(args...);
+}
+
+// `blocks` blocks of w (block stride w_stride) as float32 in pack_f32's layout at dst.
+void DequantizeInt8(const char* w, int64_t w_stride, int64_t groups, int64_t blocks,
+                    float* dst) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const char* wg = w + b * w_stride + g * kInt8GroupBytes;
+      V16 scale, offset;
+      Int8GroupScales(wg, scale, offset);
+      float* d = dst + (b * groups + g) * kInt8Group * 16;
+      for (int r = 0; r < kInt8Group; ++r) {
+        const V16 q = V16::LoadI8(reinterpret_cast<const int8_t*>(wg + 16 * r));
+        Fma(q, scale, offset).Store(d + 16 * r);
+      }
+    }
+  }
+}
+
+// out = a x w (kSwiglu: w is [K, 2 * I], gate columns then up, out [M, I] = silu(gate) * up),
+// for the m real rows of a [M, K]; w holds n_blocks 16-column blocks.
+template <bool kSwiglu>
+void Int8Matmul(ffi::ThreadPool& pool, const float* a, const char* w, float* out, int64_t m,
+                int64_t k, int64_t n_blocks) {
+  using Shape = TileShape<Kind::kF32, kSwiglu>;  // the float32 tiles after dequantization
+  constexpr int64_t kMr = Shape::kMr, kNr = Shape::kNr;
+  constexpr int64_t kGroup = kSwiglu ? kNr / 2 : kNr;  // output blocks per work group
+#if defined(__AVX512F__)
+  constexpr int kDirectMr = 4;
+#else
+  constexpr int kDirectMr = 2;
+#endif
+  const int64_t groups = k / kInt8Group, w_stride = groups * kInt8GroupBytes;
+  const int64_t out_blocks = kSwiglu ? n_blocks / 2 : n_blocks, n = out_blocks * 16;
+  const int64_t up_offset = kSwiglu ? out_blocks * w_stride : 0;
+  thread_local std::vector<float> sums_storage;
+  sums_storage.resize(m * groups);
+  float* sums = sums_storage.data();
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t g = 0; g < groups; ++g) {
+      V16 s = V16::Zero();
+      for (int64_t r = 0; r < kInt8Group; r += 16) {
+        s = Add(s, V16::Load(a + i * k + g * kInt8Group + r));
+      }
+      sums[i * groups + g] = s.SumLanes();
+    }
+  }
+  const int64_t col_groups = (out_blocks + kGroup - 1) / kGroup;
+  const int64_t items = std::min<int64_t>(col_groups, 8 * (pool.num_threads() + 1));
+  const int64_t chunk = std::max<int64_t>(kMr, (256 * 1024 / (k * 4)) / kMr * kMr);
+  ParallelFor(pool, items, [&](int64_t item) {
+    const int64_t g0 = col_groups * item / items, g1 = col_groups * (item + 1) / items;
+    thread_local std::vector<float> slice;  // this worker's dequantized blocks
+    for (int64_t mc = 0; mc < m; mc += chunk) {
+      const int64_t mc_end = std::min(mc + chunk, m);
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t ob0 = g * kGroup, blocks = std::min<int64_t>(kGroup, out_blocks - ob0);
+        const char* wb = w + ob0 * w_stride;
+        float* ob = out + ob0 * 16;
+        if (mc_end - mc <= kInt8DirectRows) {
+          for (int64_t m0 = mc; m0 < mc_end; m0 += kDirectMr) {
+            const int64_t rows = std::min<int64_t>(kDirectMr, mc_end - m0);
+            if constexpr (!kSwiglu) {
+              Int8Tile<kDirectMr, kGroup>(rows, blocks, a + m0 * k, k, sums + m0 * groups,
+                                          groups, wb, w_stride, ob + m0 * n, n);
+            } else {
+              constexpr int64_t kLd = kGroup * 16;
+              alignas(64) float gate[kDirectMr * kLd], up[kDirectMr * kLd];
+              Int8Tile<kDirectMr, kGroup>(rows, blocks, a + m0 * k, k, sums + m0 * groups,
+                                          groups, wb, w_stride, gate, kLd);
+              Int8Tile<kDirectMr, kGroup>(rows, blocks, a + m0 * k, k, sums + m0 * groups,
+                                          groups, wb + up_offset, w_stride, up, kLd);
+              for (int64_t i = 0; i < rows; ++i) {
+                for (int64_t j = 0; j < blocks; ++j) {
+                  Swiglu(V16::Load(gate + i * kLd + 16 * j), V16::Load(up + i * kLd + 16 * j))
+                      .Store(ob + (m0 + i) * n + 16 * j);
+                }
+              }
+            }
+          }
+          continue;
+        }
+        const int64_t f32_stride = k * 64;  // bytes of a dequantized block
+        slice.resize((kSwiglu ? 2 : 1) * blocks * k * 16);
+        DequantizeInt8(wb, w_stride, groups, blocks, slice.data());
+        if constexpr (kSwiglu) {
+          DequantizeInt8(wb + up_offset, w_stride, groups, blocks, slice.data() + blocks * k * 16);
+        }
+        const char* sw = reinterpret_cast<const char*>(slice.data());
+        const char* no_prefetch = nullptr;
+        for (int64_t m0 = mc; m0 < mc_end; m0 += kMr) {
+          const int64_t rows = std::min<int64_t>(kMr, mc_end - m0);
+          const char* am = reinterpret_cast<const char*>(a + m0 * k);
+          if constexpr (Shape::kSplitSwiglu) {
+            SplitSwigluTile<Kind::kF32, kMr, kNr / 2>(rows, blocks, am, k * 4, k, sw, f32_stride,
+                                                      blocks * f32_stride, ob + m0 * n, n,
+                                                      no_prefetch, int64_t{0});
+          } else {
+            const RowArgmax* no_argmax = nullptr;
+            PackedTile<Kind::kF32, kSwiglu, kMr, kNr>(
+                rows, kSwiglu ? 2 * blocks : blocks, am, k * 4, k, sw, f32_stride,
+                blocks * f32_stride, static_cast<void*>(ob + m0 * n), n, no_prefetch,
+                int64_t{0}, false, no_argmax);
+          }
+        }
+      }
+    }
+  });
+}
+
+template <bool kSwiglu>
+ffi::Error MatmulInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
+                          ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> rows,
+                          ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  auto ad = a.dimensions();
+  auto wd = w.dimensions();
+  if (ad.size() != 2 || wd.size() != 3 || wd[2] != kInt8GroupBytes ||
+      wd[1] * kInt8Group != ad[1]) {
+    return ffi::Error::InvalidArgument("a must be [M, K] and w [N/16, K/32, 576]");
+  }
+  if (kSwiglu && wd[0] % 2) {
+    return ffi::Error::InvalidArgument("swiglu: w must hold as many up blocks as gate blocks");
+  }
+  const int64_t m = RealRows(ad, rows);
+  float* o = out->typed_data();
+  const int64_t n = (kSwiglu ? wd[0] / 2 : wd[0]) * 16;
+  std::fill(o + m * n, o + ad[0] * n, 0.0f);
+  if (m == 0) return ffi::Error::Success();
+  Int8Matmul<kSwiglu>(pool, a.typed_data(), reinterpret_cast<const char*>(w.untyped_data()), o,
+                      m, ad[1], wd[0]);
+  return ffi::Error::Success();
+}
 #endif  // JAXCB_HAVE_V16
 
 }  // namespace
 
-// What this build of the library defines (bits): 1 the V16 kernels (f32, widened bf16, the
-// screened argmax), 4 the vdpbf16ps kernels, 8 the AMX kernel (and the OS granted the tile
+// What this build of the library defines (bits): 1 the V16 kernels (f32, widened bf16, int8,
+// the screened argmax), 4 the vdpbf16ps kernels, 8 the AMX kernel (and the OS granted the tile
 // state). (Bit 2 is free: it said "AVX-512 vectors", which nothing asks.)
 extern "C" int JaxcbIsaFeatures() {
   int features = 0;
@@ -705,6 +908,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbMatmulArgmaxScreenedF32, MatmulArgmaxScreened
                                   .Arg<ffi::Buffer<ffi::S32>>()   // real rows [1]
                                   .Ret<ffi::AnyBuffer>()          // f32 [M, N] (the screen)
                                   .Ret<ffi::Buffer<ffi::S32>>());  // i32 [M]
+#endif
+
+#if defined(JAXCB_HAVE_V16)
+#define JAXCB_INT8_MATMUL(name, swiglu)                                                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (MatmulInt8Impl<swiglu>),                              \
+                                ffi::Ffi::Bind()                                             \
+                                    .Ctx<ffi::ThreadPool>()                                  \
+                                    .Arg<ffi::Buffer<ffi::F32>>() /* a [M, K] */             \
+                                    .Arg<ffi::Buffer<ffi::U8>>() /* w (pack_int8) */         \
+                                    .Arg<ffi::Buffer<ffi::S32>>() /* real rows [1] */        \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+JAXCB_INT8_MATMUL(JaxcbMatmulInt8, false)  // -> f32 [M, N]
+JAXCB_INT8_MATMUL(JaxcbSwigluInt8, true)   // -> f32 [M, N / 2]
 #endif
 
 #if defined(JAXCB_HAVE_V16) && defined(__AVX512BF16__)

@@ -31,9 +31,11 @@ from jaxcb.native.build import (
     MATMUL_BF16_DOT_TARGET,
     MATMUL_BF16_WIDE_TARGET,
     MATMUL_F32_TARGET,
+    MATMUL_INT8_TARGET,
     SWIGLU_BF16_DOT_TARGET,
     SWIGLU_BF16_WIDE_TARGET,
     SWIGLU_F32_TARGET,
+    SWIGLU_INT8_TARGET,
     NativeBuildError,
     active_level,
     cpu_summary,
@@ -129,6 +131,40 @@ def pack_f32(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(w).reshape(k, n // 16, 16).transpose(1, 0, 2))
 
 
+#: Inputs per int8 group (models/quant.py's GROUP_SIZE, GGUF's block size).
+INT8_GROUP = 32
+
+
+def can_pack_int8(shape: tuple[int, ...]) -> bool:
+    """Whether a [K, N] int8 weight fits `pack_int8`: K a multiple of 32, N of 16."""
+    return len(shape) == 2 and shape[0] % INT8_GROUP == 0 and shape[1] % 16 == 0
+
+
+def pack_int8(w: dict[str, Any]) -> np.ndarray:
+    """A quantized weight (models/quant.py: int8 codes q [K, ...], float16 scale and min
+    [K/32, ...], weight = (q + 128) * scale + min), viewed as [K, N], in the layout the int8
+    kernel reads: uint8 [N/16, K/32, 576], for each 16-column block and group of 32 inputs
+    the 32 x 16 codes (input r's 16 columns at byte 16 r), then the 16 float16 scales and
+    the 16 float16 minimums."""
+    q = np.asarray(w["q"])
+    k = q.shape[0]
+    q = np.ascontiguousarray(q.reshape(k, -1))
+    n = q.shape[1]
+    scale = np.ascontiguousarray(np.asarray(w["scale"], np.float16).reshape(-1, n))
+    minimum = np.ascontiguousarray(np.asarray(w["min"], np.float16).reshape(-1, n))
+    if not can_pack_int8(q.shape) or scale.shape[0] != k // INT8_GROUP:
+        raise ValueError(
+            f"cannot pack a [{k}, {n}] int8 weight with {scale.shape[0]} groups: K must divide "
+            f"by {INT8_GROUP} (one group each) and N by 16"
+        )
+    groups, blocks = k // INT8_GROUP, n // 16
+    codes = q.view(np.uint8).reshape(groups, INT8_GROUP, blocks, 16).transpose(2, 0, 1, 3)
+    scales = scale.view(np.uint8).reshape(groups, blocks, 32).transpose(1, 0, 2)
+    minimums = minimum.view(np.uint8).reshape(groups, blocks, 32).transpose(1, 0, 2)
+    codes = codes.reshape(blocks, groups, INT8_GROUP * 16)
+    return np.ascontiguousarray(np.concatenate([codes, scales, minimums], axis=2))
+
+
 def _real_rows(x: jax.Array, rows: jax.Array | int | None) -> jax.Array:
     """i32[1]: how many leading rows of x are real (all of them if None); the kernels compute
     only those and write zeros to the rest (a bucket's padding)."""
@@ -139,7 +175,10 @@ def _real_rows(x: jax.Array, rows: jax.Array | int | None) -> jax.Array:
 
 def _kernel_input(spec: PackedMatmul, x: jax.Array) -> jax.Array:
     """x rounded to the weights' dtype (every kernel multiplies in it, as XLA's dot of the
-    same weights does: the same tokens on every ISA), in the dtype the kernel reads."""
+    same weights does: the same tokens on every ISA), in the dtype the kernel reads; int8
+    weights are multiplied in float32 (models/quant.py)."""
+    if not jnp.issubdtype(spec.dtype, jnp.floating):
+        return x.astype(spec.x_dtype)
     return x.astype(spec.dtype).astype(spec.x_dtype)
 
 
@@ -152,7 +191,7 @@ def packed_matmul(kernel: str, x: jax.Array, w_packed: jax.Array, rows: Any = No
     """x [M, K] @ w [K, N] on the native kernel `kernel` (a PACKED_MATMULS name), w packed by
     its `pack`: f32[M, N], accumulated in float32. `rows` (i32 scalar or [1], default M): only
     the first `rows` rows of x are real; the others are not computed and come out zero."""
-    spec = PACKED_MATMULS[kernel]
+    spec = ALL_PACKED[kernel]
     n = w_packed.shape[0] * 16
     call = jax.ffi.ffi_call(
         spec.target(spec.matmul_target), jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
@@ -166,7 +205,7 @@ def packed_matmul_argmax(
     """`packed_matmul`, plus the argmax of each output row (first index on ties) taken from
     the accumulators on the way out: an LM head's greedy tokens without another pass over its
     [M, vocab] logits. Padding rows (past `rows`) get token 0."""
-    spec = PACKED_MATMULS[kernel]
+    spec = ALL_PACKED[kernel]
     m, n = x.shape[0], w_packed.shape[0] * 16
     call = jax.ffi.ffi_call(
         spec.target(spec.argmax_target),
@@ -187,7 +226,7 @@ def packed_swiglu(kernel: str, x: jax.Array, w_packed: jax.Array, rows: Any = No
     """silu(gate) * up for gate_up = x @ w, w [K, 2 * I] (gate columns, then up) packed for
     `kernel`: its matmul with the activation in the epilogue, [M, I] in the kernel's
     `act_dtype` (bf16 after vdpbf16ps: the next matmul's input as it is); `rows` as there."""
-    spec = PACKED_MATMULS[kernel]
+    spec = ALL_PACKED[kernel]
     if w_packed.shape[0] % 2:
         raise ValueError(f"swiglu needs a [K, 2 * I] weight, I a multiple of 16: {w_packed.shape}")
     i = w_packed.shape[0] * 8
@@ -231,7 +270,7 @@ def matmul_argmax_screened_f32(
     bf16, then only the few columns whose error bound lets them hold a row's maximum
     recomputed in float32. The first result is the bf16 products, not float32 logits: for
     callers that need only the tokens."""
-    spec = PACKED_MATMULS[kernel]
+    spec = ALL_PACKED[kernel]
     if spec.dtype != jnp.float32:
         raise ValueError(f"the greedy screen is for float32 kernels, not {kernel!r}")
     m, n = x.shape[0], w_packed.shape[0] * 16
@@ -374,3 +413,22 @@ PACKED_MATMULS = _table(
     ),
     PackedMatmul("avx2", **_F32, level="avx2", own_library=True, **_F32_TARGETS, about="AVX2 FMAs"),
 )
+
+#: The kernel of quantized weights (models/quant.py), whatever the model dtype: not a
+#: kernels.matmul choice; the packing puts int8 weights on it where it can run.
+INT8_MATMUL = PackedMatmul(
+    "int8",
+    jnp.int8,
+    jnp.float32,
+    jnp.float32,
+    "avx2",
+    False,
+    "v16",
+    can_pack_int8,
+    pack_int8,
+    MATMUL_INT8_TARGET,
+    SWIGLU_INT8_TARGET,
+    about="int8 codes widened in AVX2 / AVX-512 registers",
+)
+#: Every packed weight's kernel by the name its {name: packed} dict carries.
+ALL_PACKED = {**PACKED_MATMULS, INT8_MATMUL.name: INT8_MATMUL}

@@ -23,6 +23,13 @@ struct V16 {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
   }
+  static V16 LoadI8(const int8_t* p) {  // 16 int8 values, as floats
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))};
+  }
+  static V16 LoadF16(const void* p) {  // 16 float16 values, widened
+    return {_mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(p)))};
+  }
   void Store(float* p) const { _mm512_storeu_ps(p, v); }
   void Stream(float* p) const { _mm512_stream_ps(p, v); }  // p 64-byte aligned
   float MaxLane() const { return _mm512_reduce_max_ps(v); }
@@ -136,6 +143,16 @@ struct V16 {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8));
     return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16)),
             _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16))};
+  }
+  static V16 LoadI8(const int8_t* p) {  // 16 int8 values, as floats
+    const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8));
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))};
+  }
+  static V16 LoadF16(const void* p) {  // 16 float16 values, widened (F16C)
+    const __m128i* h = static_cast<const __m128i*>(p);
+    return {_mm256_cvtph_ps(_mm_loadu_si128(h)), _mm256_cvtph_ps(_mm_loadu_si128(h + 1))};
   }
   void Store(float* p) const {
     _mm256_storeu_ps(p, lo);

@@ -113,12 +113,15 @@ def build_runner(
         tokenizer_path=config.tokenizer,
         dtype=dtype,
         shardings=lambda spec: sharding.model_param_shardings(spec, mesh=mesh),
+        quantization=config.quantization,
     )
     load_seconds = time.perf_counter() - t0
     spec, cache, sched = model.spec, config.cache, config.scheduler
     max_model_len = resolve_max_model_len(config, spec)
     attention = get_attention_backend(config.kernels.attention)
-    params, infos = quantize_params(model.params, registry.param_infos(spec), config.quantization)
+    params, infos = quantize_params(
+        model.params, registry.param_infos(spec), config.quantization, grids=model.block_grids
+    )
     matmul = _matmul_backend(config, dtype, sharding.tensor_parallel_size(mesh))
     cpu_kernels = _cpu_kernels(config, matmul, dtype, sharding.tensor_parallel_size(mesh))
     kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, dtype, attention.name)
@@ -203,18 +206,13 @@ def build_runner(
 
 
 def _matmul_backend(config: EngineConfig, dtype: Any, tensor_parallel_size: int) -> str:
-    """packed.matmul_backend's choice; quantized weights go to XLA's dot (one-line
-    ValueError if a native kernel is named for them)."""
-    requested = config.kernels.matmul
+    """packed.matmul_backend's choice for the model dtype's matmuls (quantized weights go to
+    the native int8 kernel wherever a native kernel is chosen and it runs, else to XLA);
+    int8 off CPU is a one-line ValueError."""
     check_platform(config.quantization, jax.default_backend())
-    if config.quantization == "none":
-        return matmul_backend(requested, dtype=dtype, tensor_parallel_size=tensor_parallel_size)
-    if requested not in ("auto", "xla"):
-        raise ValueError(
-            f"kernels.matmul={requested!r} cannot run quantization={config.quantization!r} "
-            "weights: use kernels.matmul auto or xla"
-        )
-    return "xla"
+    return matmul_backend(
+        config.kernels.matmul, dtype=dtype, tensor_parallel_size=tensor_parallel_size
+    )
 
 
 def smallest_token_bucket(matmul: str) -> int:
@@ -240,6 +238,7 @@ def _cpu_kernels(
             requested=config.kernels.matmul,
             dtype=dtype,
             tensor_parallel_size=tensor_parallel_size,
+            quantization=config.quantization,
         ),
     }
 

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from helpers import hf_greedy
 
-from jaxcb import LLM, SamplingParams
+from jaxcb import LLM, SamplingParams, native
 from jaxcb.models.default_model import smollm2_gguf
 from jaxcb.models.gguf import GGUFFile
 from jaxcb.models.llama import params_from_hf
@@ -164,10 +164,10 @@ def test_bfloat16_agreement_with_float32_reference(smollm2: Path, reference) -> 
 
 
 def test_int8_weights_agree_with_float32_reference(smollm2: Path, reference) -> None:
-    """int8 weight-only quantization (models/quant.py): at least 90% of the greedy tokens
-    equal the float32 reference's, position by position, on every fourth chat (int8 runs on
-    XLA's slow CPU dot), same budget and pool (all of them on the whole set: the file's Q4_1
-    blocks fit int8's 32-blocks exactly; a symmetric per-channel scale gave 75%)."""
+    """int8 weight-only quantization (models/quant.py) on the native int8 kernel: at least
+    90% of the greedy tokens equal the float32 reference's, position by position, on every
+    fourth chat, same budget and pool. The file's Q4_1 blocks load as int8 codes exactly
+    (their block grids), so only the order of the float32 sums differs."""
     got, texts, llm = run_jaxcb(
         smollm2, "float32", every=4, quantization="int8", token_buckets=[64], seq_buckets=[8]
     )
@@ -180,9 +180,11 @@ def test_int8_weights_agree_with_float32_reference(smollm2: Path, reference) -> 
     assert agree >= 0.9, agree
     assert "Paris" in texts[0]
     stats = llm.stats()
-    assert stats["quantization"] == "int8" and stats["kernels"]["matmul"] == "xla"
-    layers = llm.engine.runner.params["layers"]
-    assert layers[0]["w_down"]["q"].dtype == np.int8
+    assert stats["quantization"] == "int8"
+    if native.INT8_MATMUL.available():
+        assert stats["kernels"]["matmul_kernels"]["int8"] == "in use for the int8 weights"
+        layers = llm.engine.runner.params["layers"]
+        assert list(layers[0]["w_down"]) == ["int8"]
     assert stats["kv_pages_used"] == 0
 
 

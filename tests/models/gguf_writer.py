@@ -63,6 +63,7 @@ def write_gguf(
     *,
     arch: str = "llama",
     qtype: str = "F32",
+    qtypes: dict[str, str] | None = None,
     tokenizer: bool = False,
     tensors: dict[str, np.ndarray] | None = None,
     drop_keys: tuple[str, ...] = (),
@@ -70,8 +71,9 @@ def write_gguf(
 ) -> Path:
     """Write `hf_dir`'s model as a GGUF file of `arch` with matrices in `qtype`.
 
-    `tensors`: replacements or additions (stored as given, by numpy dtype); `drop_keys`:
-    metadata keys (after "<arch>.") left out; `extra_keys`: more metadata (full keys)."""
+    `qtypes`: GGUF tensor name -> its type instead of `qtype` (a mixed file); `tensors`:
+    replacements or additions (stored as given, by numpy dtype); `drop_keys`: metadata keys
+    (after "<arch>.") left out; `extra_keys`: more metadata (full keys)."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     writer = gguf.GGUFWriter(str(path), arch)
     keys = {
@@ -97,8 +99,8 @@ def write_gguf(
         writer.add_key_value(key, value, _value_type(value))
     if tokenizer:
         _add_byte_tokenizer(writer)
-    quant = gguf.GGMLQuantizationType[qtype]
     for name, x in {**gguf_tensors(hf_dir, arch), **(tensors or {})}.items():
+        quant = gguf.GGMLQuantizationType[(qtypes or {}).get(name, qtype)]
         if name in (tensors or {}) or x.ndim == 1 or quant == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, x)
         elif quant == gguf.GGMLQuantizationType.F16:

@@ -24,11 +24,13 @@ from gguf_writer import CHATML, gguf_tensors, stored, write_gguf
 from helpers import make_hf_model
 
 from jaxcb import LLM, SamplingParams
+from jaxcb.models import registry
 from jaxcb.models.checkpoint import MARKER, convert_checkpoint
 from jaxcb.models.default_model import smollm2_gguf
 from jaxcb.models.gguf import GGUFFile
 from jaxcb.models.llama import params_from_hf
-from jaxcb.models.loader import load_model, load_tokenizer
+from jaxcb.models.loader import load_gguf_block_grids, load_model, load_tokenizer
+from jaxcb.models.quant import dequantize_np, quantize_params
 from jaxcb.models.weights import CheckpointTensors, ModelLoadError, read_safetensors
 from jaxcb.tokenizing import own_tokenizer
 
@@ -243,6 +245,153 @@ def test_gguf_loading_needs_no_torch(llama_dir, tmp_path) -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split("\n")[-2] == "[262, 263, 259, 84, 71] (0, 2)"
+
+
+# ---- block grids: Q8_0, Q4_0 and Q4_1 held exactly by int8 -------------------------------
+
+BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+MATMULS = ["w_down", "w_gate_up", "wo", "wqkv"]
+#: A mixed file (the rest Q8_0): layer 0 has every block type, wqkv and w_gate_up fused from
+#: tensors of different ones; layer 1's w_down is F16 (no grid: quantized from its range).
+MIXED = {
+    "token_embd.weight": "Q4_0",
+    "blk.0.attn_q.weight": "Q8_0",
+    "blk.0.attn_k.weight": "Q4_0",
+    "blk.0.attn_v.weight": "Q4_1",
+    "blk.0.attn_output.weight": "Q4_1",
+    "blk.0.ffn_gate.weight": "Q4_0",
+    "blk.0.ffn_up.weight": "Q4_1",
+    "blk.0.ffn_down.weight": "Q8_0",
+    "blk.1.ffn_up.weight": "Q4_1",
+    "blk.1.ffn_down.weight": "F16",
+}
+
+
+def _blocks(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(d float16 [blocks], the integer codes [blocks, 32]) of a tensor's raw bytes: Q8_0's
+    int8 + 128, the Q4 types' nibbles (byte j: element j low, element j + 16 high)."""
+    _, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    blocks = np.asarray(raw).view(np.uint8).reshape(-1, type_size)
+    d = blocks[:, :2].copy().view(np.float16)[:, 0]
+    if qtype == "Q8_0":
+        return d, blocks[:, 2:].view(np.int8).astype(np.int32) + 128
+    qs = blocks[:, 4 if qtype == "Q4_1" else 2 :]
+    return d, np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int32)
+
+
+def test_block_grids_reproduce_the_dequantized_blocks(tmp_path) -> None:
+    """d x code + m, in float32, is what gguf dequantizes, bit for bit: d and m constant over
+    each block of 32 and float16; other types have no grid."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((6, 96)) * rng.uniform(1e-3, 30.0, (6, 1))).astype(np.float32)
+    x[0, :32] = 0.0  # d = 0
+    x[1, 32:64] = -2.5  # a constant block
+    raws = {q: gguf.quants.quantize(x, gguf.GGMLQuantizationType[q]) for q in BLOCK_TYPES}
+    path = tmp_path / "blocks.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for qtype, raw in raws.items():
+        writer.add_tensor(qtype, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])
+    writer.add_tensor("F16", x.astype(np.float16))
+    writer.add_tensor("F32", x)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    file = GGUFFile(path)
+    for qtype, raw in raws.items():
+        d, m = file.block_grid(qtype)
+        assert d.dtype == m.dtype == np.float32 and d.shape == m.shape == x.shape
+        block_d, codes = _blocks(raw, qtype)
+        np.testing.assert_array_equal(d, np.repeat(block_d, 32).reshape(x.shape))
+        for a in (d, m):
+            grouped = a.reshape(6, 3, 32)
+            assert (grouped == grouped[..., :1]).all()
+            np.testing.assert_array_equal(a.astype(np.float16), a)
+        want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+        np.testing.assert_array_equal(d * codes.reshape(x.shape).astype(np.float32) + m, want)
+        np.testing.assert_array_equal(file.dequantize(qtype), want)
+        assert codes.min() >= 0 and codes.max() <= (255 if qtype == "Q8_0" else 15)
+    np.testing.assert_array_equal(file.block_grid("Q8_0")[1], -128 * file.block_grid("Q8_0")[0])
+    np.testing.assert_array_equal(file.block_grid("Q4_0")[1], -8 * file.block_grid("Q4_0")[0])
+    assert file.block_grid("F16") is None and file.block_grid("F32") is None
+
+
+def test_int8_holds_a_gguf_files_blocks_exactly(llama_dir, tmp_path) -> None:
+    """Loaded for int8, a file's Q8_0 / Q4_0 / Q4_1 layer matmul weights quantize to their
+    own blocks: the codes and scales are the file's, and they dequantize to the float32
+    params bit for bit. A weight with a tensor of another type has no grid."""
+    path = write_gguf(tmp_path / "mixed.gguf", llama_dir, qtype="Q8_0", qtypes=MIXED)
+    plain = load_model(path, tokenizer_path=None, dtype=np.float32)
+    assert plain.block_grids is None  # computed for int8 only
+    loaded = load_model(path, tokenizer_path=None, dtype=np.float32, quantization="int8")
+    grids = loaded.block_grids
+    assert [sorted(layer) for layer in grids["layers"]] == [MATMULS, MATMULS[1:]]
+    for x, y in zip(*map(jax.tree_util.tree_leaves, (loaded.params, plain.params)), strict=True):
+        assert x.dtype == np.float32
+        np.testing.assert_array_equal(x, y)
+    infos = registry.param_infos(loaded.spec)
+    qparams, _ = quantize_params(loaded.params, infos, "int8", grids=grids)
+    for n, layer in enumerate(qparams["layers"]):
+        for name in MATMULS:
+            back, want = dequantize_np(layer[name]), plain.params["layers"][n][name]
+            if name in grids["layers"][n]:
+                np.testing.assert_array_equal(back, want, err_msg=f"layer {n} {name}")
+            else:  # the F16 weight: within the float16 step and rounding of its groups
+                assert not np.array_equal(back, want)
+                np.testing.assert_allclose(back, want, rtol=0, atol=0.01 * np.abs(want).max())
+
+    # the codes and scales are the file's blocks ([out, in] there, [in, out] here)
+    raw = {t.name: t.data for t in gguf.GGUFReader(path).tensors}
+
+    def file_blocks(name: str, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(codes, scale, min) of a file tensor, in our [in, out] layout."""
+        d, codes = _blocks(raw[name], qtype)
+        out, inputs = raw[name].shape[0], codes.size // raw[name].shape[0]
+        d = d.reshape(out, inputs // 32).T
+        offset = {"Q8_0": -128 * d, "Q4_0": -8 * d}
+        m = offset.get(qtype)
+        if m is None:
+            m = np.asarray(raw[name]).reshape(-1, 20)[:, 2:4].copy().view(np.float16)
+            m = m.reshape(out, inputs // 32).T
+        return codes.reshape(out, inputs).T - 128, d, m
+
+    layer = qparams["layers"][0]
+    for name, (gguf_name, qtype), part in [
+        ("w_down", ("blk.0.ffn_down.weight", "Q8_0"), np.s_[:]),
+        ("wo", ("blk.0.attn_output.weight", "Q4_1"), np.s_[:]),
+        ("w_gate_up", ("blk.0.ffn_gate.weight", "Q4_0"), np.s_[:, 0]),
+        ("w_gate_up", ("blk.0.ffn_up.weight", "Q4_1"), np.s_[:, 1]),
+        ("wqkv", ("blk.0.attn_v.weight", "Q4_1"), np.s_[:, :, -1]),  # v: not permuted
+    ]:
+        codes, d, m = file_blocks(gguf_name, qtype)
+        got = {k: layer[name][k][part].reshape(layer[name][k].shape[0], -1) for k in layer[name]}
+        np.testing.assert_array_equal(got["q"], codes, err_msg=name)
+        np.testing.assert_array_equal(got["scale"], d, err_msg=name)
+        np.testing.assert_array_equal(got["min"], m.astype(np.float16), err_msg=name)
+
+
+def test_int8_grids_keep_their_weights_float32_and_others_follow_the_dtype(
+    llama_dir, tmp_path
+) -> None:
+    """A bfloat16 model: the weights with grids stay float32 (their values exactly, for
+    quantize_params right after); the rest is bfloat16. A file without blocks has no grids."""
+    path = write_gguf(tmp_path / "mixed.gguf", llama_dir, qtype="Q8_0", qtypes=MIXED)
+    f32 = load_model(path, tokenizer_path=None, dtype=np.float32).params
+    bf16 = load_model(path, tokenizer_path=None, dtype=ml_dtypes.bfloat16, quantization="int8")
+    for n, layer in enumerate(bf16.params["layers"]):
+        for name, x in layer.items():
+            if name in bf16.block_grids["layers"][n]:
+                np.testing.assert_array_equal(x, f32["layers"][n][name])
+            else:
+                assert x.dtype == ml_dtypes.bfloat16, name
+    assert bf16.params["layers"][1]["w_down"].dtype == ml_dtypes.bfloat16
+    assert bf16.params["embed"].dtype == ml_dtypes.bfloat16
+    f16 = write_gguf(tmp_path / "f16.gguf", llama_dir, qtype="F16")
+    loaded = load_model(f16, tokenizer_path=None, dtype=np.float32, quantization="int8")
+    assert loaded.block_grids is None
+    file = GGUFFile(f16)
+    _, spec = registry.spec_from_gguf(file)
+    assert load_gguf_block_grids(file, spec) is None
 
 
 # ---- one-line errors naming the file ----------------------------------------------------

@@ -1,4 +1,5 @@
-"""int8 weight quantization: round-trip bounds, the matmul, declarations, config errors."""
+"""int8 weight quantization: round-trip bounds, block grids, the matmul, declarations, config
+errors."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from jaxcb.models import registry
 from jaxcb.models.base import abstract_from_infos
 from jaxcb.models.default_model import CONFIG
 from jaxcb.models.quant import (
+    CODE_OFFSET,
     GROUP_SIZE,
     dequantize,
+    dequantize_np,
     int8_matmul,
     quantize_int8,
     quantize_params,
@@ -31,44 +34,109 @@ def test_round_trip_within_half_a_step_of_each_group(shape):
     w = weight(shape)
     qw = quantize_int8(jnp.asarray(w))
     groups = shape[0] // GROUP_SIZE if shape[0] % GROUP_SIZE == 0 else 1
-    assert qw["q"].dtype == jnp.int8 and qw["q"].shape == shape
-    for part in ("scale", "zero"):
-        assert qw[part].shape == (groups, *shape[1:]) and qw[part].dtype == jnp.float32
-    # each group's minimum and maximum land on the ends of the int8 range
-    grouped = np.asarray(qw["q"]).reshape(groups, -1, *shape[1:])
-    assert (grouped.min(axis=1) == -128).all() and (grouped.max(axis=1) == 127).all()
-    step = np.repeat(np.asarray(qw["scale"]), shape[0] // groups, axis=0)
-    err = np.abs(np.asarray(dequantize(qw)) - w)
-    assert np.all(err <= step / 2 + 1e-6 * np.abs(w))
+    assert set(qw) == {"q", "scale", "min"}
+    assert qw["q"].dtype == np.int8 and qw["q"].shape == shape
+    for part in ("scale", "min"):
+        assert qw[part].shape == (groups, *shape[1:]) and qw[part].dtype == np.float16
+    # each group's minimum and maximum land on the ends of the codes 0..255
+    grouped = qw["q"].reshape(groups, -1, *shape[1:])
+    assert (grouped.min(axis=1) == -CODE_OFFSET).all() and (grouped.max(axis=1) == 127).all()
+    # half a step, and the float16 rounding of the group's minimum
+    size = shape[0] // groups
+    step = np.repeat(qw["scale"].astype(np.float32), size, axis=0)
+    lo = w.reshape(groups, size, *shape[1:]).min(axis=1)
+    shift = np.repeat(np.abs(lo - qw["min"].astype(np.float32)), size, axis=0)
+    back = dequantize_np(qw)
+    assert back.dtype == np.float32 and back.shape == shape
+    assert np.all(np.abs(back - w) <= step / 2 + shift + 1e-6 * np.abs(w))
+    # the device's dequantize is the host's
+    np.testing.assert_allclose(np.asarray(dequantize(qw)), back, rtol=1e-6, atol=1e-7)
 
 
-def test_constant_groups_and_dtype_follow_the_weight():
+def test_constant_groups_and_float16_scales_whatever_the_weight_dtype():
     w = np.zeros((64, 4), np.float32)
     w[32:, 1] = 5.0
+    w[:32, 2] = 0.1  # not a float16: the minimum's rounding is the error
     qw = quantize_int8(jnp.asarray(w, jnp.bfloat16))
-    assert qw["scale"].dtype == jnp.bfloat16
-    back = np.asarray(dequantize(qw))
-    np.testing.assert_array_equal(back[w == 0], 0.0)  # constant groups stay exact
-    np.testing.assert_allclose(back[w != 0], 5.0, rtol=2**-8)  # a bfloat16 zero point
+    assert qw["scale"].dtype == qw["min"].dtype == np.float16
+    assert (qw["scale"][:, :3] == 0).all()  # constant groups: no step
+    back = dequantize_np(qw)
+    np.testing.assert_array_equal(back[:, [0, 1, 3]], w[:, [0, 1, 3]])  # exact
+    bf16 = float(jnp.asarray(0.1, jnp.bfloat16))
+    np.testing.assert_array_equal(back[:32, 2], np.float32(np.float16(bf16)))
 
 
-def test_a_q4_1_block_grid_is_held_exactly():
-    """GGUF Q4_1 weights (d x {0..15} + m per block of 32) spanning the 16 levels: each level
-    is 17 int8 steps apart, so int8 over the same blocks holds them to float rounding."""
-    rng = np.random.default_rng(2)
-    d, m = rng.uniform(0.01, 0.1, (2, 8)), rng.uniform(-1, 0, (2, 8))
+def q4_1_weight(seed=2):
+    """GGUF Q4_1-like weights: float16 d and m per block of 32 inputs, d x {0..15} + m in
+    float32 (as gguf dequantizes), each block using its whole range. (w, d, m, levels)."""
+    rng = np.random.default_rng(seed)
+    d = rng.uniform(0.01, 0.1, (2, 8)).astype(np.float16).astype(np.float32)
+    m = rng.uniform(-1, 0, (2, 8)).astype(np.float16).astype(np.float32)
     levels = rng.integers(0, 16, (2, 32, 8))
-    levels[:, 0], levels[:, 1] = 0, 15  # each block uses its whole range
-    w = (d[:, None] * levels + m[:, None]).reshape(64, 8).astype(np.float32)
-    back = np.asarray(dequantize(quantize_int8(jnp.asarray(w))))
-    np.testing.assert_allclose(back, w, rtol=0, atol=1e-6)
+    levels[:, 0], levels[:, 1] = 0, 15
+    w = (d[:, None] * levels.astype(np.float32) + m[:, None]).reshape(64, 8)
+    return w, d, m, levels
+
+
+def test_a_q4_1_block_grid_is_held():
+    """Without the grid, each of the 16 levels is 17 codes apart: held to the float16
+    rounding of the scale and minimum. With it (the blocks' own d and m per element), the
+    codes are the levels and the weight comes back bit for bit."""
+    w, d, m, levels = q4_1_weight()
+    back = dequantize_np(quantize_int8(w))
+    np.testing.assert_allclose(back, w, rtol=0, atol=2e-3)
+    grid = (np.repeat(d, 32, axis=0), np.repeat(m, 32, axis=0))
+    qw = quantize_int8(w, grid)
+    np.testing.assert_array_equal(qw["q"], (levels - CODE_OFFSET).reshape(64, 8))
+    np.testing.assert_array_equal(qw["scale"], d.astype(np.float16))
+    np.testing.assert_array_equal(qw["min"], m.astype(np.float16))
+    np.testing.assert_array_equal(dequantize_np(qw), w)
+
+
+def test_a_q4_0_grid_with_negative_scales_is_held():
+    """A Q4_0 block's d is its largest-magnitude value / -8: negative where that is positive.
+    The scale keeps its sign (code q4 at min -8 d) and the codes stay the block's."""
+    rng = np.random.default_rng(4)
+    d = (rng.uniform(0.01, 0.1, (2, 8)) * rng.choice([-1, 1], (2, 8))).astype(np.float16)
+    levels = rng.integers(0, 16, (2, 32, 8))
+    D = np.repeat(d.astype(np.float32), 32, axis=0)
+    w = D * (levels.reshape(64, 8) - 8).astype(np.float32)
+    qw = quantize_int8(w, (D, -8 * D))
+    np.testing.assert_array_equal(qw["q"], levels.reshape(64, 8) - CODE_OFFSET)
+    np.testing.assert_array_equal(qw["scale"], d)
+    assert (qw["scale"] < 0).any()
+    np.testing.assert_array_equal(dequantize_np(qw), w)
+    np.testing.assert_array_equal(np.asarray(dequantize(qw)), w)
+
+
+def test_a_grid_that_does_not_fit_falls_back_to_the_range():
+    """NaN (a tensor stored otherwise), a scale that varies inside a group (blocks along
+    another axis), a scale that is no float16, or values off the grid: quantized anew."""
+    w, d, m, _ = q4_1_weight()
+    plain = quantize_int8(w)
+    D, M = np.repeat(d, 32, axis=0), np.repeat(m, 32, axis=0)
+    nan = np.full_like(D, np.nan)
+    varying = D.copy()
+    varying[5] *= 2
+    off = w.copy()
+    off[3, 3] += D[3, 3] / 3
+    for grid, x in [
+        ((nan, nan), w),
+        ((varying, M), w),
+        ((D + 1e-5, M), w),
+        ((D, M), off),
+    ]:
+        got, want = quantize_int8(x, grid), quantize_int8(x)
+        for k in ("q", "scale", "min"):
+            np.testing.assert_array_equal(got[k], want[k])
+    assert not np.array_equal(plain["scale"], d.astype(np.float16))
 
 
 def test_matmul_is_the_dot_with_the_dequantized_weight():
     w, x = weight((64, 2, 12)), np.random.default_rng(1).standard_normal((5, 64))
     qw = quantize_int8(jnp.asarray(w))
     got = np.asarray(jax.jit(int8_matmul)(jnp.asarray(x, jnp.float32), qw))
-    want = x @ np.asarray(dequantize(qw)).reshape(64, -1)
+    want = x @ dequantize_np(qw).reshape(64, -1)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     assert np.abs(got - x @ w.reshape(64, -1)).max() < 0.02 * np.abs(x @ w.reshape(64, -1)).max()
 
@@ -81,28 +149,53 @@ def test_quantize_params_takes_the_layer_matmuls_only():
     qparams, qinfos = quantize_params(params, infos, "int8")
     layer, info = qparams["layers"][0], qinfos["layers"][0]
     for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-        assert set(layer[name]) == {"q", "scale", "zero"} and layer[name]["q"].dtype == jnp.int8
-        assert info[name]["q"].dtype == "int8" and info[name]["scale"].dtype is None
-        assert info[name]["scale"].axes == info[name]["zero"].axes == info[name]["q"].axes
+        assert set(layer[name]) == {"q", "scale", "min"} and layer[name]["q"].dtype == np.int8
+        assert info[name]["q"].dtype == "int8"
+        assert info[name]["scale"].dtype == info[name]["min"].dtype == "float16"
+        assert info[name]["scale"].axes == info[name]["min"].axes == info[name]["q"].axes
+        assert info[name]["q"].matmul and not info[name]["scale"].matmul
     assert layer["attn_norm"] is params["layers"][0]["attn_norm"]
     assert qparams["embed"] is params["embed"]  # the table and the head stay as they are
     assert quantized_infos(infos, "int8") == qinfos
     abstract = abstract_from_infos(qinfos, jnp.bfloat16)
     assert abstract["layers"][0]["wo"]["q"].dtype == jnp.int8
-    assert abstract["layers"][0]["wo"]["scale"].dtype == jnp.bfloat16
+    assert abstract["layers"][0]["wo"]["scale"].dtype == jnp.float16
+    assert abstract["layers"][0]["wo"]["min"].dtype == jnp.float16
+    assert abstract["layers"][0]["attn_norm"].dtype == jnp.bfloat16
     assert quantize_params(params, infos, "none") == (params, infos)
 
 
-def test_bad_quantization_and_native_kernels_are_one_line_errors():
-    from jaxcb.runtime.setup import _matmul_backend
+def test_quantize_params_holds_the_grids_it_is_given():
+    """grids={"layers": [{name: (d, m)}]}: those weights keep their blocks' codes; the
+    others are quantized from their range."""
+    spec = registry.spec_from_hf_config(CONFIG)
+    infos = registry.param_infos(spec)
+    abstract = registry.abstract_params(spec, jnp.float32)
+    params = jax.tree_util.tree_map(lambda a: np.ones(a.shape, np.float32), abstract)
+    shape = infos["layers"][0]["w_down"].shape
+    rng = np.random.default_rng(3)
+    d = rng.uniform(0.01, 0.1, (shape[0] // 32, *shape[1:])).astype(np.float16)
+    codes = rng.integers(1, 256, shape)
+    D = np.repeat(d.astype(np.float32), 32, axis=0)
+    M = -128 * D  # Q8_0: d x q8, the code q8 + 128
+    params["layers"][0]["w_down"] = D * (codes - 128).astype(np.float32)
+    grids = {"layers": [{"w_down": (D, M)}] + [{}] * (spec.num_layers - 1)}
+    qparams, _ = quantize_params(params, infos, "int8", grids=grids)
+    got = qparams["layers"][0]["w_down"]
+    np.testing.assert_array_equal(got["q"], codes - CODE_OFFSET)
+    np.testing.assert_array_equal(got["scale"], d)
+    np.testing.assert_array_equal(dequantize_np(got), params["layers"][0]["w_down"])
+    plain, _ = quantize_params(params, infos, "int8")
+    np.testing.assert_array_equal(qparams["layers"][0]["wo"]["q"], plain["layers"][0]["wo"]["q"])
 
+
+def test_bad_quantization_is_a_one_line_error():
     with pytest.raises(ValueError, match="quantization must be one of") as err:
         EngineConfig(quantization="int4")
     assert "\n" not in str(err.value)
-    config = EngineConfig.from_dict(None, quantization="int8", matmul="avx2")
-    with pytest.raises(ValueError, match=r"kernels\.matmul='avx2' cannot run quantization='int8'"):
-        _matmul_backend(config, jnp.float32, 1)
-    assert _matmul_backend(EngineConfig(quantization="int8"), jnp.float32, 1) == "xla"
+    with pytest.raises(ValueError, match="quantization must be one of") as err:
+        quantized_infos({}, "int4")
+    assert "\n" not in str(err.value)
 
 
 def test_int8_is_refused_off_cpu_in_one_line():

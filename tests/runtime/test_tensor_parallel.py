@@ -58,7 +58,7 @@ def test_int8_weights_split_like_their_float_weights(report: dict) -> None:
     (replica,) = report["int8-tp2"]["replicas"]
     params = replica["params"]
     for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-        assert params[name]["q"] == params[name]["scale"] == params[name]["zero"], name
+        assert params[name]["q"] == params[name]["scale"] == params[name]["min"], name
     assert params["wqkv"]["q"] == [None, "tensor", None, None]  # by KV head
     assert params["wo"]["q"] == ["tensor", None]  # by input (query heads): whole groups
 
