@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxcb import native
 from jaxcb.config import ATTENTION_BACKENDS
@@ -29,6 +31,8 @@ from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 logger = logging.getLogger(__name__)
 
 ACCELERATORS = ("tpu", "gpu", "cuda", "rocm")
+#: The KV page dtypes the native CPU kernels read (quantized ones with their scales).
+NATIVE_KV_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2")
 
 
 def resolve_backend(name: str, platform: str | None = None) -> str:
@@ -50,6 +54,30 @@ def resolve_backend(name: str, platform: str | None = None) -> str:
     return name
 
 
+def check_kv_cache_dtype(
+    backend: str, kv_dtype: Any, requested: str, platform: str | None = None
+) -> None:
+    """A one-line ValueError naming kv_cache_dtype when the concrete `backend` cannot read
+    pages of `kv_dtype` (`requested`: the config's value); a warning when it reads them only
+    slowly. Every backend reads float32, bfloat16, int8 and both fp8 pages."""
+    name = jnp.dtype(kv_dtype).name
+    if backend == "native" and name not in NATIVE_KV_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype={requested!r} gives {name} KV pages, which attention='native' "
+            "cannot read (float32, bfloat16, int8, fp8, fp8_e5m2); choose one of those, or "
+            "attention='xla'"
+        )
+    float8 = name in ("float8_e4m3fn", "float8_e5m2")
+    if backend == "xla" and float8 and (platform or jax.default_backend()) == "cpu":
+        logger.warning(
+            "kv_cache_dtype=%r with attention='xla' on CPU: XLA's CPU backend converts a "
+            "float8 pool to float32 and back on every KV write (the whole pool, each layer, "
+            "each step); attention='native' writes it in place, and int8 pages are written "
+            "in place by XLA too",
+            requested,
+        )
+
+
 def _cpu_default() -> str:
     return "native" if native.available() else "xla"
 
@@ -63,7 +91,10 @@ def get_attention_backend(name: str, platform: str | None = None) -> AttentionBa
         if not native.available():
             raise ValueError("attention='native' needs a C++ compiler (g++ or $CXX)")
         return AttentionBackend(
-            "native", native.ragged_paged_attention_native, native.write_kv_native
+            "native",
+            native.ragged_paged_attention_native,
+            native.write_kv_native,
+            native.copy_kv_native,
         )
     interpret = platform not in ACCELERATORS
     if interpret:

@@ -116,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    add_workload_args(parser, default_workload="offline-mixed")
+    add_workload_args(parser, default_workload="offline-mixed", jaxcb_model=True)
     add_system_args(parser)
     add_llamacpp_args(parser)
     add_output_args(parser)
@@ -274,6 +274,7 @@ def make_context(args: argparse.Namespace, model_dir: Path, workload) -> BenchCo
     )
     return BenchContext(
         model_dir=model_dir,
+        jaxcb_model=args.jaxcb_model,
         workload=workload,
         dtype=args.dtype,
         log=log,

@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    add_workload_args(parser, default_workload="chat-fixed")
+    add_workload_args(parser, default_workload="chat-fixed", jaxcb_model=True)
     parser.add_argument("--max-tokens", type=int, default=256, help="output tokens (%(default)s)")
     parser.add_argument("--repeats", type=int, default=5, help="timed requests (%(default)s)")
     parser.add_argument("--systems", default="jaxcb,llama.cpp", help="comma list (%(default)s)")
@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = config_overrides(args, workload.max_seq_len, log)
     ctx = BenchContext(
         model_dir=model_dir,
+        jaxcb_model=args.jaxcb_model,
         workload=workload,
         dtype=args.dtype,
         log=log,

@@ -88,7 +88,7 @@ def test_empty_yaml_gives_defaults(tmp_path: Path, text: str) -> None:
             r"unknown key 'pagesize' in cache; valid keys: \['enable_prefix_caching', 'kv_cache",
         ),
         ("page_size: 8\n", r"unknown key 'page_size' in config; valid keys: \['cache'"),
-        ("dtype: float16\n", r"dtype must be one of \['float32', 'bfloat16'\]"),
+        ("dtype: float64\n", r"dtype must be one of \['float32', 'bfloat16', 'float16'\]"),
         (
             "kernels: {attention: triton}\n",
             r"attention must be one of \['auto', 'native', 'xla', 'pallas', 'pallas-tpu', "

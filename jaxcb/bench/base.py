@@ -29,6 +29,7 @@ class BenchContext:
     log: Log = print
     jaxcb_config: str | Path | None = None  # YAML preset
     jaxcb_overrides: dict[str, Any] = field(default_factory=dict)  # flat config fields
+    jaxcb_model: Path | None = None  # what jaxcb loads instead of model_dir (a GGUF file)
     warmup_requests: int = 4  # untimed requests served before the timed passes
     hf_static_batch_size: int = 8
     hf_cb_options: dict[str, Any] = field(default_factory=dict)  # ContinuousBatchingConfig

@@ -32,12 +32,23 @@ def make_log() -> Callable[[str], None]:
     return log
 
 
-def add_workload_args(parser: argparse.ArgumentParser, *, default_workload: str) -> None:
+def add_workload_args(
+    parser: argparse.ArgumentParser, *, default_workload: str, jaxcb_model: bool = False
+) -> None:
+    """--model, --workload and the like; `jaxcb_model`: also --jaxcb-model (scripts whose
+    jaxcb system honours it)."""
     parser.add_argument(
         "--model",
         help="a preset (bench-57m, the default; smollm2-135m, the real model) or a Hugging Face "
         "model dir",
     )
+    if jaxcb_model:
+        parser.add_argument(
+            "--jaxcb-model",
+            help="what jaxcb loads instead of --model's directory (the workload still comes "
+            "from --model): e.g. the GGUF file llama.cpp runs, to compare both on the same "
+            "weights (with --quantization int8, its Q8_0 / Q4 blocks as they are)",
+        )
     parser.add_argument(
         "--workload",
         default=default_workload,

@@ -41,7 +41,8 @@ class JaxcbSystem:
         self.record_trace = ctx.record_trace
         self.last_trace: list[dict[str, Any]] | None = None
         start = time.perf_counter()
-        self.llm = LLM(ctx.model_dir, config=ctx.jaxcb_config, **ctx.jaxcb_overrides)
+        model = ctx.jaxcb_model or ctx.model_dir
+        self.llm = LLM(model, config=ctx.jaxcb_config, **ctx.jaxcb_overrides)
         self.build_s = time.perf_counter() - start
         k = max(1, min(ctx.warmup_requests, len(self.prompts)))
         start = time.perf_counter()

@@ -73,7 +73,7 @@ class EngineConfig:
     model: str | None = None  # HF dir, .gguf file, hub id or built-in name; None: SmolLM2
     tokenizer: str | None = None  # tokenizer directory; None = the model directory
     dtype: str = "float32"  # weights, activations and KV pages
-    quantization: str = "none"  # none | int8 (weight-only, per output channel)
+    quantization: str = "none"  # none | int8 (groups of 32) | fp8 (e4m3, per output channel)
     max_model_len: int | None = None  # prompt + output tokens; None = model's max positions
     seed: int = 0  # seeds requests that bring no seed of their own
     # Persistent XLA compilation cache: "auto" (a dir under the jaxcb cache), "off", or a path.

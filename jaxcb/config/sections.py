@@ -11,8 +11,12 @@ from typing import ClassVar
 from jaxcb.config.values import check as _check
 from jaxcb.config.values import check_types as _check_types
 
-DTYPES = ("float32", "bfloat16")
-QUANTIZATIONS = ("none", "int8")  # weight quantization (jaxcb/models/quant.py)
+DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8", "fp8")  # weight quantization (jaxcb/models/quant.py)
+# KV page dtypes: the float ones, or quantized codes with a float32 scale per token and KV
+# head (pallas_kernels/ragged_paged_attention/kv_quant.py); "fp8" is fp8_e4m3, as in vLLM.
+QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", *DTYPES, *QUANTIZED_KV_CACHE_DTYPES)
 ATTENTION_BACKENDS = ("auto", "native", "xla", "pallas", "pallas-tpu", "pallas-gpu")
 MATMUL_BACKENDS = ("auto", "amx", "avx512_bf16", "avx512", "avx2_bf16", "avx2", "xla")
 SCHEDULING_POLICIES = ("fcfs", "priority", "srpf", "edf")
@@ -31,7 +35,9 @@ class CacheConfig:
     num_pages: int | None = None  # pages in the pool (per layer)
     kv_cache_memory_gb: float | None = None  # K+V bytes for all layers, in GiB
     memory_utilization: float = 0.9  # share of free accelerator memory auto sizing may use
-    kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16; auto: model dtype, f32 on CPU
+    # KV page dtype. auto: the model dtype (float32 with attention xla on CPU). int8, fp8 (=
+    # fp8_e4m3, as in vLLM) and fp8_e5m2 store codes with a float32 scale per token and KV head.
+    kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16 | int8 | fp8 | fp8_e4m3 | fp8_e5m2
     enable_prefix_caching: bool = True  # share cached full pages of common prompt prefixes
     swap_space_gb: float = 4.0  # host memory for KV pages swapped out on preemption, GiB; 0: none
 
@@ -51,8 +57,8 @@ class CacheConfig:
             "give num_pages or kv_cache_memory_gb, not both",
         )
         _check(
-            self.kv_cache_dtype in ("auto", *DTYPES),
-            f"kv_cache_dtype must be one of {['auto', *DTYPES]}, got {self.kv_cache_dtype!r}",
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
         )
         _check(
             0 < self.memory_utilization <= 1,

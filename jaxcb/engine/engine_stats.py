@@ -27,6 +27,10 @@ def engine_stats(
         "quantization": info.quantization,
         "weight_bytes": info.weight_bytes,
         "kv_cache_bytes": info.kv_cache_bytes,
+        # the pages' dtype (int8, float8_e4m3fn, float8_e5m2: codes with a float32 scale per
+        # token and KV head) and one token's K and V over all layers, scales included
+        "kv_cache_dtype": info.kv_cache_dtype,
+        "kv_bytes_per_token": info.kv_bytes_per_token,
         "compile_seconds": info.compile_seconds,
         "compile_cache": dict(info.compile_cache),
         "compile_seconds_per_bucket": dict(info.compile_seconds_per_bucket),

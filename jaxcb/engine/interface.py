@@ -114,6 +114,8 @@ class EngineInfo:
     kv_pool_sizing: str = ""  # how num_pages was decided (runtime/kv_cache.py's PoolSizing)
     quantization: str = "none"  # of the weights (EngineConfig.quantization)
     weight_bytes: int = 0  # the weights as stored on the devices (all of them)
+    # one token's K and V over all layers, a quantized pool's scales included (all devices)
+    kv_bytes_per_token: int = 0
 
     @property
     def token_buckets(self) -> list[int]:

@@ -205,6 +205,9 @@ class ReplicatedEngine(Engine):
         total["compile_cache"] = dict(self.info.compile_cache)
         total["compile_seconds_per_bucket"] = per_replica[0]["compile_seconds_per_bucket"]
         total["data_parallel_size"] = len(self.replicas)
+        # the same on every replica (a size, not a count)
+        total["kv_cache_dtype"] = per_replica[0]["kv_cache_dtype"]
+        total["kv_bytes_per_token"] = per_replica[0]["kv_bytes_per_token"]
         # each replica predicts from its own finished requests: report the largest
         predictions = [s["predicted_output_len"] for s in per_replica]
         total["predicted_output_len"] = max((p for p in predictions if p is not None), default=None)

@@ -38,7 +38,8 @@ import jax
 from pallas_kernels.ragged_paged_attention import write_kv
 
 Params = dict[str, Any]
-KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k_pages, v_pages)
+# per layer (k_pages, v_pages), or quantized pages' (k_pages, v_pages, k_scales, v_scales)
+KVCache = list[tuple[jax.Array, ...]]
 
 
 @dataclass(frozen=True)
@@ -127,9 +128,14 @@ class AttentionBackend:
     """How a layer stores new K/V into the page pool and attends over it.
 
     `attend` has the kernel-shaped signature of `ragged_paged_attention_reference`;
-    `write_kv` that of `pallas_kernels.ragged_paged_attention.write_kv`.
+    `write_kv` that of `pallas_kernels.ragged_paged_attention.write_kv`. Both take a
+    quantized pool's `k_scales` and `v_scales` (and `write_kv` then returns them too).
+    `copy_kv(k_pool, v_pool, k_rows, v_rows, slot_mapping)`: rows already in the pools' dtype
+    (a swapped-out quantized pool's codes, or its scales) put back bit for bit, in place;
+    None: a plain XLA scatter (runtime/kv_cache.py's `put_rows`).
     """
 
     name: str
     attend: AttentionFn
-    write_kv: Callable[..., tuple[jax.Array, jax.Array]] = write_kv
+    write_kv: Callable[..., tuple[jax.Array, ...]] = write_kv
+    copy_kv: Callable[..., tuple[jax.Array, jax.Array]] | None = None

@@ -26,7 +26,6 @@ from typing import Any
 
 from jaxcb.models.base import ModelSpec, Params
 from jaxcb.models.gguf import is_gguf_path
-from jaxcb.models.registry import abstract_params
 from jaxcb.models.weights import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -56,52 +55,82 @@ def is_orbax_checkpoint(path: str | Path) -> bool:
 
 
 def convert_checkpoint(
-    source: str | Path, target: str | Path, *, dtype: str = "auto", force: bool = False
+    source: str | Path,
+    target: str | Path,
+    *,
+    dtype: str = "auto",
+    force: bool = False,
+    quantization: str = "none",
 ) -> Path:
-    """Convert a Hugging Face model directory or a GGUF file into a jaxcb orbax checkpoint."""
+    """Convert a Hugging Face model directory or a GGUF file into a jaxcb orbax checkpoint,
+    its layer matmul weights quantized if `quantization` is "int8" (models/quant.py; a GGUF
+    file's Q8_0 / Q4_0 / Q4_1 blocks as they are)."""
     if is_gguf_path(source):
-        return convert_gguf_checkpoint(source, target, dtype=dtype, force=force)
-    return convert_hf_checkpoint(source, target, dtype=dtype, force=force)
+        return convert_gguf_checkpoint(
+            source, target, dtype=dtype, force=force, quantization=quantization
+        )
+    return convert_hf_checkpoint(
+        source, target, dtype=dtype, force=force, quantization=quantization
+    )
 
 
 def convert_hf_checkpoint(
-    source: str | Path, target: str | Path, *, dtype: str = "auto", force: bool = False
+    source: str | Path,
+    target: str | Path,
+    *,
+    dtype: str = "auto",
+    force: bool = False,
+    quantization: str = "none",
 ) -> Path:
     """Convert a Hugging Face model directory into a jaxcb orbax checkpoint.
 
-    `dtype`: "float32", "bfloat16", or "auto" (the checkpoint's own: bfloat16 stays
-    bfloat16; float16, which jaxcb does not compute in, becomes float32, losslessly). An
-    engine of another dtype can still load it: restoring casts.
+    `dtype`: "float32", "bfloat16", "float16", or "auto" (the checkpoint's own: bfloat16 and
+    float16 stay as they are, anything else becomes float32). An engine of another dtype can
+    still load it: restoring casts (quantized weights stay int8 codes and float16 scales).
     """
     from jaxcb.models.loader import load_params, read_hf_config, spec_from_hf_config
+    from jaxcb.models.quant import quantize_params
+    from jaxcb.models.registry import param_infos
 
     source = Path(source).expanduser()
     config = read_hf_config(source)
     spec = spec_from_hf_config(config)
     if dtype == "auto":
         stored = str(config.get("torch_dtype") or config.get("dtype") or "float32")
-        dtype = "bfloat16" if stored == "bfloat16" else "float32"
+        dtype = stored if stored in ("bfloat16", "float16") else "float32"
     params = load_params(source, spec, _numpy_dtype(dtype))
-    return save_checkpoint(params, target, source=source, dtype=dtype, force=force)
+    params, _ = quantize_params(params, param_infos(spec), quantization)
+    return save_checkpoint(
+        params, target, source=source, dtype=dtype, force=force, quantization=quantization
+    )
 
 
 def convert_gguf_checkpoint(
-    source: str | Path, target: str | Path, *, dtype: str = "auto", force: bool = False
+    source: str | Path,
+    target: str | Path,
+    *,
+    dtype: str = "auto",
+    force: bool = False,
+    quantization: str = "none",
 ) -> Path:
     """Convert a GGUF file into a jaxcb orbax checkpoint: its tensors dequantized to `dtype`
-    ("auto": bfloat16 if the file stores its matrices so, else float32), with config.json,
-    generation_config.json (its stop tokens) and the tokenizer built from its metadata."""
+    ("auto": bfloat16 if the file stores its matrices so, else float32), or with "int8" its
+    layer matmul weights as int8 (block-quantized ones exactly as the file has them), with
+    config.json, generation_config.json (its stop tokens) and the tokenizer built from its
+    metadata."""
     import tempfile
 
     from jaxcb.models.gguf import GGUFFile
     from jaxcb.models.gguf_tokenizer import gguf_tokenizer
-    from jaxcb.models.loader import load_gguf_params
-    from jaxcb.models.registry import spec_from_gguf
+    from jaxcb.models.loader import load_gguf_for
+    from jaxcb.models.quant import quantize_params
+    from jaxcb.models.registry import param_infos, spec_from_gguf
 
     file = GGUFFile(source)
     config, spec = spec_from_gguf(file)
     dtype = file.stored_dtype() if dtype == "auto" else dtype
-    params = load_gguf_params(file, spec, _numpy_dtype(dtype))
+    params, grids = load_gguf_for(file, spec, _numpy_dtype(dtype), quantization)
+    params, _ = quantize_params(params, param_infos(spec), quantization, grids)
     with tempfile.TemporaryDirectory() as files:
         config = {**config, "torch_dtype": dtype}
         (Path(files) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -111,7 +140,13 @@ def convert_gguf_checkpoint(
         if tokenizer is not None:
             tokenizer.save_pretrained(files)
         return save_checkpoint(
-            params, target, source=file.path, dtype=dtype, force=force, model_files=Path(files)
+            params,
+            target,
+            source=file.path,
+            dtype=dtype,
+            force=force,
+            model_files=Path(files),
+            quantization=quantization,
         )
 
 
@@ -119,9 +154,10 @@ def _numpy_dtype(dtype: str) -> Any:
     import ml_dtypes
     import numpy as np
 
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}")
-    return np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    dtypes = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+    if dtype not in dtypes:
+        raise ValueError(f"dtype must be auto, {', '.join(dtypes)}, got {dtype!r}")
+    return dtypes[dtype]
 
 
 def save_checkpoint(
@@ -132,9 +168,11 @@ def save_checkpoint(
     dtype: str,
     force: bool = False,
     model_files: Path | None = None,
+    quantization: str = "none",
 ) -> Path:
-    """Write `params` (numpy or jax arrays) and the model files (config, tokenizer...) of
-    `model_files` (default: the `source` directory) to `target`."""
+    """Write `params` (numpy or jax arrays; quantized as `quantization` says) and the model
+    files (config, tokenizer...) of `model_files` (default: the `source` directory) to
+    `target`."""
     import orbax.checkpoint as ocp
 
     target = Path(target).expanduser().absolute()
@@ -152,19 +190,36 @@ def save_checkpoint(
         if (model_files / name).is_file():
             shutil.copy2(model_files / name, target / name)
             copied.append(name)
-    marker = {"format": FORMAT, "version": VERSION, "dtype": dtype, "source": str(source)}
+    marker = {
+        "format": FORMAT,
+        "version": VERSION,
+        "dtype": dtype,
+        "quantization": quantization,
+        "source": str(source),
+    }
     (target / MARKER).write_text(json.dumps(marker, indent=2) + "\n")  # last: marks it complete
     logger.info("wrote %s (params + %s)", target, ", ".join(copied))
     return target
+
+
+def checkpoint_quantization(path: str | Path) -> str:
+    """The quantization a jaxcb checkpoint's weights are stored in ("none" or "int8")."""
+    return str(_read_marker(Path(path)).get("quantization", "none"))
 
 
 def restore_params(
     path: str | Path, spec: ModelSpec, dtype: Any, shardings: Any | None = None
 ) -> Params:
     """Read the params of a jaxcb checkpoint directly into `shardings` (a pytree of
-    shardings matching the params; None: the default device), cast to `dtype`."""
+    shardings matching the unquantized params; None: the default device), cast to `dtype`.
+    Quantized weights (checkpoint_quantization) come back as they were stored: int8 codes
+    and float16 scales, each part on its weight's sharding."""
     import jax
     import orbax.checkpoint as ocp
+
+    from jaxcb.models.base import abstract_from_infos, is_param_info
+    from jaxcb.models.quant import quantized_infos
+    from jaxcb.models.registry import param_infos
 
     path = Path(path)
     marker = _read_marker(path)
@@ -181,13 +236,21 @@ def restore_params(
     stored = checkpointer.metadata(params_dir.absolute())
     stored = getattr(stored, "item_metadata", stored)  # StepMetadata in newer orbax versions
     stored = getattr(stored, "tree", stored)
-    target = abstract_params(spec, dtype)
-    _check_shapes(stored, target, path)
+    infos = param_infos(spec)
     if shardings is None:
         device = jax.devices()[0]
         shardings = jax.tree_util.tree_map(
-            lambda _: jax.sharding.SingleDeviceSharding(device), target
+            lambda _: jax.sharding.SingleDeviceSharding(device), infos, is_leaf=is_param_info
         )
+    quantization = str(marker.get("quantization", "none"))
+    if quantization != "none":  # each part of a quantized weight on the weight's sharding
+        shardings = {**shardings, "layers": [
+            {k: {"q": s, "scale": s, "min": s} if is_param_info(info[k]) and info[k].matmul
+             else s for k, s in layer.items()}
+            for layer, info in zip(shardings["layers"], infos["layers"], strict=True)
+        ]}  # fmt: skip
+    target = abstract_from_infos(quantized_infos(infos, quantization), dtype)
+    _check_shapes(stored, target, path)
     target = jax.tree_util.tree_map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), target, shardings
     )

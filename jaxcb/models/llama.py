@@ -336,14 +336,15 @@ def _attention(
     layer: Params,
     h: jax.Array,  # f32[T, H]: the normed residual
     rope: tuple[jax.Array, jax.Array],
-    caches: tuple[jax.Array, jax.Array],
+    caches: tuple[jax.Array, ...],
     meta: AttentionMetadata,
     spec: ModelSpec,
     attention: AttentionBackend,
     index: int,
     real_tokens: jax.Array,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """The layer's attention output [T, Hq * D] (before wo) and its updated KV pages."""
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """The layer's attention output [T, Hq * D] (before wo) and its updated KV pages (and
+    their scales, for quantized pages: `caches` is then (k, v, k_scales, v_scales))."""
     num_tokens, g, d = h.shape[0], spec.group_size, spec.head_dim
     qkv = matmul(h, layer["wqkv"], real_tokens)  # [T, Hkv * (G + 2) * D]
     qkv = qkv.reshape(num_tokens, spec.num_kv_heads, g + 2, d)  # [T, Hkv, G + 2, D]
@@ -357,9 +358,12 @@ def _attention(
         k = rms_norm(k, layer["k_norm"], spec.rms_norm_eps)
     q = apply_rope(q, rope)
     k = apply_rope(k, rope)
-    k_pages, v_pages = attention.write_kv(*caches, k, v, meta.slot_mapping)
+    k_pages, v_pages, *scales = attention.write_kv(
+        *caches[:2], k, v, meta.slot_mapping, *caches[2:]
+    )
+    # q in the pages' float dtype; with quantized pages (codes and scales) q stays float.
     out = attention.attend(
-        q.astype(k_pages.dtype),
+        q if scales else q.astype(k_pages.dtype),
         k_pages,
         v_pages,
         meta.kv_lens,
@@ -368,8 +372,9 @@ def _attention(
         meta.num_seqs,
         sm_scale=spec.sm_scale,
         sliding_window=spec.sliding_windows[index],
+        **dict(zip(("k_scales", "v_scales"), scales, strict=False)),
     )  # [T, Hq, D]
-    return out.reshape(num_tokens, -1), (k_pages, v_pages)
+    return out.reshape(num_tokens, -1), (k_pages, v_pages, *scales)
 
 
 def _mlp(layer: Params, h: jax.Array, real_tokens: jax.Array) -> jax.Array:

@@ -49,6 +49,8 @@ class LoadedModel:
     #: {"layers": [{name: (d, m)}]}: the layer matmul weights a GGUF file stores in blocks
     #: (load_gguf_block_grids), for quantize_params to hold exactly; loaded for int8 only
     block_grids: Params | None = None
+    #: "int8": the params are quantized already (a jaxcb checkpoint stored so)
+    quantization: str = "none"
 
 
 def resolve_model(model: str | Path | None) -> tuple[Path, bool]:
@@ -96,16 +98,22 @@ def load_model(
         return _load_gguf(path, tokenizer_path, dtype, shardings, random_weights, quantization)
     spec = spec_from_hf_config(read_hf_config(path))
     target = shardings(spec) if shardings is not None else None
-    from jaxcb.models.checkpoint import is_orbax_checkpoint, restore_params
+    from jaxcb.models.checkpoint import (
+        checkpoint_quantization,
+        is_orbax_checkpoint,
+        restore_params,
+    )
 
     fmt = "orbax" if is_orbax_checkpoint(path) else "safetensors"
+    stored = "none"
     if fmt == "orbax":
         params = restore_params(path, spec, dtype, target)
+        stored = checkpoint_quantization(path)
     else:
         params = load_params(path, spec, dtype)
     tokenizer = load_tokenizer(Path(tokenizer_path) if tokenizer_path else path)
     eos = _eos_ids(spec, generation_eos(path), tokenizer)
-    return LoadedModel(path, spec, params, tokenizer, eos, random_weights, fmt)
+    return LoadedModel(path, spec, params, tokenizer, eos, random_weights, fmt, quantization=stored)
 
 
 def _load_gguf(
@@ -125,11 +133,7 @@ def _load_gguf(
     _, spec = spec_from_gguf(file)
     if shardings is not None:
         shardings(spec)  # fails fast if the model cannot be sharded
-    grids = load_gguf_block_grids(file, spec) if quantization == "int8" else None
-    if grids is None:
-        params = load_gguf_params(file, spec, dtype)
-    else:
-        params = _cast_all_but_grids(load_gguf_params(file, spec, np.float32), grids, dtype)
+    params, grids = load_gguf_for(file, spec, dtype, quantization)
     tokenizer = load_tokenizer(Path(tokenizer_path)) if tokenizer_path else gguf_tokenizer(file)
     eos = _eos_ids(spec, set(file.stop_token_ids()), tokenizer)
     return LoadedModel(path, spec, params, tokenizer, eos, random_weights, "gguf", grids)
@@ -164,16 +168,35 @@ def load_gguf_params(file: GGUFFile, spec: ModelSpec, dtype: Any) -> Params:
     return params
 
 
+def load_gguf_for(
+    file: GGUFFile, spec: ModelSpec, dtype: Any, quantization: str
+) -> tuple[Params, Params | None]:
+    """(params, block grids) of a GGUF file about to be quantized as `quantization` says:
+    for "int8", the layer matmul weights stored in blocks stay float32 (their values
+    exactly, for quant.quantize_params to recover the blocks' codes) and come with their
+    grids; else (or with no block-quantized tensor) every tensor in `dtype`, no grids."""
+    grids = load_gguf_block_grids(file, spec) if quantization == "int8" else None
+    if grids is None:
+        return load_gguf_params(file, spec, dtype), None
+    return _cast_all_but_grids(load_gguf_params(file, spec, np.float32), grids, dtype), grids
+
+
 #: The dtype of the block grids' arrays: d and m are float16 in the blocks, so exact (a
 #: Q8_0 offset -128 d past float16's range becomes inf and that weight is quantized anew).
 GRID_DTYPE = np.float16
 
 
+#: The GGUF tensors of the output head: its own, or the embedding table it is tied to.
+HEAD_TENSORS = ("output.weight", "token_embd.weight")
+
+
 def load_gguf_block_grids(file: GGUFFile, spec: ModelSpec) -> Params | None:
-    """{"layers": [{name: (d, m)}]}: for each layer matmul weight (ParamInfo.matmul) whose
-    GGUF tensors are all stored as Q8_0, Q4_0 or Q4_1, each element's block scale d and
-    offset m (GGUFFile.block_grid) in the params' layout, for quant.quantize_int8's `grid`;
-    None if no layer tensor is stored so.
+    """{"layers": [{name: (d, m)}], "lm_head": (d, m)}: for each layer matmul weight
+    (ParamInfo.matmul) whose GGUF tensors are all stored as Q8_0, Q4_0 or Q4_1, each
+    element's block scale d and offset m (GGUFFile.block_grid) in the params' layout, for
+    quant.quantize_int8's `grid`; the same for the output head ([H, V]: its own tensor, or
+    the embedding table it is tied to, transposed) when stored so; None if no layer tensor
+    is stored so.
 
     The family's own params_from_hf puts them there: run twice more (d, then m) through
     GGUFTensors that give each tensor's block grid instead of its values, after the same
@@ -188,33 +211,45 @@ def load_gguf_block_grids(file: GGUFFile, spec: ModelSpec) -> Params | None:
     transform = partial(family.tensor_from_gguf, spec=spec, arch=file.architecture)
     infos = registry.param_infos(spec)["layers"]
 
-    def part(i: int) -> list[dict[str, np.ndarray]]:
+    def part(i: int) -> tuple[list[dict[str, np.ndarray]], np.ndarray]:
         def values(name: str) -> np.ndarray:
-            grid = file.block_grid(name) if name.startswith("blk.") else None
-            if grid is None:  # a view: nothing allocated for the table, the head, the norms
+            wanted = name.startswith("blk.") or name in HEAD_TENSORS
+            grid = file.block_grid(name) if wanted else None
+            if grid is None:  # a view: nothing allocated for the norms and the like
                 return np.broadcast_to(np.float32(np.nan), file.shapes[name])
             return grid[i]
 
         tensors = file.tensors(family.GGUF_TENSORS, spec.num_layers, transform, values)
-        layers = family.params_from_hf(tensors, spec, GRID_DTYPE)["layers"]
-        return [
+        params = family.params_from_hf(tensors, spec, GRID_DTYPE)
+        layers = [
             {k: x for k, x in layer.items() if is_param_info(info[k]) and info[k].matmul}
-            for layer, info in zip(layers, infos, strict=True)
+            for layer, info in zip(params["layers"], infos, strict=True)
         ]
+        return layers, params["lm_head"] if "lm_head" in params else params["embed"].T
 
-    scales, offsets = part(0), part(1)
+    (scales, head_d), (offsets, head_m) = part(0), part(1)
     layers = [
         {k: (d[k], m[k]) for k in d if not np.isnan(d[k]).any()}
         for d, m in zip(scales, offsets, strict=True)
     ]
-    return {"layers": layers} if any(layers) else None
+    if not any(layers):
+        return None
+    grids: Params = {"layers": layers}
+    if not np.isnan(head_d).any():
+        grids["lm_head"] = (head_d, head_m)
+    return grids
 
 
 def _cast_all_but_grids(params: Params, grids: Params, dtype: Any) -> Params:
-    """Every array of `params` cast to `dtype` but the layer weights `grids` holds."""
+    """Every array of `params` cast to `dtype` but the weights `grids` holds (a tied head
+    with a grid gets its own float32 copy of the table as lm_head, [H, V])."""
+    params = dict(params)
+    if "lm_head" in grids and "lm_head" not in params:
+        params["lm_head"] = np.ascontiguousarray(params["embed"].T)
     if np.dtype(dtype) == np.float32:
         return params
-    params = {k: v if k == "layers" else cast(v, dtype) for k, v in params.items()}
+    held = {"lm_head"} if "lm_head" in grids else set()
+    params = {k: v if k == "layers" or k in held else cast(v, dtype) for k, v in params.items()}
     params["layers"] = [
         {k: x if k in grid else cast(x, dtype) for k, x in layer.items()}
         for layer, grid in zip(params["layers"], grids["layers"], strict=True)

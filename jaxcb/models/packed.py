@@ -22,7 +22,7 @@ import numpy as np
 from jaxcb import native
 from jaxcb.models.base import ParamInfo, Params
 from jaxcb.models.layers import dense
-from jaxcb.models.quant import int8_matmul, is_quantized
+from jaxcb.models.quant import is_quantized, quantized_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def matmul(x: jax.Array, w: Weight, rows: jax.Array | None = None) -> jax.Array:
     `rows` (i32 scalar): how many leading rows of x are real, the rest a bucket's padding;
     the native kernels skip the padding and return zeros there, XLA computes it."""
     if is_quantized(w):
-        return int8_matmul(x, w)
+        return quantized_matmul(x, w)
     if isinstance(w, dict):
         ((kernel, packed),) = w.items()
         return native.ALL_PACKED[kernel].kernel(x, packed, rows)
@@ -235,10 +235,12 @@ def _pack_weights(params: Params, infos: Params, kernel: str, *, greedy_screen: 
     int8_runs = int8.available()
 
     def pack(w: Any, info: Any) -> Any:
-        if is_quantized(w):  # to the int8 kernel where it runs and the layout fits, else XLA
+        if is_quantized(w):  # int8: to its kernel where it runs and fits; else (fp8) XLA
             shape = (w["q"].shape[0], int(np.prod(w["q"].shape[1:])))
-            if int8_runs and int8.can_pack(shape) and w["scale"].shape[0] * 32 == shape[0]:
-                return {int8.name: int8.pack(w)}
+            grouped = "min" in w and w["scale"].shape[0] * 32 == shape[0]  # int8, groups of 32
+            if int8_runs and grouped and int8.can_pack(shape):
+                codes = native.INT4_MATMUL if native.fits_int4(w) else int8  # Q4 blocks: 4 bits
+                return {codes.name: codes.pack(w)}
             return w
         if not info.matmul:
             return w

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcb.config import QUANTIZATIONS  # "none" (the model dtype), "int8" (w8a16 above)
+from jaxcb.config import QUANTIZATIONS  # "none" (the model dtype), "int8", "fp8"
 from jaxcb.models.base import ParamInfo, Params, is_param_info
 from jaxcb.models.layers import dense
 
@@ -48,7 +48,13 @@ SCALE_DTYPE = "float16"
 
 
 def is_quantized(w: Any) -> bool:
-    return isinstance(w, dict) and set(w) == {"q", "scale", "min"}
+    """An int8 weight {"q", "scale", "min"} or an fp8 one {"q", "scale"}."""
+    return isinstance(w, dict) and set(w) in ({"q", "scale", "min"}, {"q", "scale"})
+
+
+#: fp8 weights: e4m3 (vLLM's "fp8"), a scale per output channel in the model dtype.
+FP8_DTYPE = "float8_e4m3fn"
+FP8_MAX = 448.0
 
 
 #: Input rows that share a scale (GGUF's block size): per output channel, every 32 inputs.
@@ -136,16 +142,65 @@ def int8_matmul(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
     return dense(x, weight.reshape(weight.shape[0], -1))
 
 
+def quantize_fp8(w: Any) -> dict[str, np.ndarray]:
+    """{"q": float8_e4m3fn w.shape, "scale": [1, *w.shape[1:]] in w's dtype}: w [in, ...]
+    with one scale per output channel, its largest magnitude -> 448 (e4m3's largest), the
+    codes chosen against the rounded scale."""
+    w = np.asarray(w)
+    w32 = w.astype(np.float32)
+    amax = np.abs(w32).max(axis=0, keepdims=True)
+    scale = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(w.dtype)
+    codes = np.clip(w32 / scale.astype(np.float32), -FP8_MAX, FP8_MAX)
+    return {"q": codes.astype(jnp.dtype(FP8_DTYPE)), "scale": scale}
+
+
+def fp8_matmul(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+    """x [T, in] @ an fp8 [in, ...] weight viewed as [in, out]: float32 [T, out]. The codes
+    are converted to the scale's dtype (the model's) inside the dot and the per-channel scale
+    applied to its result, which XLA fuses on GPU and TPU (the weight is read as fp8)."""
+    q, scale = w["q"], w["scale"]
+    y = dense(x, q.reshape(q.shape[0], -1).astype(scale.dtype))
+    return y * scale.reshape(1, -1).astype(jnp.float32)
+
+
+def quantized_matmul(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+    """`int8_matmul` or `fp8_matmul`, by the weight's form."""
+    return int8_matmul(x, w) if "min" in w else fp8_matmul(x, w)
+
+
 def check_platform(quantization: str, platform: str) -> None:
     """One-line ValueError for a quantization the platform cannot run well yet: int8 on
     GPU/TPU, where XLA materializes the dequantized weights instead of fusing them into the
     dot (compiled for v5e x4, a 2-layer Qwen3-8B decode step moved 10.4 GB instead of
-    bfloat16's 0.84; for H100, 61.5 GB instead of 39.7 at the 8B preset's 16 sequences)."""
-    if quantization != "none" and platform != "cpu":
+    bfloat16's 0.84; for H100, 61.5 GB instead of 39.7 at the 8B preset's 16 sequences).
+    fp8 runs everywhere (on CPU through XLA: slow, for tests)."""
+    if quantization == "int8" and platform != "cpu":
         raise ValueError(
             f"quantization={quantization!r} runs on CPU only for now: on {platform} XLA "
             "would materialize the dequantized weights every step (no fused int8 matmul yet)"
         )
+
+
+def check_tensor_parallel(infos: Params, rules: dict[str, Any], tensor_parallel_size: int) -> None:
+    """One-line ValueError if tensor parallelism would split a quantization group: an int8
+    weight split along its input axis splits its groups of 32 inputs among the devices,
+    which must then hold whole groups (`rules`: logical axis -> mesh axis, None replicated)."""
+    if tensor_parallel_size <= 1:
+        return
+    weights = dict(infos["layers"][0])
+    if "lm_head" in infos:
+        weights["lm_head"] = infos["lm_head"]
+    for name, info in weights.items():
+        if not (isinstance(info, dict) and "min" in info):
+            continue
+        groups = info["scale"].shape[0]
+        if rules.get(info["scale"].axes[0]) is not None and groups % tensor_parallel_size:
+            raise ValueError(
+                f"quantization='int8' with tensor_parallel_size={tensor_parallel_size} would "
+                f"split a group of {info['q'].shape[0] // groups} inputs of {name} "
+                f"({info['q'].shape[0]} inputs, {groups} groups): use a tensor_parallel_size "
+                f"that divides {groups}"
+            )
 
 
 def _check(quantization: str) -> None:
@@ -153,7 +208,12 @@ def _check(quantization: str) -> None:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
 
 
-def _quantized_info(info: ParamInfo) -> dict[str, ParamInfo]:
+def _quantized_info(info: ParamInfo, quantization: str) -> dict[str, ParamInfo]:
+    if quantization == "fp8":  # one scale per output channel: never split along the input
+        return {
+            "q": ParamInfo(info.shape, info.axes, matmul=True, dtype=FP8_DTYPE),
+            "scale": ParamInfo((1, *info.shape[1:]), ("embed", *info.axes[1:])),
+        }
     groups = info.shape[0] // group_size(info.shape[0])
     return {
         "q": ParamInfo(info.shape, info.axes, matmul=True, dtype="int8"),
@@ -169,7 +229,10 @@ def quantized_infos(infos: Params, quantization: str) -> Params:
         return infos
     infos = dict(infos)
     infos["layers"] = [
-        {k: _quantized_info(v) if is_param_info(v) and v.matmul else v for k, v in layer.items()}
+        {
+            k: _quantized_info(v, quantization) if is_param_info(v) and v.matmul else v
+            for k, v in layer.items()
+        }
         for layer in infos["layers"]
     ]
     return infos
@@ -179,19 +242,31 @@ def quantize_params(
     params: Params, infos: Params, quantization: str, grids: Params | None = None
 ) -> tuple[Params, Params]:
     """(params, infos) with every layer matmul weight quantized (see the module doc);
-    unchanged for "none". The output head and the embedding table are left as they are.
-    `grids`: {"layers": [{name: (d, m)}]} for weights dequantized from GGUF blocks
-    (loader.LoadedModel.block_grids), held to their blocks exactly."""
+    unchanged for "none". The output head and the embedding table are left as they are,
+    but for a head stored in GGUF blocks. `grids`: {"layers": [{name: (d, m)}], "lm_head":
+    (d, m)} for weights dequantized from GGUF blocks (loader.LoadedModel.block_grids), held
+    to their blocks exactly; with a head's grid, params["lm_head"] ([H, V]: the loader's
+    float32 copy of a tied table) becomes an int8 weight too."""
     new_infos = quantized_infos(infos, quantization)
     if quantization == "none":
         return params, infos
     params = dict(params)
     layer_grids = (grids or {}).get("layers") or [{}] * len(params["layers"])
+
+    def quantize(w: Any, grid: Any) -> dict[str, np.ndarray]:
+        return quantize_fp8(w) if quantization == "fp8" else quantize_int8(w, grid)
+
     params["layers"] = [
-        {k: quantize_int8(w, grid.get(k)) if is_param_info(info[k]) and info[k].matmul else w
+        {k: quantize(w, grid.get(k)) if is_param_info(info[k]) and info[k].matmul else w
          for k, w in layer.items()}
         for layer, info, grid in zip(params["layers"], infos["layers"], layer_grids, strict=True)
     ]  # fmt: skip
+    if grids and "lm_head" in grids and "lm_head" in params:
+        # A head stored in GGUF blocks (a Q8_0 table, say): as the file has it, not rounded.
+        head = params["lm_head"]
+        params["lm_head"] = quantize_int8(head, grids["lm_head"])
+        info = ParamInfo(tuple(np.shape(head)), ("embed", "vocab"), matmul=True)
+        new_infos = {**new_infos, "lm_head": _quantized_info(info, quantization)}
     return params, new_infos
 
 

@@ -10,7 +10,11 @@
 // the arithmetic. Here each page is read once, straight from the pool, by the thread that
 // uses it. Work items are (sequence, KV head, block of query rows), spread over XLA's own
 // intra-op thread pool. K/V pages may be float32 or bfloat16 (the write kernel updates the
-// pool in place, which XLA's CPU scatter cannot do for bfloat16).
+// pool in place, which XLA's CPU scatter cannot do for bfloat16), or quantized: int8,
+// float8_e4m3fn or float8_e5m2 codes with a float32 scale per (KV head, page, slot), i.e. per
+// token and head (value = code x scale; pallas_kernels/ragged_paged_attention/kv_quant.py).
+// Codes are widened in registers and multiplied by their row's scale; the quantized write
+// (KvWriteQuantImpl) computes each new row's scale and codes as kv_quant.quantize_rows does.
 
 #include "simd.h"
 
@@ -56,6 +60,88 @@ inline void StoreFromF32(void* dst, bool bf16, int64_t offset, int64_t n, const 
   }
 }
 
+// What the K/V pages hold.
+enum class Kv { kF32, kBf16, kI8, kE4M3, kE5M2 };
+
+constexpr bool Quantized(Kv kind) {
+  return kind == Kv::kI8 || kind == Kv::kE4M3 || kind == Kv::kE5M2;
+}
+
+constexpr int64_t KvBytes(Kv kind) {
+  return kind == Kv::kF32 ? 4 : kind == Kv::kBf16 ? 2 : 1;
+}
+
+// The largest code magnitude of a quantized dtype: a row's scale is max|x| / Qmax.
+constexpr float Qmax(Kv kind) {
+  return kind == Kv::kI8 ? 127.0f : kind == Kv::kE4M3 ? 448.0f : 57344.0f;
+}
+
+// A float8 byte's value: e4m3fn (3 mantissa bits, bias 7; no infinities, 0x7f / 0xff NaN)
+// or e5m2 (2, bias 15; IEEE-like). Only finite codes are ever written.
+template <int kManBits, int kBias>
+float Fp8Value(uint8_t b) {
+  const int e = (b & 0x7f) >> kManBits, m = b & ((1 << kManBits) - 1);
+  const float mag = e == 0 ? std::ldexp(static_cast<float>(m), 1 - kBias - kManBits)
+                           : std::ldexp(static_cast<float>(m + (1 << kManBits)),
+                                        e - kBias - kManBits);
+  return (b & 0x80) ? -mag : mag;
+}
+
+// Every byte's value, for the scalar code.
+template <int kManBits, int kBias>
+const float* Fp8Table() {
+  static const auto table = [] {
+    std::vector<float> t(256);
+    for (int b = 0; b < 256; ++b) t[b] = Fp8Value<kManBits, kBias>(static_cast<uint8_t>(b));
+    return t;
+  }();
+  return table.data();
+}
+
+// |x| <= max as a float8 byte, rounded to nearest even (as ml_dtypes casts float32): the
+// quantum of |x|'s binade (of the subnormals below the smallest normal), the rounded
+// magnitude, then its exponent and mantissa fields.
+template <int kManBits, int kBias>
+uint8_t F32ToFp8(float x, float max) {
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+  const float a = std::min(std::fabs(x), max);
+  if (!(a > 0.0f)) return sign;  // zero (NaN: zero too; never given)
+  constexpr int kMinExp = 1 - kBias;  // exponent of the smallest normal
+  int e;
+  std::frexp(a, &e);  // a = f x 2^e, f in [0.5, 1): floor(log2 a) = e - 1
+  const int quantum = std::max(e - 1, kMinExp) - kManBits;
+  const float r = std::ldexp(std::nearbyint(std::ldexp(a, -quantum)), quantum);
+  if (r == 0.0f) return sign;
+  std::frexp(r, &e);
+  const int field = e - 1 + kBias;
+  if (field <= 0) return sign | static_cast<uint8_t>(std::ldexp(r, kManBits - kMinExp));
+  const float mantissa = std::ldexp(r, 1 - e) - 1.0f;  // in [0, 1)
+  return sign | static_cast<uint8_t>(field << kManBits) |
+         static_cast<uint8_t>(std::ldexp(mantissa, kManBits));
+}
+
+// n rows of head_dim values of a pool from element `offset` (a row's start), as float32:
+// bfloat16 widened, quantized codes times their row's scale (scales[offset / head_dim + t]).
+void LoadKvRows(const void* pages, const float* scales, Kv kind, int64_t offset, int64_t rows,
+                int64_t head_dim, float* dst) {
+  if (kind == Kv::kF32 || kind == Kv::kBf16) {
+    return LoadF32(pages, kind == Kv::kBf16, offset, rows * head_dim, dst);
+  }
+  const float* table = kind == Kv::kE4M3 ? Fp8Table<3, 7>() : Fp8Table<2, 15>();
+  for (int64_t t = 0; t < rows; ++t) {
+    const float scale = scales[offset / head_dim + t];
+    const int64_t at = offset + t * head_dim;
+    float* out = dst + t * head_dim;
+    if (kind == Kv::kI8) {
+      const int8_t* c = static_cast<const int8_t*>(pages) + at;
+      for (int64_t d = 0; d < head_dim; ++d) out[d] = static_cast<float>(c[d]) * scale;
+    } else {
+      const uint8_t* c = static_cast<const uint8_t*>(pages) + at;
+      for (int64_t d = 0; d < head_dim; ++d) out[d] = table[c[d]] * scale;
+    }
+  }
+}
+
 struct Item {
   int32_t seq, kv_head, row_begin, row_end;
 };
@@ -66,7 +152,10 @@ struct Problem {
   const void* k_pages;
   const void* v_pages;
   void* out;
-  bool q_bf16, kv_bf16;
+  bool q_bf16;
+  Kv kv;
+  const float* k_scales;  // [Hkv, P, ps] for quantized pages, else null
+  const float* v_scales;
   const int32_t* kv_len;
   const int32_t* pages;
   const int32_t* cu;
@@ -108,9 +197,9 @@ void RunItem(const Problem& P, const Item& it) {
     const int64_t t_end = std::min<int64_t>(page_size, hi - j * page_size);
     const float* kpage = kbuf.data();
     const float* vpage = vbuf.data();
-    if (P.kv_bf16) {
-      LoadF32(P.k_pages, true, base, t_end * head_dim, kbuf.data());
-      LoadF32(P.v_pages, true, base, t_end * head_dim, vbuf.data());
+    if (P.kv != Kv::kF32) {
+      LoadKvRows(P.k_pages, P.k_scales, P.kv, base, t_end, head_dim, kbuf.data());
+      LoadKvRows(P.v_pages, P.v_scales, P.kv, base, t_end, head_dim, vbuf.data());
     } else {  // float32 pages are read where they are
       kpage = static_cast<const float*>(P.k_pages) + base;
       vpage = static_cast<const float*>(P.v_pages) + base;
@@ -199,8 +288,10 @@ void RunItem(const Problem& P, const Item& it) {
 //   item, so a key's scores for 16 rows are D FMAs of a broadcast K element against a column
 //   of q, with no cross-lane sums at all; scores sit key by key, softmax vectorised over rows.
 // Then acc += weights x V, kRowGroup rows x kPvSlice vectors of V in registers at a time.
-// K/V rows are float32 or bfloat16 widened on load. (With AVX512-BF16, bfloat16 q against
-// bfloat16 pages takes RunItemBf16Dot below instead.)
+// K/V rows are float32, or bfloat16 widened on load, or quantized codes widened on load
+// (int8 by sign extension, float8 through float16 with F16C) and multiplied by their row's
+// scale: a K row's before its dot products, a V row's folded into its weights. (With
+// AVX512-BF16, bfloat16 q against bfloat16 pages takes RunItemBf16Dot below instead.)
 
 constexpr int kChunk = 256;   // keys per online-softmax update (a multiple of 16)
 constexpr int kRowGroup = 4;  // query rows sharing each loaded K or V row
@@ -218,13 +309,27 @@ inline bool Visible(int64_t kv_pos, int64_t pos, int64_t sliding_window) {
   return kv_pos <= pos && (sliding_window <= 0 || kv_pos > pos - sliding_window);
 }
 
-template <bool kBf16>
+// 16 values of a K/V row from element `offset`; quantized kinds give codes, to be multiplied
+// by RowScale (float8_e4m3fn codes / 256: RowScale has the 256).
+template <Kv kKv>
 inline V16 LoadRow16(const void* base, int64_t offset) {
-  if constexpr (kBf16) {
+  if constexpr (kKv == Kv::kBf16) {
     return V16::LoadBf16(static_cast<const uint16_t*>(base) + offset);
+  } else if constexpr (kKv == Kv::kI8) {
+    return V16::LoadI8(static_cast<const int8_t*>(base) + offset);
+  } else if constexpr (kKv == Kv::kE4M3) {
+    return V16::LoadE4M3Div256(static_cast<const uint8_t*>(base) + offset);
+  } else if constexpr (kKv == Kv::kE5M2) {
+    return V16::LoadE5M2(static_cast<const uint8_t*>(base) + offset);
   } else {
     return V16::Load(static_cast<const float*>(base) + offset);
   }
+}
+
+// What LoadRow16's values of the row at element `offset` are multiplied by (quantized kinds).
+template <Kv kKv, int D>
+inline float RowScale(const float* scales, int64_t offset) {
+  return scales[offset / D] * (kKv == Kv::kE4M3 ? 256.0f : 1.0f);
 }
 
 // Where the K/V row of each key of the chunk [c0, c0 + n) is (an element offset into the
@@ -318,7 +423,7 @@ void SoftmaxLanes(float* st, int64_t lanes, int64_t rows, int64_t n, int64_t hea
 
 // acc[row] += sum over the chunk's keys t of w(row, t) x V[t], w(row, t) at
 // w[row * row_stride + t * key_stride]; rows a multiple of kRowGroup.
-template <int D, bool kKvBf16>
+template <int D, Kv kKv>
 void AccumulatePv(const Problem& P, const int64_t* key_offset, int64_t n, const float* w,
                   int64_t row_stride, int64_t key_stride, int64_t rows, float* acc) {
   constexpr int kVecs = D / 16;
@@ -334,9 +439,11 @@ void AccumulatePv(const Problem& P, const int64_t* key_offset, int64_t n, const 
         const int64_t off = key_offset[t];
         if (off < 0) continue;
         V16 v[kSlice];
-        for (int j = 0; j < kSlice; ++j) v[j] = LoadRow16<kKvBf16>(P.v_pages, off + 16 * (d0 + j));
+        for (int j = 0; j < kSlice; ++j) v[j] = LoadRow16<kKv>(P.v_pages, off + 16 * (d0 + j));
+        float vs = 1.0f;  // the V row's scale, folded into its weights
+        if constexpr (Quantized(kKv)) vs = RowScale<kKv, D>(P.v_scales, off);
         for (int g = 0; g < kRowGroup; ++g) {
-          const V16 wv = V16::Set(w[(r0 + g) * row_stride + t * key_stride]);
+          const V16 wv = V16::Set(w[(r0 + g) * row_stride + t * key_stride] * vs);
           for (int j = 0; j < kSlice; ++j) a[g][j] = Fma(wv, v[j], a[g][j]);
         }
       }
@@ -355,7 +462,7 @@ inline float MaskedScore(const Problem& P, float s, bool live, int64_t kv_pos, i
 }
 
 // Few rows: scores[row * kChunk + t] for rows [0, rows) (a multiple of kRowGroup).
-template <int D, bool kKvBf16>
+template <int D, Kv kKv>
 void DotScores(const Problem& P, const float* qf, const int64_t* pos, const int64_t* key_offset,
                int64_t c0, int64_t n, int64_t rows, float* scores) {
   constexpr int kVecs = D / 16;
@@ -372,7 +479,11 @@ void DotScores(const Problem& P, const float* qf, const int64_t* pos, const int6
           continue;
         }
         V16 k[kVecs];
-        for (int j = 0; j < kVecs; ++j) k[j] = LoadRow16<kKvBf16>(P.k_pages, off + 16 * j);
+        for (int j = 0; j < kVecs; ++j) k[j] = LoadRow16<kKv>(P.k_pages, off + 16 * j);
+        if constexpr (Quantized(kKv)) {
+          const V16 ks = V16::Set(RowScale<kKv, D>(P.k_scales, off));
+          for (int j = 0; j < kVecs; ++j) k[j] = Mul(k[j], ks);
+        }
         for (int g = 0; g < kRowGroup; ++g) {
           const float* qrow = &qf[(r0 + g) * D];
           V16 s = Mul(V16::Load(qrow), k[0]);
@@ -398,7 +509,7 @@ void DotScores(const Problem& P, const float* qf, const int64_t* pos, const int6
 
 // Many rows: st[t * lanes + row] for rows [0, lanes), from qt (q transposed: 16-row lane
 // blocks, [lanes / 16, D, 16]).
-template <int D, bool kKvBf16>
+template <int D, Kv kKv>
 void LaneScores(const Problem& P, const float* qt, const int64_t* pos, int64_t lanes,
                 const int64_t* key_offset, int64_t c0, int64_t n, float* st) {
   thread_local std::vector<float> kbuf, zeros;
@@ -410,9 +521,13 @@ void LaneScores(const Problem& P, const float* qt, const int64_t* pos, int64_t l
       const int64_t off = t0 + u < n ? key_offset[t0 + u] : -1;
       if (off < 0) {
         krow[u] = zeros.data();
-      } else if constexpr (kKvBf16) {
+      } else if constexpr (kKv != Kv::kF32) {  // widened (and scaled) once for all rows
+        V16 ks = V16::Set(1.0f);
+        if constexpr (Quantized(kKv)) ks = V16::Set(RowScale<kKv, D>(P.k_scales, off));
         for (int j = 0; j < D / 16; ++j) {
-          LoadRow16<true>(P.k_pages, off + 16 * j).Store(&kbuf[u * D + 16 * j]);
+          V16 x = LoadRow16<kKv>(P.k_pages, off + 16 * j);
+          if constexpr (Quantized(kKv)) x = Mul(x, ks);
+          x.Store(&kbuf[u * D + 16 * j]);
         }
         krow[u] = &kbuf[u * D];
       } else {
@@ -463,7 +578,28 @@ inline void StoreOutputs(const Problem& P, const Item& it, int64_t nq, const flo
   }
 }
 
-template <int D, bool kKvBf16>
+// The chunk's rows (element offsets `key_offset`, -1: not live) as float32 values, scaled
+// for quantized kinds, into `buf` [n, D]; `offset[t]` is row t's offset in it (or -1).
+template <int D, Kv kKv>
+void WidenRows(const void* pages, const float* scales, const int64_t* key_offset, int64_t n,
+               std::vector<float>& buf, std::vector<int64_t>& offset) {
+  buf.resize(n * D);
+  offset.resize(n);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t off = key_offset[t];
+    offset[t] = off < 0 ? -1 : t * D;
+    if (off < 0) continue;
+    V16 s = V16::Set(1.0f);
+    if constexpr (Quantized(kKv)) s = V16::Set(RowScale<kKv, D>(scales, off));
+    for (int j = 0; j < D / 16; ++j) {
+      V16 x = LoadRow16<kKv>(pages, off + 16 * j);
+      if constexpr (Quantized(kKv)) x = Mul(x, s);
+      x.Store(&buf[t * D + 16 * j]);
+    }
+  }
+}
+
+template <int D, Kv kKv>
 void RunItemV16(const Problem& P, const Item& it) {
   const int64_t rows = it.row_end - it.row_begin, nq = rows * P.group;
   const int64_t q_len = P.cu[it.seq + 1] - P.cu[it.seq];
@@ -476,8 +612,8 @@ void RunItemV16(const Problem& P, const Item& it) {
   const int64_t work_rows = RoundUp(nq, kRowGroup);  // zero rows past nq
   const int64_t lanes = in_lanes ? RoundUp(nq, 16) : work_rows;
 
-  thread_local std::vector<float> qf, qt, acc, scores, m, l;
-  thread_local std::vector<int64_t> key_offset, pos;
+  thread_local std::vector<float> qf, qt, acc, scores, m, l, vbuf;
+  thread_local std::vector<int64_t> key_offset, pos, voff;
   qf.assign(lanes * D, 0.0f);
   for (int64_t i = 0; i < nq; ++i) {
     LoadF32(P.q, P.q_bf16, QueryOffset(P, it, i), D, &qf[i * D]);
@@ -501,19 +637,28 @@ void RunItemV16(const Problem& P, const Item& it) {
 
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {
     const int64_t n = std::min<int64_t>(kChunk, hi - c0);
-    ChunkKeyOffsets(P, it, c0, n, D * (kKvBf16 ? 2 : 4), key_offset.data());
+    ChunkKeyOffsets(P, it, c0, n, D * KvBytes(kKv), key_offset.data());
     if (in_lanes) {
-      LaneScores<D, kKvBf16>(P, qt.data(), pos.data(), lanes, key_offset.data(), c0, n,
-                             scores.data());
+      LaneScores<D, kKv>(P, qt.data(), pos.data(), lanes, key_offset.data(), c0, n,
+                         scores.data());
       SoftmaxLanes(scores.data(), lanes, work_rows, n, D, m.data(), l.data(), acc.data());
-      AccumulatePv<D, kKvBf16>(P, key_offset.data(), n, scores.data(), 1, lanes, work_rows,
-                               acc.data());
+      if constexpr (kKv == Kv::kF32) {
+        AccumulatePv<D, kKv>(P, key_offset.data(), n, scores.data(), 1, lanes, work_rows,
+                             acc.data());
+      } else {
+        // Many row groups read each V row: widen (and scale) the chunk's rows once.
+        WidenRows<D, kKv>(P.v_pages, P.v_scales, key_offset.data(), n, vbuf, voff);
+        Problem local = P;
+        local.v_pages = vbuf.data();
+        AccumulatePv<D, Kv::kF32>(local, voff.data(), n, scores.data(), 1, lanes, work_rows,
+                                  acc.data());
+      }
     } else {
-      DotScores<D, kKvBf16>(P, qf.data(), pos.data(), key_offset.data(), c0, n, work_rows,
-                            scores.data());
+      DotScores<D, kKv>(P, qf.data(), pos.data(), key_offset.data(), c0, n, work_rows,
+                        scores.data());
       SoftmaxRows(scores.data(), work_rows, n, D, m.data(), l.data(), acc.data());
-      AccumulatePv<D, kKvBf16>(P, key_offset.data(), n, scores.data(), kChunk, 1, work_rows,
-                               acc.data());
+      AccumulatePv<D, kKv>(P, key_offset.data(), n, scores.data(), kChunk, 1, work_rows,
+                           acc.data());
     }
   }
   StoreOutputs(P, it, nq, acc.data(), l.data());
@@ -621,7 +766,8 @@ void RunItemBf16Dot(const Problem& P, const Item& it) {
       }
     }
     SoftmaxRows(scores.data(), nq4, n, D, m.data(), l.data(), acc.data());
-    AccumulatePv<D, true>(P, key_offset.data(), n, scores.data(), kChunk, 1, nq4, acc.data());
+    AccumulatePv<D, Kv::kBf16>(P, key_offset.data(), n, scores.data(), kChunk, 1, nq4,
+                               acc.data());
   }
   StoreOutputs(P, it, nq, acc.data(), l.data());
 }
@@ -630,22 +776,77 @@ void RunItemBf16Dot(const Problem& P, const Item& it) {
 template <int kHeadDim>
 void RunItemFast(const Problem& P, const Item& it) {
 #if defined(__AVX512BF16__)
-  if (P.q_bf16 && P.kv_bf16) return RunItemBf16Dot<kHeadDim>(P, it);
+  if (P.q_bf16 && P.kv == Kv::kBf16) return RunItemBf16Dot<kHeadDim>(P, it);
 #endif
-  if (P.kv_bf16) return RunItemV16<kHeadDim, true>(P, it);
-  return RunItemV16<kHeadDim, false>(P, it);
+  switch (P.kv) {
+    case Kv::kBf16:
+      return RunItemV16<kHeadDim, Kv::kBf16>(P, it);
+    case Kv::kI8:
+      return RunItemV16<kHeadDim, Kv::kI8>(P, it);
+    case Kv::kE4M3:
+      return RunItemV16<kHeadDim, Kv::kE4M3>(P, it);
+    case Kv::kE5M2:
+      return RunItemV16<kHeadDim, Kv::kE5M2>(P, it);
+    default:
+      return RunItemV16<kHeadDim, Kv::kF32>(P, it);
+  }
 }
 #define JAXCB_RUN_ITEM RunItemFast
 #else
 #define JAXCB_RUN_ITEM RunItem
 #endif  // JAXCB_HAVE_V16
 
+// The kind of a pool's dtype; false for a dtype the kernels do not read.
+bool KvKind(ffi::DataType type, Kv* kind) {
+  switch (type) {
+    case ffi::DataType::F32:
+      *kind = Kv::kF32;
+      return true;
+    case ffi::DataType::BF16:
+      *kind = Kv::kBf16;
+      return true;
+    case ffi::DataType::S8:
+      *kind = Kv::kI8;
+      return true;
+    case ffi::DataType::F8E4M3FN:
+      *kind = Kv::kE4M3;
+      return true;
+    case ffi::DataType::F8E5M2:
+      *kind = Kv::kE5M2;
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Checks the pools' dtypes and, for quantized ones, that both scale arrays hold one float32
+// per (head, page, slot).
+ffi::Error CheckPools(const ffi::AnyBuffer& k_pages, const ffi::AnyBuffer& v_pages,
+                      const ffi::AnyBuffer& k_scales, const ffi::AnyBuffer& v_scales, Kv* kind) {
+  if (!KvKind(k_pages.element_type(), kind) || v_pages.element_type() != k_pages.element_type()) {
+    return ffi::Error::InvalidArgument(
+        "K/V pages must both be float32, bfloat16, int8, float8_e4m3fn or float8_e5m2");
+  }
+  if (!Quantized(*kind)) return ffi::Error::Success();
+  const int64_t rows =
+      static_cast<int64_t>(k_pages.element_count()) / k_pages.dimensions().back();
+  for (const ffi::AnyBuffer* scales : {&k_scales, &v_scales}) {
+    if (scales->element_type() != ffi::DataType::F32 ||
+        static_cast<int64_t>(scales->element_count()) != rows) {
+      return ffi::Error::InvalidArgument(
+          "quantized K/V pages need float32 scales [Hkv, P, page_size]");
+    }
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q,
                                     ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                                     ffi::Buffer<ffi::S32> kv_lens,
                                     ffi::Buffer<ffi::S32> page_indices,
                                     ffi::Buffer<ffi::S32> cu_q_lens,
-                                    ffi::Buffer<ffi::S32> num_seqs, float sm_scale,
+                                    ffi::Buffer<ffi::S32> num_seqs, ffi::AnyBuffer k_scales,
+                                    ffi::AnyBuffer v_scales, float sm_scale,
                                     int64_t sliding_window, float soft_cap,
                                     ffi::Result<ffi::AnyBuffer> out) {
   auto qd = q.dimensions();
@@ -653,13 +854,16 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q,
   if (qd.size() != 3 || kd.size() != 4) {
     return ffi::Error::InvalidArgument("q must be [T, Hq, D] and pages [Hkv, P, ps, D]");
   }
+  Kv kv;
+  if (ffi::Error error = CheckPools(k_pages, v_pages, k_scales, v_scales, &kv); error.failure()) {
+    return error;
+  }
   const int64_t num_tokens = qd[0], num_q_heads = qd[1], head_dim = qd[2];
   const int64_t num_kv_heads = kd[0], num_pages = kd[1], page_size = kd[2];
   const int64_t group = num_q_heads / num_kv_heads;
   const int64_t max_num_seqs = kv_lens.dimensions()[0];
   const int64_t pages_per_seq = page_indices.dimensions()[1];
   const bool q_bf16 = q.element_type() == ffi::DataType::BF16;
-  const bool kv_bf16 = k_pages.element_type() == ffi::DataType::BF16;
   const int32_t* kv_len = kv_lens.typed_data();
   const int32_t* pages = page_indices.typed_data();
   const int32_t* cu = cu_q_lens.typed_data();
@@ -675,10 +879,28 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q,
     }
   }
 
-  const Problem problem{q.untyped_data(), k_pages.untyped_data(), v_pages.untyped_data(),
-                        out->untyped_data(), q_bf16, kv_bf16, kv_len, pages, cu, num_q_heads,
-                        num_kv_heads, num_pages, page_size, head_dim, group, pages_per_seq,
-                        sm_scale, soft_cap, sliding_window};
+  const bool quantized = Quantized(kv);
+  const Problem problem{q.untyped_data(),
+                        k_pages.untyped_data(),
+                        v_pages.untyped_data(),
+                        out->untyped_data(),
+                        q_bf16,
+                        kv,
+                        quantized ? static_cast<const float*>(k_scales.untyped_data()) : nullptr,
+                        quantized ? static_cast<const float*>(v_scales.untyped_data()) : nullptr,
+                        kv_len,
+                        pages,
+                        cu,
+                        num_q_heads,
+                        num_kv_heads,
+                        num_pages,
+                        page_size,
+                        head_dim,
+                        group,
+                        pages_per_seq,
+                        sm_scale,
+                        soft_cap,
+                        sliding_window};
   auto run = [&](int64_t index) {
     switch (head_dim) {
       case 64:
@@ -695,14 +917,32 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q,
 
 // Scatters the new K/V rows of a step into their page slots; the pool buffers are aliased to
 // the outputs, so the update is in place. Rows whose slot is out of range write nothing.
+// Rows of the pool's own dtype are copied as they are, bit for bit (any dtype: a swapped-out
+// quantized pool's codes, or its scales [Hkv, P, ps] from rows [T, Hkv]); float32 / bfloat16
+// rows into a float32 / bfloat16 pool are converted (rounded to nearest even).
 ffi::Error KvWriteImpl(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyBuffer k_new,
                        ffi::AnyBuffer v_new, ffi::Buffer<ffi::S32> slot_mapping,
                        ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
   auto kd = k_pages.dimensions();
-  const int64_t num_kv_heads = kd[0], num_slots = kd[1] * kd[2], head_dim = kd[3];
+  if (kd.size() != 4 && kd.size() != 3) {
+    return ffi::Error::InvalidArgument("pools must be [Hkv, P, ps, D] (or scales [Hkv, P, ps])");
+  }
+  const int64_t num_kv_heads = kd[0], num_slots = kd[1] * kd[2];
+  const int64_t head_dim = kd.size() == 4 ? kd[3] : 1;  // scales: rows of one value
   const int64_t num_tokens = slot_mapping.dimensions()[0];
-  const bool pool_bf16 = k_pages.element_type() == ffi::DataType::BF16;
-  const bool new_bf16 = k_new.element_type() == ffi::DataType::BF16;
+  const ffi::DataType pool_type = k_pages.element_type(), new_type = k_new.element_type();
+  const bool raw = new_type == pool_type && v_new.element_type() == v_pages.element_type();
+  auto is_float = [](ffi::DataType t) {
+    return t == ffi::DataType::F32 || t == ffi::DataType::BF16;
+  };
+  if (!raw && !(is_float(pool_type) && is_float(new_type))) {
+    return ffi::Error::InvalidArgument(
+        "the KV write converts float32 / bfloat16 rows only; quantized pages take the "
+        "quantized write, or rows of their own dtype to copy");
+  }
+  const bool pool_bf16 = pool_type == ffi::DataType::BF16;
+  const bool new_bf16 = new_type == ffi::DataType::BF16;
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(ffi::ByteWidth(pool_type));
   const int32_t* slots = slot_mapping.typed_data();
   std::vector<float> row(head_dim);
   auto write = [&](const ffi::AnyBuffer& pool_in, ffi::Result<ffi::AnyBuffer>& pool_out,
@@ -714,15 +954,100 @@ ffi::Error KvWriteImpl(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyB
       const int64_t slot = slots[t];
       if (slot < 0 || slot >= num_slots) continue;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        LoadF32(src.untyped_data(), new_bf16, (t * num_kv_heads + h) * head_dim, head_dim,
-                row.data());
-        StoreFromF32(pool_out->untyped_data(), pool_bf16, (h * num_slots + slot) * head_dim,
-                     head_dim, row.data());
+        const int64_t from = (t * num_kv_heads + h) * head_dim;
+        const int64_t to = (h * num_slots + slot) * head_dim;
+        if (raw) {
+          std::memcpy(static_cast<char*>(pool_out->untyped_data()) + to / head_dim * row_bytes,
+                      static_cast<const char*>(src.untyped_data()) + from / head_dim * row_bytes,
+                      row_bytes);
+          continue;
+        }
+        LoadF32(src.untyped_data(), new_bf16, from, head_dim, row.data());
+        StoreFromF32(pool_out->untyped_data(), pool_bf16, to, head_dim, row.data());
       }
     }
   };
   write(k_pages, k_out, k_new);
   write(v_pages, v_out, v_new);
+  return ffi::Error::Success();
+}
+
+// One row of head_dim values into codes and their scale, as kv_quant.quantize_rows does:
+// scale = max|x| / Qmax (1 for an all-zero row); int8 codes round(x / scale) half to even,
+// clipped to +-127; float8 codes x / scale cast to nearest even, saturated to +-Qmax.
+template <Kv kKv>
+float QuantizeRow(const float* x, int64_t n, void* codes) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < n; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const float scale = amax > 0.0f ? amax / Qmax(kKv) : 1.0f;
+  for (int64_t d = 0; d < n; ++d) {
+    const float y = x[d] / scale;
+    if constexpr (kKv == Kv::kI8) {
+      static_cast<int8_t*>(codes)[d] =
+          static_cast<int8_t>(std::clamp(std::nearbyint(y), -127.0f, 127.0f));
+    } else if constexpr (kKv == Kv::kE4M3) {
+      static_cast<uint8_t*>(codes)[d] = F32ToFp8<3, 7>(y, Qmax(kKv));
+    } else {
+      static_cast<uint8_t*>(codes)[d] = F32ToFp8<2, 15>(y, Qmax(kKv));
+    }
+  }
+  return scale;
+}
+
+// The quantized pools' write: each new row's codes into its slot and its scale into the
+// slot's scale, in place (pools and scales aliased to the outputs). Out-of-range slots write
+// nothing. Scalar code: a step writes T x Hkv rows per layer, a small share of its work.
+ffi::Error KvWriteQuantImpl(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                            ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales, ffi::AnyBuffer k_new,
+                            ffi::AnyBuffer v_new, ffi::Buffer<ffi::S32> slot_mapping,
+                            ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
+                            ffi::Result<ffi::AnyBuffer> k_scales_out,
+                            ffi::Result<ffi::AnyBuffer> v_scales_out) {
+  Kv kv;
+  if (ffi::Error error = CheckPools(k_pages, v_pages, k_scales, v_scales, &kv); error.failure()) {
+    return error;
+  }
+  if (!Quantized(kv)) return ffi::Error::InvalidArgument("the quantized KV write needs int8/fp8");
+  auto kd = k_pages.dimensions();
+  const int64_t num_kv_heads = kd[0], num_slots = kd[1] * kd[2], head_dim = kd[3];
+  const int64_t num_tokens = slot_mapping.dimensions()[0];
+  const bool new_bf16 = k_new.element_type() == ffi::DataType::BF16;
+  const int32_t* slots = slot_mapping.typed_data();
+  std::vector<float> row(head_dim);
+  auto write = [&](const ffi::AnyBuffer& pool_in, ffi::Result<ffi::AnyBuffer>& pool_out,
+                   const ffi::AnyBuffer& scales_in, ffi::Result<ffi::AnyBuffer>& scales_out,
+                   const ffi::AnyBuffer& src) {
+    for (auto [in, out] : {std::pair{&pool_in, &pool_out}, std::pair{&scales_in, &scales_out}}) {
+      if ((*out)->untyped_data() != in->untyped_data()) {  // not aliased: copy first
+        std::memcpy((*out)->untyped_data(), in->untyped_data(), in->size_bytes());
+      }
+    }
+    auto* codes = static_cast<uint8_t*>(pool_out->untyped_data());
+    auto* scales = static_cast<float*>(scales_out->untyped_data());
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0 || slot >= num_slots) continue;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        LoadF32(src.untyped_data(), new_bf16, (t * num_kv_heads + h) * head_dim, head_dim,
+                row.data());
+        const int64_t at = h * num_slots + slot;
+        void* dst = codes + at * head_dim;
+        switch (kv) {
+          case Kv::kI8:
+            scales[at] = QuantizeRow<Kv::kI8>(row.data(), head_dim, dst);
+            break;
+          case Kv::kE4M3:
+            scales[at] = QuantizeRow<Kv::kE4M3>(row.data(), head_dim, dst);
+            break;
+          default:
+            scales[at] = QuantizeRow<Kv::kE5M2>(row.data(), head_dim, dst);
+            break;
+        }
+      }
+    }
+  };
+  write(k_pages, k_out, k_scales, k_scales_out, k_new);
+  write(v_pages, v_out, v_scales, v_scales_out, v_new);
   return ffi::Error::Success();
 }
 
@@ -738,6 +1063,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbRaggedPagedAttention, RaggedPagedAttentionImp
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_indices
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Arg<ffi::AnyBuffer>()  // k_scales (quantized pages; else any)
+                                  .Arg<ffi::AnyBuffer>()  // v_scales
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")
@@ -750,5 +1077,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbKvWrite, KvWriteImpl,
                                   .Arg<ffi::AnyBuffer>()       // k_new [T, Hkv, D]
                                   .Arg<ffi::AnyBuffer>()       // v_new
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping [T]
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbKvWriteQuant, KvWriteQuantImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()       // k_pages (aliased to k_out)
+                                  .Arg<ffi::AnyBuffer>()       // v_pages (aliased to v_out)
+                                  .Arg<ffi::AnyBuffer>()       // k_scales (aliased)
+                                  .Arg<ffi::AnyBuffer>()       // v_scales (aliased)
+                                  .Arg<ffi::AnyBuffer>()       // k_new [T, Hkv, D]
+                                  .Arg<ffi::AnyBuffer>()       // v_new
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping [T]
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());

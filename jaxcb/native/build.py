@@ -56,6 +56,7 @@ ISA_ENV = "JAXCB_CPU_ISA"
 
 ATTENTION_TARGET = "jaxcb_ragged_paged_attention"
 KV_WRITE_TARGET = "jaxcb_kv_write"
+KV_WRITE_QUANT_TARGET = "jaxcb_kv_write_quant"
 MATMUL_AMX_TARGET = "jaxcb_matmul_amx"
 MATMUL_F32_TARGET = "jaxcb_matmul_f32"
 SWIGLU_F32_TARGET = "jaxcb_swiglu_f32"
@@ -69,6 +70,8 @@ MATMUL_ARGMAX_BF16_WIDE_TARGET = "jaxcb_matmul_argmax_bf16_wide"
 MATMUL_ARGMAX_SCREENED_F32_TARGET = "jaxcb_matmul_argmax_screened_f32"
 MATMUL_INT8_TARGET = "jaxcb_matmul_int8"
 SWIGLU_INT8_TARGET = "jaxcb_swiglu_int8"
+MATMUL_INT4_TARGET = "jaxcb_matmul_int4"
+SWIGLU_INT4_TARGET = "jaxcb_swiglu_int4"
 
 
 class NativeBuildError(RuntimeError):
@@ -242,6 +245,7 @@ def _load_level(name: str) -> Features:
     symbols = [
         (ATTENTION_TARGET, "JaxcbRaggedPagedAttention"),
         (KV_WRITE_TARGET, "JaxcbKvWrite"),
+        (KV_WRITE_QUANT_TARGET, "JaxcbKvWriteQuant"),
     ]
     if features.v16:
         symbols += [
@@ -254,6 +258,8 @@ def _load_level(name: str) -> Features:
             (MATMUL_ARGMAX_SCREENED_F32_TARGET, "JaxcbMatmulArgmaxScreenedF32"),
             (MATMUL_INT8_TARGET, "JaxcbMatmulInt8"),
             (SWIGLU_INT8_TARGET, "JaxcbSwigluInt8"),
+            (MATMUL_INT4_TARGET, "JaxcbMatmulInt4"),
+            (SWIGLU_INT4_TARGET, "JaxcbSwigluInt4"),
         ]
     if features.bf16_dot:
         symbols += [

@@ -637,56 +637,81 @@ ffi::Error MatmulArgmaxScreenedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   return ffi::Error::Success();
 }
 
-// ---- int8 weights (models/quant.py): codes widened and scaled in registers --------------
+// ---- int8 / int4 weights (models/quant.py): codes widened and scaled in registers -------
 //
-// out[M, N] (f32) = a[M, K] (f32) x w[K, N], w = (q + 128) * scale + min per column and
-// group of 32 inputs, packed by pack_int8 (ops.py) as [N/16, K/32, 576] bytes: for each
-// 16-column block and group, the 32 x 16 codes q (int8; input r's 16 columns at byte 16 r),
-// then the 16 columns' float16 scales and float16 minimums. A group's share of a product is
-//   scale * sum_r a_r q_r + (128 scale + min) * sum_r a_r,
-// so a tile sums a_r q_r over the group in float32 (the codes widened in registers), then
-// folds that in with the scale and the row's sum of a over the group (once per call) with
-// the offset: the path of few rows (decode), which reads the weights once, as int8. Many rows
-// (prefill, batched decode) amortize a dequantization instead: a work item's slice of w is
-// dequantized to float32 into a per-thread scratch in pack_f32's layout and multiplied by
-// the float32 tiles above, at their rate.
-constexpr int64_t kInt8Group = 32;
-constexpr int64_t kInt8GroupBytes = kInt8Group * 16 + 2 * 16 * 2;  // codes, scales, minimums
+// out[M, N] (f32) = a[M, K] (f32) x w[K, N], w = code * scale + min per column and group of
+// 32 inputs (int8: code = q + 128, q the stored int8), packed by pack_int8 / pack_int4
+// (ops.py) as [N/16, K/32, group bytes]: for each 16-column block and group, the codes, then
+// the 16 columns' float16 scales and float16 minimums.
+// - int8 (576 bytes a group): input r's 16 codes (int8 q) at byte 16 r;
+// - int4 (320 bytes, GGUF Q4_0 / Q4_1 weights: codes 0..15): byte 16 r + c holds the code of
+//   input r (low nibble) and of input r + 16 (high nibble) of column c, so one 16-byte load
+//   gives two rows of the block.
+// A group's share of a product is scale * sum_r a_r q_r + offset * sum_r a_r (int8: q signed,
+// offset = 128 scale + min; int4: q = code, offset = min), so a tile sums a_r q_r over the
+// group in float32, then folds that in with the scale and the row's sum of a over the group
+// (once per call) with the offset: the path of few rows (decode), which reads the weights
+// once, at their stored size. Many rows (prefill, batched decode) amortize a dequantization
+// instead: a work item's slice of w is dequantized to float32 into a per-thread scratch in
+// pack_f32's layout and multiplied by the float32 tiles above, at their rate.
+constexpr int64_t kQuantGroup = 32;
 // Row counts up to this take the direct path; more dequantize the slice first.
-constexpr int64_t kInt8DirectRows = 4;
+constexpr int64_t kQuantDirectRows = 4;
 
-// The scale and the offset (128 scale + min) of a group's 16 columns.
-inline void Int8GroupScales(const char* group, V16& scale, V16& offset) {
-  scale = V16::LoadF16(group + kInt8Group * 16);
-  offset = Fma(V16::Set(128.0f), scale, V16::LoadF16(group + kInt8Group * 16 + 32));
-}
+template <int kBits>
+struct CodeLayout {
+  static constexpr int64_t kCodeBytes = kQuantGroup * 16 * kBits / 8;
+  static constexpr int64_t kGroupBytes = kCodeBytes + 2 * 16 * 2;  // codes, scales, minimums
+  // Rows of the group one step reads, and the steps of a group.
+  static constexpr int kRowsPerStep = kBits == 8 ? 1 : 2;
+  static constexpr int kSteps = kQuantGroup / kRowsPerStep;
 
-// MR rows x NR 16-column blocks (block j at w + j * w_stride) over `groups` groups, read as
-// int8: out (row stride n) = a (row stride k) x w; a_sums: each row's sum of a per group.
-template <int MR, int NR>
-void Int8MicroTile(const float* a, int64_t k, const float* a_sums, int64_t groups,
-                   const char* w, int64_t w_stride, float* out, int64_t n) {
+  // The scale and the offset of a group's 16 columns.
+  static void Scales(const char* group, V16& scale, V16& offset) {
+    scale = V16::LoadF16(group + kCodeBytes);
+    const V16 minimum = V16::LoadF16(group + kCodeBytes + 32);
+    offset = kBits == 8 ? Fma(V16::Set(128.0f), scale, minimum) : minimum;
+  }
+  // Step t's codes: rows (t) for int8; rows (t, t + 16) for int4.
+  static void Codes(const char* group, int t, V16* rows) {
+    if constexpr (kBits == 8) {
+      rows[0] = V16::LoadI8(reinterpret_cast<const int8_t*>(group + 16 * t));
+    } else {
+      V16::LoadU4Pairs(group + 16 * t, rows[0], rows[1]);
+    }
+  }
+  static int Row(int t, int half) { return kBits == 8 ? t : t + 16 * half; }
+};
+
+// MR rows x NR 16-column blocks (block j at w + j * w_stride) over `groups` groups, read at
+// their stored width: out (row stride n) = a (row stride k) x w; a_sums: each row's sum of a
+// per group.
+template <int kBits, int MR, int NR>
+void QuantMicroTile(const float* a, int64_t k, const float* a_sums, int64_t groups,
+                    const char* w, int64_t w_stride, float* out, int64_t n) {
+  using L = CodeLayout<kBits>;
   V16 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = V16::Zero();
   for (int64_t g = 0; g < groups; ++g) {
-    const char* wg = w + g * kInt8GroupBytes;
+    const char* wg = w + g * L::kGroupBytes;
+    const float* ag = a + g * kQuantGroup;
     V16 part[MR][NR];
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) part[i][j] = V16::Zero();
-    for (int r = 0; r < kInt8Group; ++r) {
-      V16 b[NR];
-      for (int j = 0; j < NR; ++j) {
-        b[j] = V16::LoadI8(reinterpret_cast<const int8_t*>(wg + j * w_stride + 16 * r));
-      }
-      for (int i = 0; i < MR; ++i) {
-        const V16 av = V16::Set(a[i * k + g * kInt8Group + r]);
-        for (int j = 0; j < NR; ++j) part[i][j] = Fma(av, b[j], part[i][j]);
+    for (int t = 0; t < L::kSteps; ++t) {
+      V16 b[NR][L::kRowsPerStep];
+      for (int j = 0; j < NR; ++j) L::Codes(wg + j * w_stride, t, b[j]);
+      for (int h = 0; h < L::kRowsPerStep; ++h) {
+        for (int i = 0; i < MR; ++i) {
+          const V16 av = V16::Set(ag[i * k + L::Row(t, h)]);
+          for (int j = 0; j < NR; ++j) part[i][j] = Fma(av, b[j][h], part[i][j]);
+        }
       }
     }
     for (int j = 0; j < NR; ++j) {
       V16 scale, offset;
-      Int8GroupScales(wg + j * w_stride, scale, offset);
+      L::Scales(wg + j * w_stride, scale, offset);
       for (int i = 0; i < MR; ++i) {
         const V16 sum = V16::Set(a_sums[i * groups + g]);
         acc[i][j] = Fma(scale, part[i][j], Fma(offset, sum, acc[i][j]));
@@ -697,30 +722,35 @@ void Int8MicroTile(const float* a, int64_t k, const float* a_sums, int64_t group
     for (int j = 0; j < NR; ++j) acc[i][j].Store(out + i * n + 16 * j);
 }
 
-// Int8MicroTile<rows, blocks> for 1 <= rows <= MR and 1 <= blocks <= NR.
-template <int MR, int NR, typename... Args>
-void Int8Tile(int64_t rows, int64_t blocks, Args... args) {
+// QuantMicroTile<kBits, rows, blocks> for 1 <= rows <= MR and 1 <= blocks <= NR.
+template <int kBits, int MR, int NR, typename... Args>
+void QuantTile(int64_t rows, int64_t blocks, Args... args) {
   if (blocks < NR) {
-    if constexpr (NR > 1) return Int8Tile<MR, NR - 1>(rows, blocks, args...);
+    if constexpr (NR > 1) return QuantTile<kBits, MR, NR - 1>(rows, blocks, args...);
   }
   if (rows < MR) {
-    if constexpr (MR > 1) return Int8Tile<MR - 1, NR>(rows, blocks, args...);
+    if constexpr (MR > 1) return QuantTile<kBits, MR - 1, NR>(rows, blocks, args...);
   }
-  Int8MicroTile<MR, NR>(args...);
+  QuantMicroTile<kBits, MR, NR>(args...);
 }
 
 // `blocks` blocks of w (block stride w_stride) as float32 in pack_f32's layout at dst.
-void DequantizeInt8(const char* w, int64_t w_stride, int64_t groups, int64_t blocks,
-                    float* dst) {
+template <int kBits>
+void DequantizeCodes(const char* w, int64_t w_stride, int64_t groups, int64_t blocks,
+                     float* dst) {
+  using L = CodeLayout<kBits>;
   for (int64_t b = 0; b < blocks; ++b) {
     for (int64_t g = 0; g < groups; ++g) {
-      const char* wg = w + b * w_stride + g * kInt8GroupBytes;
+      const char* wg = w + b * w_stride + g * L::kGroupBytes;
       V16 scale, offset;
-      Int8GroupScales(wg, scale, offset);
-      float* d = dst + (b * groups + g) * kInt8Group * 16;
-      for (int r = 0; r < kInt8Group; ++r) {
-        const V16 q = V16::LoadI8(reinterpret_cast<const int8_t*>(wg + 16 * r));
-        Fma(q, scale, offset).Store(d + 16 * r);
+      L::Scales(wg, scale, offset);
+      float* d = dst + (b * groups + g) * kQuantGroup * 16;
+      for (int t = 0; t < L::kSteps; ++t) {
+        V16 rows[L::kRowsPerStep];
+        L::Codes(wg, t, rows);
+        for (int h = 0; h < L::kRowsPerStep; ++h) {
+          Fma(rows[h], scale, offset).Store(d + 16 * L::Row(t, h));
+        }
       }
     }
   }
@@ -728,9 +758,9 @@ void DequantizeInt8(const char* w, int64_t w_stride, int64_t groups, int64_t blo
 
 // out = a x w (kSwiglu: w is [K, 2 * I], gate columns then up, out [M, I] = silu(gate) * up),
 // for the m real rows of a [M, K]; w holds n_blocks 16-column blocks.
-template <bool kSwiglu>
-void Int8Matmul(ffi::ThreadPool& pool, const float* a, const char* w, float* out, int64_t m,
-                int64_t k, int64_t n_blocks) {
+template <int kBits, bool kSwiglu>
+void QuantMatmul(ffi::ThreadPool& pool, const float* a, const char* w, float* out, int64_t m,
+                 int64_t k, int64_t n_blocks) {
   using Shape = TileShape<Kind::kF32, kSwiglu>;  // the float32 tiles after dequantization
   constexpr int64_t kMr = Shape::kMr, kNr = Shape::kNr;
   constexpr int64_t kGroup = kSwiglu ? kNr / 2 : kNr;  // output blocks per work group
@@ -739,7 +769,7 @@ void Int8Matmul(ffi::ThreadPool& pool, const float* a, const char* w, float* out
 #else
   constexpr int kDirectMr = 2;
 #endif
-  const int64_t groups = k / kInt8Group, w_stride = groups * kInt8GroupBytes;
+  const int64_t groups = k / kQuantGroup, w_stride = groups * CodeLayout<kBits>::kGroupBytes;
   const int64_t out_blocks = kSwiglu ? n_blocks / 2 : n_blocks, n = out_blocks * 16;
   const int64_t up_offset = kSwiglu ? out_blocks * w_stride : 0;
   thread_local std::vector<float> sums_storage;
@@ -748,8 +778,8 @@ void Int8Matmul(ffi::ThreadPool& pool, const float* a, const char* w, float* out
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t g = 0; g < groups; ++g) {
       V16 s = V16::Zero();
-      for (int64_t r = 0; r < kInt8Group; r += 16) {
-        s = Add(s, V16::Load(a + i * k + g * kInt8Group + r));
+      for (int64_t r = 0; r < kQuantGroup; r += 16) {
+        s = Add(s, V16::Load(a + i * k + g * kQuantGroup + r));
       }
       sums[i * groups + g] = s.SumLanes();
     }
@@ -766,19 +796,21 @@ void Int8Matmul(ffi::ThreadPool& pool, const float* a, const char* w, float* out
         const int64_t ob0 = g * kGroup, blocks = std::min<int64_t>(kGroup, out_blocks - ob0);
         const char* wb = w + ob0 * w_stride;
         float* ob = out + ob0 * 16;
-        if (mc_end - mc <= kInt8DirectRows) {
+        if (mc_end - mc <= kQuantDirectRows) {
           for (int64_t m0 = mc; m0 < mc_end; m0 += kDirectMr) {
             const int64_t rows = std::min<int64_t>(kDirectMr, mc_end - m0);
+            const float* am = a + m0 * k;
+            const float* sm = sums + m0 * groups;
             if constexpr (!kSwiglu) {
-              Int8Tile<kDirectMr, kGroup>(rows, blocks, a + m0 * k, k, sums + m0 * groups,
-                                          groups, wb, w_stride, ob + m0 * n, n);
+              QuantTile<kBits, kDirectMr, kGroup>(rows, blocks, am, k, sm, groups, wb, w_stride,
+                                                  ob + m0 * n, n);
             } else {
               constexpr int64_t kLd = kGroup * 16;
               alignas(64) float gate[kDirectMr * kLd], up[kDirectMr * kLd];
-              Int8Tile<kDirectMr, kGroup>(rows, blocks, a + m0 * k, k, sums + m0 * groups,
-                                          groups, wb, w_stride, gate, kLd);
-              Int8Tile<kDirectMr, kGroup>(rows, blocks, a + m0 * k, k, sums + m0 * groups,
-                                          groups, wb + up_offset, w_stride, up, kLd);
+              QuantTile<kBits, kDirectMr, kGroup>(rows, blocks, am, k, sm, groups, wb, w_stride,
+                                                  gate, kLd);
+              QuantTile<kBits, kDirectMr, kGroup>(rows, blocks, am, k, sm, groups,
+                                                  wb + up_offset, w_stride, up, kLd);
               for (int64_t i = 0; i < rows; ++i) {
                 for (int64_t j = 0; j < blocks; ++j) {
                   Swiglu(V16::Load(gate + i * kLd + 16 * j), V16::Load(up + i * kLd + 16 * j))
@@ -791,9 +823,10 @@ void Int8Matmul(ffi::ThreadPool& pool, const float* a, const char* w, float* out
         }
         const int64_t f32_stride = k * 64;  // bytes of a dequantized block
         slice.resize((kSwiglu ? 2 : 1) * blocks * k * 16);
-        DequantizeInt8(wb, w_stride, groups, blocks, slice.data());
+        DequantizeCodes<kBits>(wb, w_stride, groups, blocks, slice.data());
         if constexpr (kSwiglu) {
-          DequantizeInt8(wb + up_offset, w_stride, groups, blocks, slice.data() + blocks * k * 16);
+          DequantizeCodes<kBits>(wb + up_offset, w_stride, groups, blocks,
+                                 slice.data() + blocks * k * 16);
         }
         const char* sw = reinterpret_cast<const char*>(slice.data());
         const char* no_prefetch = nullptr;
@@ -817,15 +850,16 @@ void Int8Matmul(ffi::ThreadPool& pool, const float* a, const char* w, float* out
   });
 }
 
-template <bool kSwiglu>
-ffi::Error MatmulInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
-                          ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> rows,
-                          ffi::Result<ffi::Buffer<ffi::F32>> out) {
+template <int kBits, bool kSwiglu>
+ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
+                           ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> rows,
+                           ffi::Result<ffi::Buffer<ffi::F32>> out) {
   auto ad = a.dimensions();
   auto wd = w.dimensions();
-  if (ad.size() != 2 || wd.size() != 3 || wd[2] != kInt8GroupBytes ||
-      wd[1] * kInt8Group != ad[1]) {
-    return ffi::Error::InvalidArgument("a must be [M, K] and w [N/16, K/32, 576]");
+  if (ad.size() != 2 || wd.size() != 3 || wd[2] != CodeLayout<kBits>::kGroupBytes ||
+      wd[1] * kQuantGroup != ad[1]) {
+    return ffi::Error::InvalidArgument(kBits == 8 ? "a must be [M, K] and w [N/16, K/32, 576]"
+                                                  : "a must be [M, K] and w [N/16, K/32, 320]");
   }
   if (kSwiglu && wd[0] % 2) {
     return ffi::Error::InvalidArgument("swiglu: w must hold as many up blocks as gate blocks");
@@ -835,15 +869,15 @@ ffi::Error MatmulInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
   const int64_t n = (kSwiglu ? wd[0] / 2 : wd[0]) * 16;
   std::fill(o + m * n, o + ad[0] * n, 0.0f);
   if (m == 0) return ffi::Error::Success();
-  Int8Matmul<kSwiglu>(pool, a.typed_data(), reinterpret_cast<const char*>(w.untyped_data()), o,
-                      m, ad[1], wd[0]);
+  QuantMatmul<kBits, kSwiglu>(pool, a.typed_data(),
+                              reinterpret_cast<const char*>(w.untyped_data()), o, m, ad[1], wd[0]);
   return ffi::Error::Success();
 }
 #endif  // JAXCB_HAVE_V16
 
 }  // namespace
 
-// What this build of the library defines (bits): 1 the V16 kernels (f32, widened bf16, int8,
+// What this build of the library defines (bits): 1 the V16 kernels (f32, widened bf16, int8, int4,
 // the screened argmax), 4 the vdpbf16ps kernels, 8 the AMX kernel (and the OS granted the tile
 // state). (Bit 2 is free: it said "AVX-512 vectors", which nothing asks.)
 extern "C" int JaxcbIsaFeatures() {
@@ -911,17 +945,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbMatmulArgmaxScreenedF32, MatmulArgmaxScreened
 #endif
 
 #if defined(JAXCB_HAVE_V16)
-#define JAXCB_INT8_MATMUL(name, swiglu)                                                      \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (MatmulInt8Impl<swiglu>),                              \
+#define JAXCB_QUANT_MATMUL(name, bits, swiglu)                                               \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (MatmulQuantImpl<bits, swiglu>),                        \
                                 ffi::Ffi::Bind()                                             \
                                     .Ctx<ffi::ThreadPool>()                                  \
                                     .Arg<ffi::Buffer<ffi::F32>>() /* a [M, K] */             \
-                                    .Arg<ffi::Buffer<ffi::U8>>() /* w (pack_int8) */         \
+                                    .Arg<ffi::Buffer<ffi::U8>>() /* w (pack_int8 / 4) */     \
                                     .Arg<ffi::Buffer<ffi::S32>>() /* real rows [1] */        \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 
-JAXCB_INT8_MATMUL(JaxcbMatmulInt8, false)  // -> f32 [M, N]
-JAXCB_INT8_MATMUL(JaxcbSwigluInt8, true)   // -> f32 [M, N / 2]
+JAXCB_QUANT_MATMUL(JaxcbMatmulInt8, 8, false)  // -> f32 [M, N]
+JAXCB_QUANT_MATMUL(JaxcbSwigluInt8, 8, true)   // -> f32 [M, N / 2]
+JAXCB_QUANT_MATMUL(JaxcbMatmulInt4, 4, false)  // -> f32 [M, N]
+JAXCB_QUANT_MATMUL(JaxcbSwigluInt4, 4, true)   // -> f32 [M, N / 2]
 #endif
 
 #if defined(JAXCB_HAVE_V16) && defined(__AVX512BF16__)

@@ -1,11 +1,13 @@
-"""The native CPU kernels as jax functions: ragged paged attention, the in-place KV write,
-and matmuls over weights packed once at load time: bfloat16 on AMX tiles, with AVX512-BF16 dot
-products (vdpbf16ps: AMD Zen 4 and later, Intel Cooper Lake and later) or widened to float32
-in registers (any CPU with AVX2 + FMA), and float32 with FMAs on AVX-512 or AVX2 vectors, whose
-LM head can also find greedy tokens through a bf16 screen. Each wrapper makes sure its ISA
-level's library is built and registered (build.py) and calls its FFI target;
-`PACKED_MATMULS` is the table of packed matmul kernels the model code dispatches to
-(jaxcb/models/packed.py), with the ISA level each needs.
+"""The native CPU kernels as jax functions: ragged paged attention (over float32, bfloat16
+or quantized int8 / float8 pages with their per-row scales), the in-place KV write (the
+quantized one computes each row's scale and codes), and matmuls over weights packed once at
+load time: bfloat16 on AMX tiles, with AVX512-BF16 dot products (vdpbf16ps: AMD Zen 4 and
+later, Intel Cooper Lake and later) or widened to float32 in registers (any CPU with AVX2 +
+FMA), and float32 with FMAs on AVX-512 or AVX2 vectors, whose LM head can also find greedy
+tokens through a bf16 screen. Each wrapper makes sure its ISA level's library is built and
+registered (build.py) and calls its FFI target; `PACKED_MATMULS` is the table of packed
+matmul kernels the model code dispatches to (jaxcb/models/packed.py), with the ISA level
+each needs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from jaxcb.native.build import (
     ATTENTION_TARGET,
     ISA_ENV,
     ISA_LEVELS,
+    KV_WRITE_QUANT_TARGET,
     KV_WRITE_TARGET,
     MATMUL_AMX_TARGET,
     MATMUL_ARGMAX_BF16_DOT_TARGET,
@@ -31,10 +34,12 @@ from jaxcb.native.build import (
     MATMUL_BF16_DOT_TARGET,
     MATMUL_BF16_WIDE_TARGET,
     MATMUL_F32_TARGET,
+    MATMUL_INT4_TARGET,
     MATMUL_INT8_TARGET,
     SWIGLU_BF16_DOT_TARGET,
     SWIGLU_BF16_WIDE_TARGET,
     SWIGLU_F32_TARGET,
+    SWIGLU_INT4_TARGET,
     SWIGLU_INT8_TARGET,
     NativeBuildError,
     active_level,
@@ -59,9 +64,16 @@ def ragged_paged_attention_native(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     level: str | None = None,
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """Ragged paged attention on CPU (same contract as the jnp reference), by the library of
-    ISA `level` (default: the active one; tests run each level this CPU can)."""
+    ISA `level` (default: the active one; tests run each level this CPU can). Pages of
+    int8, float8_e4m3fn or float8_e5m2 codes come with their scales (value = code x scale,
+    one scale per head, page and slot); float pages with none. q stays in its float dtype."""
+    quantized = _check_scales(k_pages, k_scales, v_scales)
+    if not quantized:  # the kernel reads no scales: an empty array stands for them
+        k_scales = v_scales = jnp.zeros((0,), jnp.float32)
     call = jax.ffi.ffi_call(
         registered_target(ATTENTION_TARGET, level or active_level()),
         jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -74,6 +86,8 @@ def ragged_paged_attention_native(
         page_indices.astype(jnp.int32),
         cu_q_lens.astype(jnp.int32),
         num_seqs.astype(jnp.int32),
+        k_scales,
+        v_scales,
         sm_scale=np.float32(sm_scale),
         sliding_window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
@@ -86,8 +100,25 @@ def write_kv_native(
     k: jax.Array,  # [T, num_kv_heads, head_dim]
     v: jax.Array,  # [T, num_kv_heads, head_dim]
     slot_mapping: jax.Array,  # i32[T]
-) -> tuple[jax.Array, jax.Array]:
-    """In-place KV page write on CPU, for float32 and bfloat16 pools alike."""
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
+    v_scales: jax.Array | None = None,
+) -> tuple[jax.Array, ...]:
+    """In-place KV page write on CPU, for float32 and bfloat16 pools alike: (k_pages,
+    v_pages). A quantized pool (int8, float8_e4m3fn, float8_e5m2) comes with its scales and
+    gets each new row's codes and scale (scale = max|x| / QMAX, as kv_quant.quantize_rows):
+    (k_pages, v_pages, k_scales, v_scales)."""
+    if _check_scales(k_pages, k_scales, v_scales):
+        call = jax.ffi.ffi_call(
+            registered_target(KV_WRITE_QUANT_TARGET, active_level()),
+            tuple(
+                jax.ShapeDtypeStruct(x.shape, x.dtype)
+                for x in (k_pages, v_pages, k_scales, v_scales)
+            ),
+            input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3},
+        )
+        return tuple(
+            call(k_pages, v_pages, k_scales, v_scales, k, v, slot_mapping.astype(jnp.int32))
+        )
     shapes = (
         jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
         jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
@@ -98,6 +129,53 @@ def write_kv_native(
         input_output_aliases={0: 0, 1: 1},
     )
     return call(k_pages, v_pages, k, v, slot_mapping.astype(jnp.int32))
+
+
+def copy_kv_native(
+    k_pool: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim], or scales (no D)
+    v_pool: jax.Array,
+    k_rows: jax.Array,  # [T, num_kv_heads, head_dim] (or [T, num_kv_heads]), the pool's dtype
+    v_rows: jax.Array,
+    slot_mapping: jax.Array,  # i32[T]; out of range: written nowhere
+) -> tuple[jax.Array, jax.Array]:
+    """Rows of the pools' own dtype into their slots, bit for bit and in place: a quantized
+    pool's codes and scales coming back from host memory (XLA's CPU backend copies a whole
+    float8 pool for any scatter or dynamic_update_slice into it)."""
+    call = jax.ffi.ffi_call(  # (the kernel takes 3-D scale pools as they are: a reshape
+        # of a donated pool would be copied)
+        registered_target(KV_WRITE_TARGET, active_level()),
+        tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k_pool, v_pool)),
+        input_output_aliases={0: 0, 1: 1},
+    )
+    return tuple(call(k_pool, v_pool, k_rows, v_rows, slot_mapping.astype(jnp.int32)))
+
+
+#: The page dtypes the native kernels read as codes with a float32 scale per row.
+QUANTIZED_KV_DTYPES = (
+    jnp.dtype(jnp.int8),
+    jnp.dtype(jnp.float8_e4m3fn),
+    jnp.dtype(jnp.float8_e5m2),
+)
+
+
+def _check_scales(
+    k_pages: jax.Array, k_scales: jax.Array | None, v_scales: jax.Array | None
+) -> bool:
+    """Whether the pages are quantized; their scales must then be given, shaped
+    [num_kv_heads, num_pages, page_size] (and float pages take none)."""
+    quantized = jnp.dtype(k_pages.dtype) in QUANTIZED_KV_DTYPES
+    given = k_scales is not None and v_scales is not None
+    if quantized != given or (k_scales is None) != (v_scales is None):
+        raise ValueError(
+            f"{k_pages.dtype} K/V pages take "
+            + ("their k_scales and v_scales" if quantized else "no scales")
+        )
+    if quantized and not (k_scales.shape == v_scales.shape == k_pages.shape[:3]):
+        raise ValueError(
+            f"K/V scales must be shaped {k_pages.shape[:3]} (heads, pages, slots), got "
+            f"{k_scales.shape} and {v_scales.shape}"
+        )
+    return quantized
 
 
 def can_pack_bf16(shape: tuple[int, ...]) -> bool:
@@ -163,6 +241,28 @@ def pack_int8(w: dict[str, Any]) -> np.ndarray:
     minimums = minimum.view(np.uint8).reshape(groups, blocks, 32).transpose(1, 0, 2)
     codes = codes.reshape(blocks, groups, INT8_GROUP * 16)
     return np.ascontiguousarray(np.concatenate([codes, scales, minimums], axis=2))
+
+
+def fits_int4(w: dict[str, Any]) -> bool:
+    """Whether a quantized weight's codes (q + 128) all lie in 0..15: GGUF Q4_0 / Q4_1 blocks
+    held as int8, which `pack_int4` stores at 4 bits."""
+    q = np.asarray(w["q"])
+    return q.size > 0 and int(q.max()) <= 15 - 128
+
+
+def pack_int4(w: dict[str, Any]) -> np.ndarray:
+    """A quantized weight whose codes fit 4 bits (`fits_int4`), viewed as [K, N], in the
+    layout the int4 kernel reads: uint8 [N/16, K/32, 320], for each 16-column block and group
+    of 32 inputs, byte 16 r + c holds the code of input r (low nibble) and of input r + 16
+    (high nibble) of column c, then the 16 float16 scales and the 16 float16 minimums (as
+    `pack_int8`)."""
+    int8 = pack_int8(w)  # validates the shapes; its codes become nibbles
+    if not fits_int4(w):
+        raise ValueError("cannot pack int8 codes outside 0..15 at 4 bits")
+    codes = (int8[:, :, :512].astype(np.int16) ^ 0x80).astype(np.uint8)  # q + 128
+    codes = codes.reshape(*int8.shape[:2], 2, 16 * 16)  # rows 0-15, rows 16-31
+    nibbles = codes[:, :, 0] | (codes[:, :, 1] << 4)
+    return np.ascontiguousarray(np.concatenate([nibbles, int8[:, :, 512:]], axis=2))
 
 
 def _real_rows(x: jax.Array, rows: jax.Array | int | None) -> jax.Array:
@@ -430,5 +530,14 @@ INT8_MATMUL = PackedMatmul(
     SWIGLU_INT8_TARGET,
     about="int8 codes widened in AVX2 / AVX-512 registers",
 )
+#: The kernel of quantized weights whose codes fit 4 bits (GGUF Q4_0 / Q4_1 blocks).
+INT4_MATMUL = INT8_MATMUL._replace(
+    name="int4",
+    can_pack=can_pack_int8,
+    pack=pack_int4,
+    matmul_target=MATMUL_INT4_TARGET,
+    swiglu_target=SWIGLU_INT4_TARGET,
+    about="4-bit codes widened in AVX2 / AVX-512 registers",
+)
 #: Every packed weight's kernel by the name its {name: packed} dict carries.
-ALL_PACKED = {**PACKED_MATMULS, INT8_MATMUL.name: INT8_MATMUL}
+ALL_PACKED = {**PACKED_MATMULS, INT8_MATMUL.name: INT8_MATMUL, INT4_MATMUL.name: INT4_MATMUL}

@@ -12,6 +12,23 @@
 
 namespace {
 
+// float8 bytes as float16 bits (AVX2 integer ops; F16C or AVX-512 widens them after).
+// e4m3fn s|eeee|mmm goes to the float16 s|0eeee|mmm0000000: the same sign, mantissa and
+// exponent field, read with bias 15 instead of 7, so the float16 value is the float8 value
+// / 256 exactly (subnormals included; e4m3fn's NaN, 0x7f, becomes 480 / 256, and is never
+// written). e5m2 s|eeeee|mm is the top byte of the float16 of the same value.
+inline __m256i E4M3AsF16(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+  const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7);
+  return _mm256_or_si256(sign, rest);
+}
+
+inline __m256i E5M2AsF16(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_slli_epi16(b, 8);
+}
+
 #if defined(__AVX512F__)
 
 struct V16 {
@@ -29,6 +46,19 @@ struct V16 {
   }
   static V16 LoadF16(const void* p) {  // 16 float16 values, widened
     return {_mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(p)))};
+  }
+  // 16 bytes of 4-bit codes (0..15) as floats: the low nibbles, then the high ones.
+  static void LoadU4Pairs(const void* p, V16& low, V16& high) {
+    const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    low = {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)))};
+    high = {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)))};
+  }
+  static V16 LoadE4M3Div256(const uint8_t* p) {  // 16 float8_e4m3fn values / 256, exact
+    return {_mm512_cvtph_ps(E4M3AsF16(p))};
+  }
+  static V16 LoadE5M2(const uint8_t* p) {  // 16 float8_e5m2 values, exact
+    return {_mm512_cvtph_ps(E5M2AsF16(p))};
   }
   void Store(float* p) const { _mm512_storeu_ps(p, v); }
   void Stream(float* p) const { _mm512_stream_ps(p, v); }  // p 64-byte aligned
@@ -153,6 +183,26 @@ struct V16 {
   static V16 LoadF16(const void* p) {  // 16 float16 values, widened (F16C)
     const __m128i* h = static_cast<const __m128i*>(p);
     return {_mm256_cvtph_ps(_mm_loadu_si128(h)), _mm256_cvtph_ps(_mm_loadu_si128(h + 1))};
+  }
+  // 16 bytes of 4-bit codes (0..15) as floats: the low nibbles, then the high ones.
+  static void LoadU4Pairs(const void* p, V16& low, V16& high) {
+    const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    low = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
+           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)))};
+    high = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))};
+  }
+  static V16 LoadE4M3Div256(const uint8_t* p) {  // 16 float8_e4m3fn values / 256, exact
+    return FromF16(E4M3AsF16(p));
+  }
+  static V16 LoadE5M2(const uint8_t* p) {  // 16 float8_e5m2 values, exact
+    return FromF16(E5M2AsF16(p));
+  }
+  static V16 FromF16(__m256i h) {  // 16 float16 values in a register, widened (F16C)
+    return {_mm256_cvtph_ps(_mm256_castsi256_si128(h)),
+            _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
   }
   void Store(float* p) const {
     _mm256_storeu_ps(p, lo);

@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxcb.attention import get_attention_backend
+from jaxcb.attention import check_kv_cache_dtype, get_attention_backend
 from jaxcb.config import EngineConfig
 from jaxcb.engine.buckets import Bucket, default_token_buckets, make_buckets
 from jaxcb.engine.interface import MAX_TOP_LOGPROBS
@@ -239,6 +239,7 @@ def compile_for_target(
         )
     attention = get_attention_backend(config.kernels.attention, platform)
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, attention.name, platform)
+    check_kv_cache_dtype(attention.name, kv_dtype, config.cache.kv_cache_dtype, platform)
     sched = config.scheduler
     token_buckets = sched.token_buckets or default_token_buckets(sched.max_num_batched_tokens)
     buckets = make_buckets(token_buckets, sched.max_num_seqs, sched.seq_buckets)
@@ -265,7 +266,7 @@ def compile_for_target(
             sizing = size_kv_pool(
                 config.cache,
                 spec,
-                itemsize=kv_dtype.itemsize,
+                dtype=kv_dtype,
                 max_model_len=max_model_len,
                 max_num_seqs=sched.max_num_seqs,
                 params_bytes=params_bytes,

@@ -30,6 +30,7 @@ from jaxcb.engine.buckets import Bucket
 from jaxcb.models.base import ModelSpec
 from jaxcb.runtime import hbm_traffic
 from jaxcb.runtime.aot import AotBuild, program_bytes
+from pallas_kernels.ragged_paged_attention.kv_quant import is_quantized_kv
 
 GB = 1e9
 TRITON_CALL = 'custom_call_target="__gpu$xla.gpu.triton"'  # a Pallas Triton kernel in HLO
@@ -207,16 +208,19 @@ def ideal_step_bytes(
     kv_itemsize: int,
     context_len: int,
     tensor_parallel_size: int = 1,
+    kv_scale_bytes: int = 0,
 ) -> dict[str, int]:
     """The bytes one step must move at least, per device, by part: the weights once
     (`params_bytes`, per device; of an untied embedding table only the T rows looked up),
     the live KV once (num_seqs x context_len tokens), the new KV written (T tokens), and
     the activations: each matmul's input and output once per layer (`itemsize`) and the
-    float32 logits of the num_seqs rows."""
+    float32 logits of the num_seqs rows. `kv_scale_bytes`: a quantized pool's bytes of
+    scale per token and KV head (4: one float32), besides its head_dim values."""
     t, s, tp = bucket.num_tokens, bucket.num_seqs, tensor_parallel_size
     h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
     hq, hkv = spec.num_q_heads * d, spec.num_kv_heads * d
-    kv_token = 2 * spec.num_layers * hkv * kv_itemsize // tp  # K and V of one token
+    kv_row = d * kv_itemsize + kv_scale_bytes  # one KV head's values (and scale)
+    kv_token = 2 * spec.num_layers * spec.num_kv_heads * kv_row // tp  # K and V of one token
     weights = params_bytes
     if not spec.tie_word_embeddings:  # the lookup reads T rows, not the table
         weights += t * h * itemsize - spec.vocab_size * h * itemsize // tp
@@ -238,7 +242,12 @@ def report(build: AotBuild, *, context_len: int | None = None) -> AotReport:
     runner, spec, target = build.runner, build.spec, build.target
     pool_tokens = build.pool.num_pages * build.config.cache.page_size
     itemsize = jax.numpy.dtype(build.config.dtype).itemsize
-    kv_array_bytes = build.pool.num_pages * build.pool.page_bytes // (2 * spec.num_layers)
+    kv_dtype = jax.numpy.dtype(build.kv_dtype)
+    page_values = build.config.cache.page_size * spec.num_kv_heads * spec.head_dim
+    # one layer's K (or V) page array on a device (a quantized pool's scales apart)
+    kv_array_bytes = (
+        build.pool.num_pages * page_values * kv_dtype.itemsize // build.tensor_parallel_size
+    )
     rows = []
     for bucket in build.buckets:
         compiled = runner.compiled_step(bucket)
@@ -254,7 +263,8 @@ def report(build: AotBuild, *, context_len: int | None = None) -> AotReport:
             bucket,
             params_bytes=build.params_bytes,
             itemsize=itemsize,
-            kv_itemsize=build.kv_dtype.itemsize,
+            kv_itemsize=kv_dtype.itemsize,
+            kv_scale_bytes=4 if is_quantized_kv(kv_dtype) else 0,
             context_len=context,
             tensor_parallel_size=build.tensor_parallel_size,
         )["total"]

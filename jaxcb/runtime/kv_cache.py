@@ -1,6 +1,13 @@
 """Device state: the KV page pool (layout from pallas_kernels), and the host memory pages
 go to when their request is preempted by swap (HostSwapPool).
 
+Pages hold float32 or bfloat16 values, or quantized codes (int8, float8_e4m3fn,
+float8_e5m2; pallas_kernels/ragged_paged_attention/kv_quant.py) with a float32 scale per
+(KV head, page, slot): one per token and head, written once with the token, so a page that
+fills never needs re-scaling and one outlier token does not coarsen the others of its page.
+A quantized layer's cache is (k_pages, v_pages, k_scales, v_scales); the scales go wherever
+their pages go (sharded by KV head, swapped to host and back with them).
+
 Also decides how many pages the pool gets: `num_pages`, or a memory budget, or (auto) enough
 for `max_num_seqs` full-length sequences within what the device can spare. With tensor
 parallelism each device holds 1/N of every page (the pool is sharded by KV head), so auto
@@ -25,22 +32,28 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxcb.config import CacheConfig
 from jaxcb.models.base import KVCache, ModelSpec
 from jaxcb.runtime import sharding as sharding_module
-from pallas_kernels.ragged_paged_attention import (
-    PADDING_SLOT,
-    kv_pages_bytes,
-    kv_pages_shape,
-    pages_per_seq,
-)
+from pallas_kernels.ragged_paged_attention import PADDING_SLOT, kv_pages_shape, pages_per_seq
+from pallas_kernels.ragged_paged_attention.kv_quant import is_quantized_kv
 
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
 CPU_AUTO_BUDGET_BYTES = 4 * GIB  # auto sizing on CPU never takes more than this
+#: kv_cache_dtype names of quantized pages and their dtypes ("fp8" is e4m3, as in vLLM).
+QUANTIZED_KV_DTYPES = {
+    "int8": jnp.dtype(jnp.int8),
+    "fp8": jnp.dtype(jnp.float8_e4m3fn),
+    "fp8_e4m3": jnp.dtype(jnp.float8_e4m3fn),
+    "fp8_e5m2": jnp.dtype(jnp.float8_e5m2),
+}
+SCALE_BYTES = 4  # a quantized row's float32 scale
 
 
 @dataclass
 class DeviceState:
-    kv_caches: KVCache  # per layer (k_pages, v_pages), each [Hkv, P, page_size, D]
+    # per layer (k_pages, v_pages), each [Hkv, P, page_size, D]; quantized pages also carry
+    # (k_scales, v_scales), each f32[Hkv, P, page_size]
+    kv_caches: KVCache
 
 
 jax.tree_util.register_dataclass(DeviceState, data_fields=["kv_caches"], meta_fields=[])
@@ -49,25 +62,37 @@ jax.tree_util.register_dataclass(DeviceState, data_fields=["kv_caches"], meta_fi
 def resolve_kv_cache_dtype(
     name: str, model_dtype: jnp.dtype, attention: str, platform: str | None = None
 ) -> jnp.dtype:
-    """ "auto": the model's dtype, except float32 with the "xla" backend on CPU (`platform`:
-    where the step will run, default jax's backend).
+    """ "auto": the model's dtype, except float32 on CPU with the "xla" backend or a float16
+    model (`platform`: where the step will run, default jax's backend). "int8", "fp8" /
+    "fp8_e4m3" and "fp8_e5m2": quantized pages (int8, float8_e4m3fn, float8_e5m2) with their
+    scales.
 
     XLA's CPU backend cannot update a bfloat16 buffer in place with a scatter: every KV write
     copies the whole layer's pool (17 ms per write for a 2112-page pool, against 0.01 ms in
     float32). The native CPU backend writes pages in place in any dtype.
     """
+    if name in QUANTIZED_KV_DTYPES:
+        return QUANTIZED_KV_DTYPES[name]
     if name != "auto":
         return jnp.dtype(name)
-    if attention == "xla" and (platform or jax.default_backend()) == "cpu":
-        return jnp.dtype(jnp.float32)
+    on_cpu = (platform or jax.default_backend()) == "cpu"
+    if on_cpu and (attention == "xla" or jnp.dtype(model_dtype) == jnp.float16):
+        return jnp.dtype(jnp.float32)  # (float16: the native kernels read no float16 pages)
     return jnp.dtype(model_dtype)
 
 
-def page_bytes(spec: ModelSpec, page_size: int, itemsize: int) -> int:
-    """Bytes one page takes across all layers (K and V)."""
-    return spec.num_layers * kv_pages_bytes(
-        1, page_size, spec.num_kv_heads, spec.head_dim, itemsize
-    )
+def kv_bytes_per_token(spec: ModelSpec, dtype: Any) -> int:
+    """Bytes one token's K and V take across all layers: head_dim values per KV head in
+    `dtype`, and for quantized pages each row's float32 scale (int8 at head_dim 64: 68
+    bytes a row, 1.06 a value, against 128 in bfloat16)."""
+    dtype = jnp.dtype(dtype)
+    row = spec.head_dim * dtype.itemsize + (SCALE_BYTES if is_quantized_kv(dtype) else 0)
+    return 2 * spec.num_layers * spec.num_kv_heads * row
+
+
+def page_bytes(spec: ModelSpec, page_size: int, dtype: Any) -> int:
+    """Bytes one page takes across all layers (K and V; the scales of quantized pages)."""
+    return page_size * kv_bytes_per_token(spec, dtype)
 
 
 @dataclass(frozen=True)
@@ -115,7 +140,7 @@ def size_kv_pool(
     cache: CacheConfig,
     spec: ModelSpec,
     *,
-    itemsize: int,
+    dtype: Any,
     max_model_len: int,
     max_num_seqs: int,
     params_bytes: int = 0,
@@ -129,9 +154,10 @@ def size_kv_pool(
     holds its share). `memory_limit_bytes`: a device's memory for a target that is not
     present (runtime/aot.py); else the device's allocator limit is read. `program_bytes`:
     per device, the compiled step's temporaries and fresh outputs (runtime/aot.py's
-    `program_bytes` of the largest bucket), which the pool must leave room for."""
+    `program_bytes` of the largest bucket), which the pool must leave room for. `dtype`: the
+    pages' (a quantized one's pages are counted with their scales)."""
     tp = tensor_parallel_size
-    per_page = page_bytes(spec, cache.page_size, itemsize)
+    per_page = page_bytes(spec, cache.page_size, dtype)
     min_pages = pages_per_seq(max_model_len, cache.page_size)
     wanted = max_num_seqs * min_pages
     if cache.num_pages is not None:
@@ -153,6 +179,11 @@ def size_kv_pool(
             program_bytes=program_bytes if limit is not None else 0,
         )
         num_pages = min(wanted, sizing.spare_bytes // sizing.page_bytes)
+        if limit is not None and is_quantized_kv(dtype) and num_pages >= 256:
+            # A multiple of 128: on TPU the f32 scales [H, P, page_size] lay the pages along
+            # the 128 lanes, and write_kv scatters into them in place only then (else XLA
+            # copies both scale arrays through VMEM at every write).
+            num_pages -= num_pages % 128
         sizing = dataclasses.replace(sizing, num_pages=num_pages)
     if sizing.num_pages < min_pages:
         raise ValueError(
@@ -187,9 +218,11 @@ def abstract_state(
     sharding: jax.sharding.Sharding,
 ) -> DeviceState:
     """The state's shapes and shardings, no memory: for compiling for an absent target."""
-    shape = kv_pages_shape(num_pages, page_size, spec.num_kv_heads, spec.head_dim)
-    page = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-    return DeviceState([(page, page) for _ in range(spec.num_layers)])
+    layer = tuple(
+        jax.ShapeDtypeStruct(shape, kind, sharding=where)
+        for shape, kind, where in _layer_arrays(spec, num_pages, page_size, dtype, sharding)
+    )
+    return DeviceState([layer for _ in range(spec.num_layers)])
 
 
 def init_state(
@@ -200,12 +233,39 @@ def init_state(
     dtype: jnp.dtype,
     sharding: jax.sharding.Sharding | None = None,
 ) -> DeviceState:
-    """Zeroed K and V pages per layer, created in place on their devices (`sharding`: by KV
-    head for tensor parallelism; None: the default device)."""
+    """Zeroed K and V pages per layer (and zero scales for quantized pages), created in
+    place on their devices (`sharding`: the pages', by KV head for tensor parallelism;
+    None: the default device)."""
+    arrays = _layer_arrays(spec, num_pages, page_size, dtype, sharding)
+    makers = [
+        jax.jit(functools.partial(jnp.zeros, shape, kind), out_shardings=where)
+        for shape, kind, where in arrays
+    ]
+    return DeviceState([tuple(zeros() for zeros in makers) for _ in range(spec.num_layers)])
+
+
+def scales_sharding(pages: jax.sharding.Sharding | None) -> jax.sharding.Sharding | None:
+    """Where a quantized pool's scales [Hkv, P, page_size] go: as their pages
+    [Hkv, P, page_size, D] do (split by KV head with tensor parallelism)."""
+    if isinstance(pages, NamedSharding):
+        return NamedSharding(pages.mesh, PartitionSpec(*tuple(pages.spec)[:3]))
+    return pages
+
+
+def _layer_arrays(
+    spec: ModelSpec,
+    num_pages: int,
+    page_size: int,
+    dtype: Any,
+    sharding: jax.sharding.Sharding | None,
+) -> list[tuple[tuple[int, ...], jnp.dtype, jax.sharding.Sharding | None]]:
+    """(shape, dtype, sharding) of one layer's K and V pages, then (quantized pages) of
+    their scales."""
     shape = kv_pages_shape(num_pages, page_size, spec.num_kv_heads, spec.head_dim)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    caches = [(zeros(), zeros()) for _ in range(spec.num_layers)]
-    return DeviceState(caches)
+    arrays = [(shape, jnp.dtype(dtype), sharding)] * 2
+    if is_quantized_kv(dtype):
+        arrays += [(shape[:3], jnp.dtype(jnp.float32), scales_sharding(sharding))] * 2
+    return arrays
 
 
 # ---- preemption by swap: the host pool and the copies ---------------------------------
@@ -215,7 +275,7 @@ SWAP_TRACE_COUNT = [0]
 #: Bytes the start-up bandwidth measurement copies each way (about; whole pages).
 SWAP_PROBE_BYTES = 16 << 20
 
-PagesKV = list[tuple[jax.Array, jax.Array]]  # per layer (K, V) of some pages
+PagesKV = list[tuple[jax.Array, ...]]  # per layer (K, V[, K scales, V scales]) of some pages
 
 
 def num_swap_pages(swap_space_gb: float, page_bytes: int) -> int:
@@ -234,13 +294,14 @@ def swap_sizes(pages_per_seq: int) -> tuple[int, ...]:
 
 
 def gather_pages(state: DeviceState, page_ids: jax.Array) -> PagesKV:
-    """Per layer, the K and V of `page_ids` (i32[N]): [Hkv, N, page_size, D] each.
+    """Per layer, the K and V of `page_ids` (i32[N]): [Hkv, N, page_size, D] each (and a
+    quantized pool's K and V scales, [Hkv, N, page_size]).
 
     One output per layer and K/V rather than one stacked array: XLA's CPU backend copies a
     stack or a transpose of them at a few hundred MB/s, against memcpy speed for the plain
     gathers (SmolLM2, 64 pages: 10 ms, against 73 ms stacked)."""
     SWAP_TRACE_COUNT[0] += 1
-    return [(k[:, page_ids], v[:, page_ids]) for k, v in state.kv_caches]
+    return [tuple(x[:, page_ids] for x in layer) for layer in state.kv_caches]
 
 
 def scatter_pages(
@@ -248,16 +309,57 @@ def scatter_pages(
     pages: PagesKV,  # per layer (K, V), [N * page_size, Hkv, D] each: token rows
     slot_mapping: jax.Array,  # i32[N * page_size]: page * page_size + offset; PADDING_SLOT
     *,
-    write_kv: Callable[..., tuple[jax.Array, jax.Array]],
+    write_kv: Callable[..., tuple[jax.Array, ...]],
+    copy_kv: Callable[..., tuple[jax.Array, jax.Array]] | None = None,
 ) -> DeviceState:
     """Write the rows back into the pool through the attention backend's KV write (in place
-    under donation, also on CPU in bfloat16, where an XLA scatter would copy the pool)."""
+    under donation, also on CPU in bfloat16, where an XLA scatter would copy the pool).
+
+    A quantized pool's rows come with their scales ([N * page_size, Hkv] each) and go back
+    as they are, codes and scales, through the backend's `copy_kv` (else a plain scatter):
+    the KV write would quantize them again, and a dequantized row does not always quantize
+    back to the same codes."""
     SWAP_TRACE_COUNT[0] += 1
-    caches = [
-        write_kv(k_pages, v_pages, k, v, slot_mapping)
-        for (k_pages, v_pages), (k, v) in zip(state.kv_caches, pages, strict=True)
-    ]
+
+    def copy(k_pool, v_pool, k_rows, v_rows):
+        if copy_kv is not None:
+            return copy_kv(k_pool, v_pool, k_rows, v_rows, slot_mapping)
+        return put_rows(k_pool, k_rows, slot_mapping), put_rows(v_pool, v_rows, slot_mapping)
+
+    caches = []
+    for layer, rows in zip(state.kv_caches, pages, strict=True):
+        if len(layer) == 2:
+            caches.append(write_kv(*layer, *rows, slot_mapping))
+        else:  # (K, V) codes, then (K, V) scales
+            caches.append((*copy(*layer[:2], *rows[:2]), *copy(*layer[2:], *rows[2:])))
     return DeviceState(caches)
+
+
+def put_rows(
+    pool: jax.Array,  # [Hkv, P, page_size, D] pages or [Hkv, P, page_size] scales
+    rows: jax.Array,  # [T, Hkv, D] or [T, Hkv]
+    slot_mapping: jax.Array,  # i32[T]: page * page_size + offset; out of range: dropped
+) -> jax.Array:
+    """`pool` with row t at slot `slot_mapping[t]`, bit for bit. Float8 pages are scattered
+    as int8, the same bytes: XLA's CPU backend would otherwise convert the whole pool to
+    float32 and back (77 ms for a 13 MB pool; the int8 views cost two copies, 2.3 ms, and
+    an int8 or float32 scatter is in place)."""
+    heads, num_pages, page_size, *rest = pool.shape
+    slot = jnp.where(
+        (slot_mapping >= 0) & (slot_mapping < num_pages * page_size),
+        slot_mapping,
+        num_pages * page_size,
+    )
+    as_bytes = jnp.issubdtype(pool.dtype, jnp.floating) and pool.dtype.itemsize == 1
+    flat = pool.reshape(heads, num_pages * page_size, *rest)
+    new = rows.astype(pool.dtype).swapaxes(0, 1)
+    if as_bytes:
+        flat = jax.lax.bitcast_convert_type(flat, jnp.int8)
+        new = jax.lax.bitcast_convert_type(new, jnp.int8)
+    flat = flat.at[:, slot].set(new, mode="drop")
+    if as_bytes:
+        flat = jax.lax.bitcast_convert_type(flat, pool.dtype)
+    return flat.reshape(pool.shape)
 
 
 class HostSwapPool:
@@ -266,9 +368,11 @@ class HostSwapPool:
     `num_slots` slots of one page each, all heads (with tensor parallelism the devices'
     shards are gathered), laid out [layers, 2 (K, V), slots, page_size, Hkv, D]: a layer's
     K rows of some slots are one fancy-indexed take, in the token-row layout the KV write
-    reads. The host side decides which slot holds which page (engine/swap.py); here the
-    pages only move. A step's pages go out in one gather (one compiled call, its outputs
-    fetched together) and come in through one compiled KV write, each padded to a size of
+    reads. A quantized pool's scales sit beside them, [layers, 2, slots, page_size, Hkv]
+    float32, and move with their pages. The host side decides which slot holds which page
+    (engine/swap.py); here the pages only move. A step's pages go out in one gather (one
+    compiled call, its outputs fetched together) and come in through one compiled KV write
+    (quantized pages: their codes and scales copied back bit for bit), each padded to a size of
     `swap_sizes`: 2 x len(sizes) small compiles, done at start-up."""
 
     def __init__(
@@ -281,35 +385,41 @@ class HostSwapPool:
         pages_per_seq: int,
         dtype: jnp.dtype,
         state_shardings: Any,
-        write_kv: Callable[..., tuple[jax.Array, jax.Array]],
+        write_kv: Callable[..., tuple[jax.Array, ...]],
         mesh: jax.sharding.Mesh,
+        copy_kv: Callable[..., tuple[jax.Array, jax.Array]] | None = None,
     ) -> None:
         self.num_layers, self.num_kv_heads = spec.num_layers, spec.num_kv_heads
         self.head_dim, self.page_size = spec.head_dim, page_size
         slot_shape = (page_size, spec.num_kv_heads, spec.head_dim)
         # np.zeros maps the pool lazily: host memory is taken as slots are first written.
         self.pages = np.zeros((spec.num_layers, 2, num_slots, *slot_shape), dtype)
-        self.page_bytes = 2 * spec.num_layers * int(np.prod(slot_shape)) * self.pages.itemsize
+        self.scales = None
+        if is_quantized_kv(dtype):
+            self.scales = np.zeros((spec.num_layers, 2, num_slots, *slot_shape[:2]), np.float32)
+        self.page_bytes = page_bytes(spec, page_size, dtype)
         self.num_slots = num_slots
         self.num_pages = num_pages
         self.sizes = swap_sizes(min(pages_per_seq, num_pages))
         heads = sharding_module.kv_pages_sharding(mesh).spec[0]  # the KV-head mesh axis
         gathered = NamedSharding(mesh, PartitionSpec(heads, None, None, None))  # [Hkv, N, ..]
-        self._rows = NamedSharding(mesh, PartitionSpec(None, heads, None))  # [T, Hkv, D]
+        rows = NamedSharding(mesh, PartitionSpec(None, heads, None))  # [T, Hkv, D]
+        gathered_layer, rows_layer = (gathered, gathered), (rows, rows)
+        if self.scales is not None:  # [Hkv, N, page_size] and [T, Hkv]
+            gathered_scales = NamedSharding(mesh, PartitionSpec(heads, None, None))
+            scale_rows = NamedSharding(mesh, PartitionSpec(None, heads))
+            gathered_layer += (gathered_scales, gathered_scales)
+            rows_layer += (scale_rows, scale_rows)
         replicated = NamedSharding(mesh, PartitionSpec())
         self._gather = jax.jit(
             gather_pages,
             in_shardings=(state_shardings, replicated),
-            out_shardings=[(gathered, gathered)] * spec.num_layers,
+            out_shardings=[gathered_layer] * spec.num_layers,
         )
         self._scatter = jax.jit(
-            functools.partial(scatter_pages, write_kv=write_kv),
+            functools.partial(scatter_pages, write_kv=write_kv, copy_kv=copy_kv),
             donate_argnames=("state",),
-            in_shardings=(
-                state_shardings,
-                [(self._rows, self._rows)] * spec.num_layers,
-                replicated,
-            ),
+            in_shardings=(state_shardings, [rows_layer] * spec.num_layers, replicated),
             out_shardings=state_shardings,
         )
         self._gathers: dict[int, jax.stages.Compiled] = {}
@@ -323,9 +433,13 @@ class HostSwapPool:
             rows = jax.ShapeDtypeStruct(
                 (n * self.page_size, self.num_kv_heads, self.head_dim), self.pages.dtype
             )
+            layer = (rows, rows)
+            if self.scales is not None:
+                scales = jax.ShapeDtypeStruct((n * self.page_size, self.num_kv_heads), jnp.float32)
+                layer += (scales, scales)
             slots = jax.ShapeDtypeStruct((n * self.page_size,), jnp.int32)
             self._gathers[n] = self._gather.lower(state, ids).compile()
-            pages = [(rows, rows)] * self.num_layers
+            pages = [layer] * self.num_layers
             self._scatters[n] = self._scatter.lower(state, pages, slots).compile()
         seconds = time.perf_counter() - t0
         logger.info(
@@ -353,9 +467,11 @@ class HostSwapPool:
             ids[:count] = pages[start : start + count]
             into = slots[start : start + count]
             gathered = jax.device_get(self._gathers[size](state, ids))
-            for layer, kv in enumerate(gathered):
-                for i, x in enumerate(kv):  # [Hkv, N, ps, D] -> slots of [ps, Hkv, D]
+            for layer, arrays in enumerate(gathered):
+                for i, x in enumerate(arrays[:2]):  # [Hkv, N, ps, D] -> slots of [ps, Hkv, D]
                     self.pages[layer, i, into] = np.asarray(x)[:, :count].transpose(1, 2, 0, 3)
+                for i, x in enumerate(arrays[2:]):  # [Hkv, N, ps] -> slots of [ps, Hkv]
+                    self.scales[layer, i, into] = np.asarray(x)[:, :count].transpose(1, 2, 0)
 
     def swap_in(
         self, state: DeviceState, slots: Sequence[int], pages: Sequence[int]
@@ -371,7 +487,11 @@ class HostSwapPool:
             slot_mapping[:count] = pages[start : start + count, None] * self.page_size + offsets
             rows = (size * self.page_size, self.num_kv_heads, self.head_dim)
             data = [
-                (self.pages[layer, 0, take].reshape(rows), self.pages[layer, 1, take].reshape(rows))
+                tuple(self.pages[layer, i, take].reshape(rows) for i in (0, 1))
+                + tuple(
+                    self.scales[layer, i, take].reshape(rows[:2])
+                    for i in ((0, 1) if self.scales is not None else ())
+                )
                 for layer in range(self.num_layers)
             ]
             state = self._scatters[size](state, data, slot_mapping.reshape(-1))

@@ -120,7 +120,8 @@ class ModelRunner:
         else:
             self.params = sharding.shard_params(params, self.param_shardings)
             self.state = init_state(spec, sharding=self.kv_sharding, **pool)
-        state_shardings = jax.tree_util.tree_map(lambda _: self.kv_sharding, self.state)
+        # (a quantized pool's scales: by KV head like their pages)
+        state_shardings = sharding.kv_cache_shardings(mesh, self.state)
         # The static arguments are bound here: jit takes no keyword arguments alongside
         # in_shardings.
         logits_shardings = sharding.logits_shardings(mesh, rules)
@@ -154,6 +155,7 @@ class ModelRunner:
                 dtype=kv_cache_dtype,
                 state_shardings=state_shardings,
                 write_kv=attention.write_kv,
+                copy_kv=attention.copy_kv,
                 mesh=mesh,
             )
         self.max_model_len = max_model_len

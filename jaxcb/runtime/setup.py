@@ -13,6 +13,7 @@ of the facts above. With data_parallel_size > 1 it builds one such engine per ro
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcb import native
-from jaxcb.attention import get_attention_backend
+from jaxcb.attention import check_kv_cache_dtype, get_attention_backend
 from jaxcb.config import EngineConfig
 from jaxcb.engine.buckets import Bucket, default_token_buckets, make_buckets
 from jaxcb.engine.interface import MAX_TOP_LOGPROBS, Engine, EngineInfo
@@ -33,10 +34,17 @@ from jaxcb.models.base import ModelSpec, abstract_from_infos
 from jaxcb.models.default_model import DEFAULT_NAME
 from jaxcb.models.loader import LoadedModel, load_model
 from jaxcb.models.packed import matmul_backend, matmul_report
-from jaxcb.models.quant import check_platform, quantize_params, weight_bytes
+from jaxcb.models.quant import (
+    check_platform,
+    check_tensor_parallel,
+    quantize_params,
+    quantized_infos,
+    weight_bytes,
+)
 from jaxcb.runtime import aot, compile_cache, sharding
 from jaxcb.runtime.kv_cache import (
     PoolSizing,
+    kv_bytes_per_token,
     num_swap_pages,
     page_bytes,
     resolve_kv_cache_dtype,
@@ -119,12 +127,20 @@ def build_runner(
     spec, cache, sched = model.spec, config.cache, config.scheduler
     max_model_len = resolve_max_model_len(config, spec)
     attention = get_attention_backend(config.kernels.attention)
+    config = _stored_quantization(config, model.quantization)
     params, infos = quantize_params(
-        model.params, registry.param_infos(spec), config.quantization, grids=model.block_grids
+        model.params,
+        registry.param_infos(spec),
+        "none" if model.quantization != "none" else config.quantization,
+        grids=model.block_grids,
     )
+    infos = quantized_infos(infos, model.quantization)
+    tp = sharding.tensor_parallel_size(mesh)
+    check_tensor_parallel(infos, sharding.rules_for(spec, tp), tp)
     matmul = _matmul_backend(config, dtype, sharding.tensor_parallel_size(mesh))
     cpu_kernels = _cpu_kernels(config, matmul, dtype, sharding.tensor_parallel_size(mesh))
     kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, dtype, attention.name)
+    check_kv_cache_dtype(attention.name, kv_dtype, cache.kv_cache_dtype)
     token_buckets = sched.token_buckets or default_token_buckets(
         sched.max_num_batched_tokens, smallest=smallest_token_bucket(matmul)
     )
@@ -144,7 +160,7 @@ def build_runner(
     swapping = sched.preemption_mode != "recompute" and sched.batching == "continuous"
     if swapping:
         swap_pages = num_swap_pages(
-            cache.swap_space_gb, page_bytes(spec, cache.page_size, kv_dtype.itemsize)
+            cache.swap_space_gb, page_bytes(spec, cache.page_size, kv_dtype)
         )
     runner = ModelRunner(
         spec,
@@ -163,7 +179,7 @@ def build_runner(
         logger.warning(
             "swap_space_gb=%s holds no KV page (%d bytes each): every preemption recomputes",
             cache.swap_space_gb,
-            page_bytes(spec, cache.page_size, kv_dtype.itemsize),
+            page_bytes(spec, cache.page_size, kv_dtype),
         )
     elif swapping:
         logger.info(
@@ -184,11 +200,12 @@ def build_runner(
         buckets=buckets,
         page_size=cache.page_size,
         num_pages=num_pages,
-        kv_cache_bytes=num_pages * page_bytes(spec, cache.page_size, kv_dtype.itemsize),
+        kv_cache_bytes=num_pages * page_bytes(spec, cache.page_size, kv_dtype),
         quantization=config.quantization,
         weight_bytes=weight_bytes(runner.params),
         kv_pool_sizing=pool.describe(),
         kv_cache_dtype=str(kv_dtype),
+        kv_bytes_per_token=kv_bytes_per_token(spec, kv_dtype),
         attention_backend=attention.name,
         matmul_backend=matmul,
         platform=jax.default_backend(),
@@ -205,14 +222,36 @@ def build_runner(
     return runner, info, model
 
 
+def _stored_quantization(config: EngineConfig, stored: str) -> EngineConfig:
+    """The config with the quantization a checkpoint's weights are stored in ("none": as
+    configured); another quantization asked for is a one-line ValueError."""
+    if stored == "none" or config.quantization == stored:
+        return config
+    if config.quantization != "none":
+        raise ValueError(
+            f"quantization={config.quantization!r}, but {config.model} stores {stored} "
+            "weights: leave quantization unset (none) or convert the checkpoint again"
+        )
+    return dataclasses.replace(config, quantization=stored)
+
+
 def _matmul_backend(config: EngineConfig, dtype: Any, tensor_parallel_size: int) -> str:
     """packed.matmul_backend's choice for the model dtype's matmuls (quantized weights go to
     the native int8 kernel wherever a native kernel is chosen and it runs, else to XLA);
     int8 off CPU is a one-line ValueError."""
     check_platform(config.quantization, jax.default_backend())
-    return matmul_backend(
-        config.kernels.matmul, dtype=dtype, tensor_parallel_size=tensor_parallel_size
-    )
+    requested = config.kernels.matmul
+    if config.quantization == "fp8" and jax.default_backend() == "cpu":
+        if requested not in ("auto", "xla"):
+            raise ValueError(
+                f"quantization='fp8' has no native CPU kernel (kernels.matmul={requested!r}): "
+                "on CPU use quantization int8, or kernels.matmul auto / xla to test fp8"
+            )
+        logger.warning(
+            "quantization='fp8' on CPU: XLA converts the fp8 weights in every step (slow, "
+            "for tests); quantization int8 runs on the native kernels"
+        )
+    return matmul_backend(requested, dtype=dtype, tensor_parallel_size=tensor_parallel_size)
 
 
 def smallest_token_bucket(matmul: str) -> int:
@@ -280,7 +319,7 @@ def _size_pool(
         return size_kv_pool(
             cache,
             spec,
-            itemsize=runner_args["kv_cache_dtype"].itemsize,
+            dtype=runner_args["kv_cache_dtype"],
             max_model_len=max_model_len,
             max_num_seqs=config.scheduler.max_num_seqs,
             params_bytes=_host_bytes(model.params),
@@ -333,8 +372,8 @@ def _compile(
 def _log_ready(info: EngineInfo, config: EngineConfig) -> None:
     logger.info(
         "engine ready: %s (%s%s), dtype %s%s, weights %.1f MiB, %d %s KV pages x %d tokens "
-        "(%.1f MiB), buckets %s, attention %s, matmul %s, on %s, load %.1fs, compile %.1fs "
-        "(%d of %d buckets from the compilation cache)",
+        "(%.1f MiB, %d bytes a token), buckets %s, attention %s, matmul %s, on %s, "
+        "load %.1fs, compile %.1fs (%d of %d buckets from the compilation cache)",
         info.model_path,
         info.architecture,
         ", RANDOM WEIGHTS" if info.random_weights else "",
@@ -345,6 +384,7 @@ def _log_ready(info: EngineInfo, config: EngineConfig) -> None:
         info.kv_cache_dtype,
         info.page_size,
         info.kv_cache_bytes / 2**20,
+        info.kv_bytes_per_token,
         info.token_buckets,
         info.attention_backend,
         info.matmul_backend,

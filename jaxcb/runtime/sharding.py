@@ -26,7 +26,6 @@ Multi-host: `initialize_distributed` wires `jax.distributed.initialize`, after w
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -61,6 +60,7 @@ RULES: dict[str, str | None] = {
 }
 
 KV_PAGES_AXES = ("kv_heads", "pages", "page_slots", "head_dim")  # [Hkv, P, page_size, D]
+KV_SCALES_AXES = ("kv_heads", "pages", "page_slots")  # quantized pages' scales: [Hkv, P, ps]
 Q_AXES = ("tokens", "q_heads", "head_dim")  # attention's q and output: [T, Hq, D]
 KV_NEW_AXES = ("tokens", "kv_heads", "head_dim")  # a step's new K or V: [T, Hkv, D]
 LOGITS_AXES = ("seqs", "vocab")  # [S, V]
@@ -135,6 +135,18 @@ def model_param_shardings(spec: ModelSpec, *, mesh: Mesh) -> Any:
 
 def kv_pages_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, logical_spec(KV_PAGES_AXES))
+
+
+def kv_scales_sharding(mesh: Mesh) -> NamedSharding:
+    """A quantized pool's scales go with their pages: split by KV head."""
+    return NamedSharding(mesh, logical_spec(KV_SCALES_AXES))
+
+
+def kv_cache_shardings(mesh: Mesh, kv_caches: Any) -> Any:
+    """The shardings of a pool's per-layer arrays (a pytree like `kv_caches`): the pages by
+    KV head, and a quantized pool's scales ([Hkv, P, page_size], one dimension less) so too."""
+    pages, scales = kv_pages_sharding(mesh), kv_scales_sharding(mesh)
+    return jax.tree_util.tree_map(lambda x: pages if x.ndim == 4 else scales, kv_caches)
 
 
 def logits_shardings(mesh: Mesh, rules: dict[str, str | None]) -> tuple[NamedSharding, ...]:
@@ -263,27 +275,45 @@ def shard_attention(backend: AttentionBackend, mesh: Mesh) -> AttentionBackend:
         return backend
     q_spec, new_spec = logical_spec(Q_AXES), logical_spec(KV_NEW_AXES)
     pages_spec, rep = logical_spec(KV_PAGES_AXES), PartitionSpec()
+    scales_spec = logical_spec(KV_SCALES_AXES)
 
-    def attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs):
-        kernel = functools.partial(backend.attend, **kwargs)
+    def attend(*args, k_scales=None, v_scales=None, **kwargs):
+        """(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs), as the kernels."""
+        args = list(args)
+        specs = [q_spec, pages_spec, pages_spec, rep, rep, rep, rep]
+        if k_scales is not None:  # quantized pages: their scales are split alike
+            args += [k_scales, v_scales]
+            specs += [scales_spec, scales_spec]
+
+        def kernel(*local):
+            scales = dict(zip(("k_scales", "v_scales"), local[7:], strict=False))
+            return backend.attend(*local[:7], **kwargs, **scales)
+
         sharded = jax.shard_map(
             kernel,
             mesh=mesh,
-            in_specs=(q_spec, pages_spec, pages_spec, rep, rep, rep, rep),
+            in_specs=tuple(specs),
             out_specs=q_spec,
             check_vma=False,  # custom kernels (FFI, Pallas) carry no replication rules
         )
-        return sharded(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+        return sharded(*args)
 
-    def write_kv(k_pages, v_pages, k, v, slot_mapping):
+    def write_kv(k_pages, v_pages, k, v, slot_mapping, k_scales=None, v_scales=None):
+        args = [k_pages, v_pages, k, v, slot_mapping]
+        specs = [pages_spec, pages_spec, new_spec, new_spec, rep]
+        outs = (pages_spec, pages_spec)
+        if k_scales is not None:
+            args += [k_scales, v_scales]
+            specs += [scales_spec, scales_spec]
+            outs += (scales_spec, scales_spec)
         sharded = jax.shard_map(
             backend.write_kv,
             mesh=mesh,
-            in_specs=(pages_spec, pages_spec, new_spec, new_spec, rep),
-            out_specs=(pages_spec, pages_spec),
+            in_specs=tuple(specs),
+            out_specs=outs,
             check_vma=False,
         )
-        return sharded(k_pages, v_pages, k, v, slot_mapping)
+        return sharded(*args)
 
     return AttentionBackend(f"{backend.name}", attend, write_kv)
 

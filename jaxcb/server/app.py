@@ -65,6 +65,7 @@ class ServerSettings:
 def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     model_name = settings.served_model_names[0]
     metrics = ServerMetrics(model_name, engine.info.token_buckets)
+    metrics.engine_info(engine.info)
     engine_loop = EngineLoop(engine, metrics)
     if settings.step_trace is not None:
         engine_loop.steps = []

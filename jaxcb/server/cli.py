@@ -218,8 +218,9 @@ def log_startup(engine: Engine, settings: ServerSettings, url: str, frozen: int 
         *([f"  CPU:          {_cpu_line(info.cpu_kernels)}"] if info.cpu_kernels else []),
         f"  parallel:     tensor_parallel_size {config.parallel.tensor_parallel_size}, "
         f"data_parallel_size {config.parallel.data_parallel_size}",
-        f"  KV pages:     {info.num_pages} pages x {info.page_size} tokens = {tokens} tokens, "
-        f"{info.kv_cache_bytes / 2**20:.1f} MiB ({info.kv_cache_bytes} bytes)",
+        f"  KV pages:     {info.num_pages} {info.kv_cache_dtype} pages x {info.page_size} tokens "
+        f"= {tokens} tokens, {info.kv_cache_bytes / 2**20:.1f} MiB ({info.kv_cache_bytes} "
+        f"bytes, {info.kv_bytes_per_token} a token); weights {info.weight_bytes / 2**20:.1f} MiB",
         f"  buckets:      tokens {info.token_buckets}, "
         f"max_num_seqs {config.scheduler.max_num_seqs}",
         f"  scheduling:   policy {sched.scheduling_policy}, prefix caching "

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from jaxcb.engine.interface import StepRecord
+from jaxcb.engine.interface import EngineInfo, StepRecord
 
 # Histogram bounds in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40)
@@ -119,6 +119,25 @@ class ServerMetrics:
         self.prefix_cache_hits = counter(
             "jaxcb:prefix_cache_hits", "Of the looked-up tokens, those found cached."
         )
+        self.weight_bytes = gauge(
+            "jaxcb:weight_bytes", "Bytes of the model weights as stored on the devices."
+        )
+        self.kv_cache_bytes = gauge(
+            "jaxcb:kv_cache_bytes",
+            "Bytes of the KV page pool (K and V of every layer; quantized pages' scales included).",
+        )
+        self.kv_bytes_per_token = gauge(
+            "jaxcb:kv_bytes_per_token",
+            "Bytes one token's K and V take over all layers (a quantized pool's float32 "
+            "scale per KV head included).",
+        )
+        self.num_kv_pages = gauge("jaxcb:num_kv_pages", "KV pages in the pool.")
+        self._cache_config = Gauge(
+            "jaxcb:cache_config_info",
+            "The KV cache's configuration, in the labels (value 1).",
+            ["model_name", "kv_cache_dtype", "page_size", "num_pages"],
+            registry=registry,
+        )
         self._request_success = Counter(
             "jaxcb:request_success",
             "Finished sequences by finish reason (stop, length, abort).",
@@ -129,6 +148,16 @@ class ServerMetrics:
         self._token_slots = 0
         self._tokens_scheduled = 0
         self._idle_pages: dict[int | None, int] = {}  # per data-parallel replica
+
+    def engine_info(self, info: EngineInfo) -> None:
+        """Set the gauges of what the engine is: its weights and KV pool (dtype, pages,
+        bytes a token)."""
+        self.weight_bytes.set(info.weight_bytes)
+        self.kv_cache_bytes.set(info.kv_cache_bytes)
+        self.kv_bytes_per_token.set(info.kv_bytes_per_token)
+        self.num_kv_pages.set(info.num_pages)
+        labels = (info.kv_cache_dtype, str(info.page_size), str(info.num_pages))
+        self._cache_config.labels(self._model_name, *labels).set(1)
 
     def request_finished(self, finish_reason: str) -> None:
         self._request_success.labels(self._model_name, finish_reason).inc()

@@ -7,12 +7,21 @@ from typing import Literal
 import jax
 
 from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
+from pallas_kernels.ragged_paged_attention.kv_quant import (
+    QMAX,
+    QUANTIZED_KV_DTYPES,
+    dequantize,
+    is_quantized_kv,
+    quantize_rows,
+)
 from pallas_kernels.ragged_paged_attention.kv_write import write_kv
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention.shapes import (
     PADDING_SLOT,
     kv_pages_bytes,
     kv_pages_shape,
+    kv_scales_bytes,
+    kv_scales_shape,
     pages_per_seq,
 )
 from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
@@ -47,8 +56,13 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     num_queries_per_block: int | None = None,
     num_kv_pages_per_block: int | None = None,
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
+    v_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """Run the Pallas kernel of `backend`; same semantics as `ragged_paged_attention_reference`.
+
+    Quantized pages (int8, float8_e4m3fn, float8_e5m2) take their `k_scales` / `v_scales`
+    (kv_quant.py); both kernels read the pages as stored and dequantize on chip.
 
     Block sizes left as None come from `DEFAULT_BLOCK_SIZES["tpu"][(head_dim, page_size)]` on
     TPU and from `gpu_block_sizes` (a table per head_dim and batch shape) on GPU.
@@ -72,6 +86,8 @@ def ragged_paged_attention(
         num_queries_per_block=num_queries_per_block,
         num_kv_pages_per_block=num_kv_pages_per_block,
         interpret=interpret,
+        k_scales=k_scales,
+        v_scales=v_scales,
     )
 
 
@@ -79,15 +95,22 @@ __all__ = [
     "DEFAULT_BLOCK_SIZES",
     "GPU_TILES",
     "PADDING_SLOT",
+    "QMAX",
+    "QUANTIZED_KV_DTYPES",
     "BlockSizes",
     "default_block_sizes",
+    "dequantize",
     "dynamic_validate_inputs",
     "gpu_block_sizes",
     "gpu_num_kv_splits",
     "gpu_shared_memory_bytes",
+    "is_quantized_kv",
     "kv_pages_bytes",
     "kv_pages_shape",
+    "kv_scales_bytes",
+    "kv_scales_shape",
     "pages_per_seq",
+    "quantize_rows",
     "ragged_paged_attention",
     "ragged_paged_attention_gpu",
     "ragged_paged_attention_reference",

@@ -22,6 +22,13 @@ the caller's page layout is untouched; the output is sliced back), and
 `num_queries_per_block * G_pad` and `num_kv_pages_per_block * page_size` must be powers of
 two >= 16 (checked with ValueError). Loops have dynamic trip counts; every tile is
 static-sized and raggedness is handled with masks, never with dynamic shapes.
+
+Quantized pages (int8 / fp8, kv_quant.py): the K/V tiles are loaded as stored (1 byte per
+value: half the HBM traffic of bf16) with their per-slot scales (one f32 per KV row, the same
+gather without the head_dim axis), converted to q's dtype for the dots (exact: int8 and fp8
+values are representable in bf16 and f32), and the scales are folded in: the K scale
+multiplies the scores column-wise (`s_ij * k_scale_j`), the V scale the probabilities
+(`p_ij * v_scale_j`; the softmax sum keeps plain p). Scales of rows no query sees load as 0.
 """
 
 from __future__ import annotations
@@ -57,8 +64,10 @@ def _kernel(
     q_ref,  # [rows, Dp], rows = num_queries_per_block * padded_group, Dp = padded head_dim
     k_ref,  # [num_pages, page_size, D] (this program's KV head)
     v_ref,  # [num_pages, page_size, D]
-    o_ref,  # [rows, Dp]: the output (one split), else this split's normalized partial (f32)
-    *lse_ref,  # ([rows] f32,) with several splits: this split's log-sum-exp per row
+    *refs,  # quantized: k_scales_ref, v_scales_ref f32[num_pages, page_size]; then o_ref
+    # o_ref: [rows, Dp]: the output (one split), else this split's normalized partial (f32);
+    # then, with several splits, lse_ref [rows] f32: this split's log-sum-exp per row
+    quantized: bool,
     padded_group: int,
     pages_per_seq: int,
     pages_per_block: int,
@@ -67,6 +76,10 @@ def _kernel(
     sliding_window: int | None,
     soft_cap: float | None,
 ):
+    if quantized:
+        k_scales_ref, v_scales_ref, o_ref, *lse_ref = refs
+    else:
+        o_ref, *lse_ref = refs
     q_block, split = pl.program_id(0), pl.program_id(2)
     rows, padded_dim = q_ref.shape
     _, page_size, head_dim = k_ref.shape
@@ -120,12 +133,20 @@ def _kernel(
             if padded_dim != head_dim:
                 load_mask = load_mask & dim_live[None, :]
             load_mask = jnp.broadcast_to(load_mask, (kv_block, padded_dim))
-            k = pltriton.load(k_ref.at[gather], mask=load_mask, other=0)  # [kv_block, Dp]
-            v = pltriton.load(v_ref.at[gather], mask=load_mask, other=0)  # [kv_block, Dp]
+            zero = jnp.zeros((), k_ref.dtype)  # typed: Triton casts no i32 constant to fp8
+            k = pltriton.load(k_ref.at[gather], mask=load_mask, other=zero)  # [kv_block, Dp]
+            v = pltriton.load(v_ref.at[gather], mask=load_mask, other=zero)  # [kv_block, Dp]
+            if quantized:  # values as stored, to q's dtype for the dots; scales per KV row
+                k, v = k.astype(q.dtype), v.astype(q.dtype)
+                scale_at = (page, slot_of_row)
+                k_scale = pltriton.load(k_scales_ref.at[scale_at], mask=visible, other=0.0)
+                v_scale = pltriton.load(v_scales_ref.at[scale_at], mask=visible, other=0.0)
 
             scores = lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
             )  # [rows, kv_block]
+            if quantized:
+                scores = scores * k_scale[None, :]
             scores = scores * sm_scale
             if soft_cap is not None:
                 scores = soft_cap * jnp.tanh(scores / soft_cap)
@@ -138,6 +159,8 @@ def _kernel(
             alpha = jnp.exp(m_prev - m_next)  # rows of other sequences: 1
             p = jnp.where(mask, jnp.exp(scores - m_next[:, None]), 0.0)  # [rows, kv_block]
             l_next = alpha * l_prev + jnp.sum(p, axis=1)
+            if quantized:
+                p = p * v_scale[None, :]
             pv = lax.dot_general(
                 p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
             )  # [rows, Dp]
@@ -190,6 +213,7 @@ def attention_cost_estimate(
     kv_itemsize: int,
     num_kv_splits: int = 1,
     soft_cap: bool = False,
+    kv_scales: bool = False,
 ) -> pl.CostEstimate:
     """What one call costs, from static shapes only (kv_lens are not known at compile time).
 
@@ -200,8 +224,9 @@ def attention_cost_estimate(
     token attends its sequence's whole share (causal halving ignored). That is an upper bound
     of a decode step at a full pool, the case the roofline is about. Flops count the two
     matmuls (2 * 2 * D per query head and key), not the padding of G and D to powers of two.
-    Bytes: q read, output written, K and V read once, and the split partials written and
-    read back by the combine. Transcendentals: one exp per score (and one tanh with soft_cap).
+    Bytes: q read, output written, K and V read once (with `kv_scales`, quantized pages: their
+    f32 scale per KV row too), and the split partials written and read back by the
+    combine. Transcendentals: one exp per score (and one tanh with soft_cap).
     """
     live_tokens = min(num_pages * page_size, max_num_seqs * pages_per_seq * page_size)
     keys_per_query = live_tokens / max_num_seqs  # each query token's share of the live KV
@@ -210,6 +235,8 @@ def attention_cost_estimate(
     transcendentals = scores * (2 if soft_cap else 1)
     q_bytes = num_tokens * num_q_heads * head_dim * q_itemsize
     kv_bytes = 2 * num_kv_heads * live_tokens * head_dim * kv_itemsize
+    if kv_scales:
+        kv_bytes += 2 * num_kv_heads * live_tokens * 4
     table_bytes = 4 * max_num_seqs * (pages_per_seq + 3)
     split_bytes = 0
     if num_kv_splits > 1:  # f32 partial + lse per split, written then read by the combine
@@ -253,6 +280,8 @@ def ragged_paged_attention_gpu(
     num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool = False,
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
+    v_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """Ragged paged attention on GPU (Triton); semantics of `ragged_paged_attention_reference`.
 
@@ -267,6 +296,8 @@ def ragged_paged_attention_gpu(
       num_kv_splits: split-KV factor (1: no split); partials merged by `_combine_splits`.
       num_warps, num_stages: Triton launch parameters.
       interpret: run the kernel in the Pallas interpreter (CPU), as the tests do.
+      k_scales, v_scales: f32 `[num_kv_heads, num_pages, page_size]`, required with int8 /
+        fp8 pages (and only then): a stored row stands for its values times its scale.
 
     Returns:
       `[T, num_q_heads, head_dim]` in q's dtype; padding rows are zeros.
@@ -281,7 +312,10 @@ def ragged_paged_attention_gpu(
         num_seqs,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        k_scales=k_scales,
+        v_scales=v_scales,
     )
+    quantized = k_scales is not None
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     max_num_seqs, pages_per_seq = page_indices.shape
@@ -297,6 +331,7 @@ def ragged_paged_attention_gpu(
         max_num_seqs=max_num_seqs,
         pages_per_seq=pages_per_seq,
         itemsize=max(q.dtype.itemsize, k_pages.dtype.itemsize),
+        kv_scales=quantized,
     )
     block_q = max(
         num_queries_per_block or chosen.num_queries_per_block, 16 // min(padded_group, 16)
@@ -327,6 +362,7 @@ def ragged_paged_attention_gpu(
 
     kernel = functools.partial(
         _kernel,
+        quantized=quantized,
         padded_group=padded_group,
         pages_per_seq=pages_per_seq,
         pages_per_block=pages_per_block,
@@ -340,6 +376,12 @@ def ragged_paged_attention_gpu(
     kv_spec = pl.BlockSpec(
         (pl.squeezed, num_pages, page_size, head_dim), lambda b, h, j: (h, 0, 0, 0)
     )
+    in_specs = [whole, whole, whole, whole, whole, q_spec, kv_spec, kv_spec]
+    scale_args = ()
+    if quantized:
+        scale_spec = pl.BlockSpec((pl.squeezed, num_pages, page_size), lambda b, h, j: (h, 0, 0))
+        in_specs += [scale_spec, scale_spec]
+        scale_args = (k_scales, v_scales)
     packed_rows = packed_q.shape[1]
     if splits == 1:
         out_specs = q_spec
@@ -368,11 +410,12 @@ def ragged_paged_attention_gpu(
         kv_itemsize=k_pages.dtype.itemsize,
         num_kv_splits=splits,
         soft_cap=soft_cap is not None,
+        kv_scales=quantized,
     )
     out = pl.pallas_call(
         kernel,
         grid=(num_q_blocks, num_kv_heads, splits),
-        in_specs=[whole, whole, whole, whole, whole, q_spec, kv_spec, kv_spec],
+        in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(
@@ -391,6 +434,7 @@ def ragged_paged_attention_gpu(
         packed_q,
         k_pages,
         v_pages,
+        *scale_args,
     )
     if splits > 1:
         out = _combine_splits(*out).astype(q.dtype)  # [Hkv, T_pad * Gp, Dp]

@@ -10,12 +10,18 @@ own sequence (and only `p - sliding_window < j` with a sliding window). Rows at 
 The implementation gathers, for every query row, its sequence's pages. That costs
 `T x pages_per_seq x page_size` K/V reads: fine as a reference and for small CPU batches.
 Masked K/V values are zeroed before any arithmetic, so NaN in an unused page cannot leak.
+
+Quantized pages (int8 / fp8, see kv_quant.py) come with `k_scales` / `v_scales`
+`[num_kv_heads, num_pages, page_size]`: each gathered row is dequantized (value x its scale,
+in float32) before it is masked and used.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.ragged_paged_attention.kv_quant import check_scales
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -56,8 +62,11 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
+    v_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
 ) -> jax.Array:  # [T, num_q_heads, head_dim], dtype of q
     """Ragged paged attention in plain jnp (see the module docstring for the semantics)."""
+    quantized = check_scales(k_pages, v_pages, k_scales, v_scales)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -75,13 +84,16 @@ def ragged_paged_attention_reference(
         mask &= kv_positions[None, :] > q_positions[:, None] - sliding_window
     mask &= valid[:, None]
 
-    def gather(pages: jax.Array) -> jax.Array:
+    def gather(pages: jax.Array, scales: jax.Array | None) -> jax.Array:
         x = pages[:, row_pages]  # [Hkv, T, pages_per_seq, page_size, D]
         x = x.reshape(num_kv_heads, num_tokens, kv_width, head_dim)  # [Hkv, T, L, D]
+        if quantized:
+            s = scales[:, row_pages].reshape(num_kv_heads, num_tokens, kv_width)  # [Hkv, T, L]
+            x = x.astype(jnp.float32) * s[..., None]
         return jnp.where(mask[None, :, :, None], x, 0).astype(jnp.float32)
 
-    k = gather(k_pages)
-    v = gather(v_pages)
+    k = gather(k_pages, k_scales)
+    v = gather(v_pages, v_scales)
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)  # [T,Hkv,G,D]
     scores = jnp.einsum("thgd,htld->thgl", qg, k) * sm_scale  # [T, Hkv, G, L]
     if soft_cap is not None:

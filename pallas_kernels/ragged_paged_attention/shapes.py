@@ -37,6 +37,17 @@ def kv_pages_bytes(
     return 2 * num_kv_heads * num_pages * page_size * head_dim * itemsize
 
 
+def kv_scales_shape(num_pages: int, page_size: int, num_kv_heads: int) -> tuple[int, int, int]:
+    """Shape of one layer's K (or V) scale array of a quantized pool (kv_quant.py): one
+    float32 per (KV head, page, slot)."""
+    return (num_kv_heads, num_pages, page_size)
+
+
+def kv_scales_bytes(num_pages: int, page_size: int, num_kv_heads: int) -> int:
+    """Bytes taken by one layer's K and V scale arrays together (float32) of a quantized pool."""
+    return 2 * num_kv_heads * num_pages * page_size * 4
+
+
 def pages_per_seq(max_model_len: int, page_size: int) -> int:
     """Width of a page table row: pages needed by the longest allowed sequence."""
     return -(-max_model_len // page_size)

@@ -26,6 +26,23 @@ Memory path:
   the buffer as is: no reshape of a DMA'd value, and only full-block stores (softmax state
   lives in VMEM scratch, masks are `jnp.where`). That is also what lets it run in TPU
   interpret mode on CPU, which is how CI checks it.
+
+Quantized pages (int8 / fp8 with f32 `k_scales` / `v_scales` [Hkv, num_pages, page_size],
+kv_quant.py): the K/V pages are DMA'd as stored (1 byte per value, half the HBM traffic of
+bf16) and dequantized in VMEM, row by row: each KV block's tile becomes
+`values.astype(f32) * scale` (one scale per token row), then q's dtype for the MXU. The
+scales cannot be DMA'd per page: XLA's TPU layout of a float32 `[H, num_pages, page_size]`
+array with page_size < 128 is `{1,2,0:T(8,128)}`, i.e. per head a `[page_size, num_pages]`
+matrix with the pages on lanes (no lane padding), where one page's scales are one lane of
+two tiles, and Mosaic DMAs slice lanes in whole 128-lane tiles only. So the kernel takes the
+`[H, page_size, num_pages]` view (a bitcast of that layout, no copy), keeps one KV head's
+scales in VMEM (a block per head, fetched once per head: `4 * page_size * num_pages` bytes
+per array, the whole scale pool read once per call, 4 / head_dim of the int8 pool's bytes)
+and picks each page's column out of its aligned 128-page chunk with a lane select and sum.
+A page count that is a multiple of 128 saves the second pick of the narrower last chunk (and
+lets write_kv scatter the scales in place: kv_write.scatter_scales_tpu). From page_size 128
+up XLA stores the scales row-major and the view is a real transpose per call: correct, not
+tuned for.
 """
 
 from __future__ import annotations
@@ -72,6 +89,30 @@ def _start_or_wait(copies, wait: bool) -> None:
         copy.wait() if wait else copy.start()
 
 
+def _scale_column(
+    scales_ref,  # f32[page_size, num_pages] (VMEM): one KV head's scales, pages on lanes
+    page,  # i32 scalar: a page id in [0, num_pages)
+) -> jax.Array:  # f32[page_size, 1]: the scales of the page's slots
+    """Column `page` of `scales_ref`: the aligned 128-lane chunk that holds it, its lane
+    selected and summed (Mosaic loads lanes in aligned 128-lane chunks). A pool whose page
+    count is no multiple of 128 has a narrower last chunk, read with its own static slice."""
+    num_pages = scales_ref.shape[1]
+
+    def pick(start, width, lane):
+        chunk = scales_ref[:, pl.ds(start, width)]  # [page_size, width]
+        lanes = lax.broadcasted_iota(jnp.int32, chunk.shape, 1)
+        return jnp.sum(jnp.where(lanes == lane, chunk, 0.0), axis=1, keepdims=True)
+
+    full = num_pages // LANES * LANES  # pages in whole chunks
+    if full == 0:
+        return pick(0, num_pages, page)
+    start = pl.multiple_of(_div(jnp.minimum(page, full - 1), LANES) * LANES, LANES)
+    column = pick(start, LANES, page - start)
+    if full == num_pages:
+        return column
+    return jnp.where(page >= full, pick(full, num_pages - full, page - full), column)
+
+
 def _kernel(
     # scalar prefetch (SMEM)
     kv_lens_ref,  # i32[S]
@@ -83,18 +124,19 @@ def _kernel(
     table_hbm_ref,  # i32[S, chunks_per_seq * ids_chunk] (HBM): the page table
     k_hbm_ref,  # [Hkv, num_pages, page_size, D] (HBM)
     v_hbm_ref,  # [Hkv, num_pages, page_size, D] (HBM)
-    # output
-    o_ref,  # [rows, D]
-    # scratch
-    k_buf,  # [2, kv_block_tokens, D]
-    v_buf,  # [2, kv_block_tokens, D]
-    sems,  # DMA[2, 2]: (K or V, buffer slot)
-    ids_buf,  # i32[2, 1, ids_chunk] (SMEM): the table chunk of a KV block, per buffer slot
-    ids_sems,  # DMA[2]: per buffer slot
-    m_ref,  # f32[rows, LANES] running max (replicated over lanes)
-    l_ref,  # f32[rows, LANES] running sum
-    acc_ref,  # f32[rows, D] running numerator
-    *,
+    *refs,
+    # quantized only: k_scales_ref, v_scales_ref f32[page_size, num_pages] (VMEM, this head)
+    # output: o_ref [rows, D]
+    # scratch:
+    #   k_buf, v_buf [2, kv_block_tokens, D]
+    #   sems DMA[2, 2]: (K or V, buffer slot)
+    #   ids_buf i32[2, 1, ids_chunk] (SMEM): the table chunk of a KV block, per buffer slot
+    #   ids_sems DMA[2]: per buffer slot
+    #   m_ref f32[rows, LANES] running max (replicated over lanes)
+    #   l_ref f32[rows, LANES] running sum
+    #   acc_ref f32[rows, D] running numerator
+    #   quantized only: pages_buf i32[2, pages_per_block] (SMEM): a KV block's page ids
+    quantized: bool,
     group: int,
     page_size: int,
     ids_chunk: int,
@@ -103,6 +145,10 @@ def _kernel(
     sliding_window: int | None,
     soft_cap: float | None,
 ):
+    if quantized:
+        k_scales_ref, v_scales_ref, *refs = refs
+        *refs, pages_buf = refs
+    o_ref, k_buf, v_buf, sems, ids_buf, ids_sems, m_ref, l_ref, acc_ref = refs
     head = pl.program_id(0)
     q_block = pl.program_id(1)
     rows, head_dim = q_ref.shape
@@ -175,6 +221,17 @@ def _kernel(
                 ),
             )
             pl.when(j < num_needed)(functools.partial(_start_or_wait, copies, wait))
+            if quantized and not wait:  # kept for the scales: ids_buf moves on before compute
+                pages_buf[slot, j] = jnp.where(j < num_needed, page, 0)
+
+    def scales_tile(scales_ref, slot):
+        """f32[kv_block, D]: row r holds the scale of the block's token r (its page's column
+        of the head's `[page_size, num_pages]` scales, broadcast over the lanes)."""
+        columns = []
+        for j in range(pages_per_block):
+            column = _scale_column(scales_ref, pages_buf[slot, j])  # [page_size, 1]
+            columns.append(jnp.broadcast_to(column, (page_size, head_dim)))
+        return jnp.concatenate(columns, axis=0) if len(columns) > 1 else columns[0]
 
     def compute(s, blk, slot):
         q_start, q_end, context, kv_stop, _, _ = span(s)
@@ -182,8 +239,14 @@ def _kernel(
         # Tokens past the causal end were not copied (stale or NaN): zero V there so that
         # p == 0 cannot turn into 0 * NaN.
         v_pos = kv_base + lax.broadcasted_iota(jnp.int32, (kv_block, head_dim), 0)
-        v = jnp.where(v_pos < kv_stop, v_buf[slot], 0)  # [kv_block, D]
-        k = k_buf[slot]  # [kv_block, D]
+        if quantized:  # dequantized row by row; K past the causal end is masked below
+            k = k_buf[slot].astype(jnp.float32) * scales_tile(k_scales_ref, slot)
+            k = k.astype(q_ref.dtype)  # [kv_block, D]
+            v = v_buf[slot].astype(jnp.float32) * scales_tile(v_scales_ref, slot)
+            v = jnp.where(v_pos < kv_stop, v, 0).astype(q_ref.dtype)  # [kv_block, D]
+        else:
+            v = jnp.where(v_pos < kv_stop, v_buf[slot], 0)  # [kv_block, D]
+            k = k_buf[slot]  # [kv_block, D]
         scores = lax.dot_general(
             q_ref[...], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )  # [rows, kv_block]
@@ -270,6 +333,7 @@ def cost_estimate(
     *,
     block_q: int,
     soft_cap: float | None,
+    quantized: bool = False,
 ) -> pl.CostEstimate:
     """What one call costs, for XLA's cost analysis (roofline and AOT reports).
 
@@ -280,7 +344,8 @@ def cost_estimate(
     for causal prefill: about half of a chunk's own keys are masked), and each sequence's
     K/V is read once per query block it spans (once for decode; sliding windows are
     ignored). At the decode buckets that is "the live KV pool once", the term that bounds
-    decode on bandwidth.
+    decode on bandwidth. A quantized pool adds its scales, all of them read once (they are
+    fetched per KV head whole, see the module docstring).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -292,6 +357,8 @@ def cost_estimate(
     kv_bytes = 2 * num_kv_heads * live * context * q_blocks_per_seq * head_dim
     kv_bytes *= k_pages.dtype.itemsize
     table_bytes = live * pl.cdiv(context, page_size) * 4 * num_kv_heads
+    if quantized:
+        kv_bytes += 2 * num_kv_heads * num_pages * page_size * 4
     return pl.CostEstimate(
         flops=int(4 * scores * head_dim),  # q @ k and p @ v, 2 flops per multiply-add
         transcendentals=int(scores * (2 if soft_cap is not None else 1)),  # exp (and tanh)
@@ -327,6 +394,8 @@ def ragged_paged_attention_tpu(
     num_kv_pages_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
     interpret: bool = False,
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
+    v_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """Ragged paged attention on TPU (Mosaic); semantics of `ragged_paged_attention_reference`.
 
@@ -340,6 +409,10 @@ def ragged_paged_attention_tpu(
       num_kv_pages_per_block: pages per KV block (capped at pages_per_seq); None: the table.
       vmem_limit_bytes: Mosaic scoped VMEM limit; None keeps the compiler default.
       interpret: run in TPU interpret mode (CPU), as the tests do.
+      k_scales, v_scales: f32 `[num_kv_heads, num_pages, page_size]`, required with int8 /
+        fp8 pages (and only then): a stored row stands for its values times its scale. One
+        KV head's scales sit in VMEM at a time (`4 * page_size * num_pages` bytes per array,
+        single-buffered): a very large pool may need a larger `vmem_limit_bytes`.
 
     Returns:
       `[T, num_q_heads, head_dim]` in q's dtype; padding rows are zeros.
@@ -354,9 +427,12 @@ def ragged_paged_attention_tpu(
         num_seqs,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        k_scales=k_scales,
+        v_scales=v_scales,
     )
+    quantized = k_scales is not None
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
     pages_per_seq = page_indices.shape[1]
     group = num_q_heads // num_kv_heads
     defaults = default_block_sizes("tpu", head_dim, page_size)
@@ -379,6 +455,7 @@ def ragged_paged_attention_tpu(
 
     kernel = functools.partial(
         _kernel,
+        quantized=quantized,
         group=group,
         page_size=page_size,
         ids_chunk=ids_chunk,
@@ -388,15 +465,28 @@ def ragged_paged_attention_tpu(
         soft_cap=soft_cap,
     )
     q_spec = pl.BlockSpec((pl.squeezed, rows, head_dim), lambda h, b, *_: (h, b, 0))
+    in_specs = [
+        q_spec,
+        pl.BlockSpec(memory_space=pltpu.HBM),  # not VMEM, whatever its size
+        pl.BlockSpec(memory_space=pl.ANY),
+        pl.BlockSpec(memory_space=pl.ANY),
+    ]
+    scale_args, scale_scratch = (), []
+    if quantized:
+        # [H, page_size, num_pages]: a bitcast of XLA's TPU layout of [H, num_pages,
+        # page_size] (pages on lanes); one head's block, refetched only when the head changes.
+        scale_args = tuple(jnp.swapaxes(x, 1, 2) for x in (k_scales, v_scales))
+        scale_spec = pl.BlockSpec(
+            (pl.squeezed, page_size, num_pages),
+            lambda h, b, *_: (h, 0, 0),
+            pipeline_mode=pl.Buffered(1),
+        )
+        in_specs += [scale_spec, scale_spec]
+        scale_scratch = [pltpu.SMEM((2, pages_per_block), jnp.int32)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
         grid=(num_kv_heads, num_q_blocks),
-        in_specs=[
-            q_spec,
-            pl.BlockSpec(memory_space=pltpu.HBM),  # not VMEM, whatever its size
-            pl.BlockSpec(memory_space=pl.ANY),
-            pl.BlockSpec(memory_space=pl.ANY),
-        ],
+        in_specs=in_specs,
         out_specs=q_spec,
         scratch_shapes=[
             pltpu.VMEM((2, kv_block, head_dim), k_pages.dtype),
@@ -407,6 +497,7 @@ def ragged_paged_attention_tpu(
             pltpu.VMEM((rows, LANES), jnp.float32),
             pltpu.VMEM((rows, LANES), jnp.float32),
             pltpu.VMEM((rows, head_dim), jnp.float32),
+            *scale_scratch,
         ],
     )
     out = pl.pallas_call(
@@ -418,7 +509,9 @@ def ragged_paged_attention_tpu(
             vmem_limit_bytes=vmem_limit_bytes,
         ),
         interpret=pltpu.InterpretParams() if interpret else False,
-        cost_estimate=cost_estimate(q, k_pages, page_indices, block_q=block_q, soft_cap=soft_cap),
+        cost_estimate=cost_estimate(
+            q, k_pages, page_indices, block_q=block_q, soft_cap=soft_cap, quantized=quantized
+        ),
         name="ragged_paged_attention_tpu",
     )(
         kv_lens,
@@ -429,5 +522,6 @@ def ragged_paged_attention_tpu(
         table,  # 2-D as the caller holds it: no relayout
         k_pages,
         v_pages,
+        *scale_args,
     )
     return unpack_outputs(out, num_tokens, num_q_heads, group)

@@ -124,7 +124,13 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def gpu_shared_memory_bytes(
-    *, head_dim: int, query_rows: int, kv_tokens: int, itemsize: int, num_stages: int = 1
+    *,
+    head_dim: int,
+    query_rows: int,
+    kv_tokens: int,
+    itemsize: int,
+    num_stages: int = 1,
+    kv_scales: bool = False,
 ) -> int:
     """Shared memory of one Triton program of the kernel on H100 (sm_90), in bytes.
 
@@ -136,15 +142,19 @@ def gpu_shared_memory_bytes(
     - rows < 64: mma.sync through one K/V buffer (K and V take turns) plus q and p:
       q + kv + p; f32 keeps K and V apart: one more kv tile.
     `num_stages` changes nothing (measured; see the comment above the table).
+    Quantized pages (`kv_scales`; `itemsize` is then q's, the dtype the tiles are converted
+    to) add the two f32 scale vectors of a KV block: an upper bound (measured on H100, int8
+    and fp8 at head_dim 64/128: equal for prefill tiles, 10-11 KB less for decode tiles).
     """
     del num_stages
+    scales = 2 * kv_tokens * 4 if kv_scales else 0
     dim = padded_head_dim(head_dim)
     q = query_rows * dim * itemsize
     kv = kv_tokens * dim * itemsize
     extra_kv = kv if itemsize >= 4 else 0
     if query_rows >= 64:
-        return q + 2 * kv + extra_kv
-    return q + kv + query_rows * kv_tokens * itemsize + extra_kv
+        return q + 2 * kv + extra_kv + scales
+    return q + kv + query_rows * kv_tokens * itemsize + extra_kv + scales
 
 
 def gpu_block_sizes(
@@ -159,6 +169,7 @@ def gpu_block_sizes(
     itemsize: int,
     num_sms: int = H100_NUM_SMS,
     shared_memory_limit: int = H100_SHARED_MEMORY_PER_BLOCK,
+    kv_scales: bool = False,
 ) -> BlockSizes:
     """Block sizes, launch parameters and split-KV factor of the GPU kernel for static shapes.
 
@@ -167,7 +178,8 @@ def gpu_block_sizes(
     narrower KV block, then fewer query rows, while the shared-memory estimate exceeds the
     limit (a ValueError if one page and 16 rows still do not fit: f32 at head_dim 256 and
     page_size 128).
-    The split-KV factor: `gpu_num_kv_splits`.
+    The split-KV factor: `gpu_num_kv_splits`. Quantized pages: `itemsize` of q (the tiles'
+    dtype after conversion) and `kv_scales=True`.
     """
     dim = padded_head_dim(head_dim)
     if dim > max(GPU_TILES):
@@ -185,6 +197,7 @@ def gpu_block_sizes(
             kv_tokens=pages * page_size,
             itemsize=itemsize,
             num_stages=tile.num_stages,
+            kv_scales=kv_scales,
         )
 
     while smem() > shared_memory_limit and pages > 1:

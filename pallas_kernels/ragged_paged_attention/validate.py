@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.ragged_paged_attention.kv_quant import check_scales, is_quantized_kv
+
 
 def static_validate_inputs(
     q: jax.Array,  # [T, num_q_heads, head_dim]
@@ -24,8 +26,13 @@ def static_validate_inputs(
     *,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
+    v_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
 ) -> None:
-    """Check ranks, shapes, dtypes and divisibility; works on tracers and ShapeDtypeStructs."""
+    """Check ranks, shapes, dtypes and divisibility; works on tracers and ShapeDtypeStructs.
+
+    K/V pages are floating point, or quantized (int8, float8_e4m3fn, float8_e5m2) with
+    float32 `k_scales` and `v_scales` of shape `[num_kv_heads, num_pages, page_size]`."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, num_q_heads, head_dim], got {q.shape=}")
     if k_pages.ndim != 4:
@@ -46,8 +53,11 @@ def static_validate_inputs(
         raise ValueError(f"{page_size=} and {head_dim=} must be positive")
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q must be floating point, got {q.dtype=}")
-    if not jnp.issubdtype(k_pages.dtype, jnp.floating):
-        raise ValueError(f"k_pages must be floating point, got {k_pages.dtype=}")
+    if not (jnp.issubdtype(k_pages.dtype, jnp.floating) or is_quantized_kv(k_pages.dtype)):
+        raise ValueError(
+            f"k_pages must be floating point or int8/fp8 with scales, got {k_pages.dtype=}"
+        )
+    check_scales(k_pages, v_pages, k_scales, v_scales)
     for name, x, ndim in (
         ("kv_lens", kv_lens, 1),
         ("page_indices", page_indices, 2),
@@ -91,6 +101,8 @@ def dynamic_validate_inputs(
     *,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
+    v_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
 ) -> None:
     """Static checks, then checks of the concrete metadata values (host-side, not jittable)."""
     static_validate_inputs(
@@ -103,6 +115,8 @@ def dynamic_validate_inputs(
         num_seqs,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        k_scales=k_scales,
+        v_scales=v_scales,
     )
     num_tokens = q.shape[0]
     _, num_pages, page_size, _ = k_pages.shape

@@ -15,6 +15,11 @@ count is the data's, not the bucket's:
 
 Both paths zero masked K/V before any arithmetic, so garbage (NaN) in pages that a sequence
 does not own cannot leak into its output; padding rows produce zeros.
+
+Quantized pages (int8 / fp8 with `k_scales` / `v_scales`, kv_quant.py): chunks are gathered
+as stored, with their scales; the K scale multiplies the scores (`s_ij * k_scale_j`) and the
+V scale the probabilities (`p_ij * v_scale_j`, the softmax sum keeps plain p), so no
+dequantized copy of a chunk is made. Masked scales are zeroed like masked V (0 * NaN).
 """
 
 from __future__ import annotations
@@ -25,14 +30,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.ragged_paged_attention.kv_quant import check_scales
 from pallas_kernels.ragged_paged_attention.reference import MASK_VALUE
 
 
-def _online_softmax_step(carry, scores, mask, v, out_dtype, *, as_matmul=True):
+def _online_softmax_step(carry, scores, mask, v, out_dtype, *, as_matmul=True, v_scale=None):
     """One KV chunk of an online softmax.
 
     carry: (m [Hkv, N, R], denom [Hkv, N, R], acc [Hkv, N, R, D]); scores, mask:
-    [Hkv, N, R, C]; v: [Hkv, N, C, D].
+    [Hkv, N, R, C]; v: [Hkv, N, C, D]; v_scale (quantized V): f32[Hkv, N, C], zero where
+    masked.
     """
     m, denom, acc = carry
     scores = jnp.where(mask, scores, MASK_VALUE)
@@ -40,6 +47,9 @@ def _online_softmax_step(carry, scores, mask, v, out_dtype, *, as_matmul=True):
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(scores - m_new[..., None]) * mask
     denom = denom * alpha + p.sum(axis=-1)
+    if v_scale is not None:  # the V scale folded into the probabilities
+        p = p * v_scale[:, :, None, :]
+        v = v.astype(out_dtype)
     if as_matmul:
         pv = jnp.einsum(
             "hnrc,hncd->hnrd", p.astype(out_dtype), v, preferred_element_type=jnp.float32
@@ -62,6 +72,15 @@ def _gather_chunk(pages, page_ids, valid=None):
     if valid is None:
         return x
     return jnp.where(valid[None, :, :, None], x, jnp.zeros((), x.dtype))
+
+
+def _gather_scales(scales, page_ids, valid=None):
+    """Scales of a chunk: scales [Hkv, P, ps], page_ids [N, n] → f32[Hkv, N, n * ps]; zero
+    outside `valid` [N, n * ps] (they multiply p, which is 0 there, and may be NaN)."""
+    num_kv_heads = scales.shape[0]
+    n_rows = page_ids.shape[0]
+    x = scales[:, page_ids].reshape(num_kv_heads, n_rows, -1)  # [Hkv, N, n * ps]
+    return x if valid is None else jnp.where(valid[None], x, 0.0)
 
 
 @functools.partial(
@@ -90,8 +109,11 @@ def ragged_paged_attention_xla(
     block_q: int = 16,
     kv_chunk_pages: int = 8,
     block_group: int = 4,
+    k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
+    v_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """Ragged paged attention with work proportional to the live lengths (see module doc)."""
+    quantized = check_scales(k_pages, v_pages, k_scales, v_scales)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -109,10 +131,19 @@ def ragged_paged_attention_xla(
     q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
     kv_lens = jnp.where(live, kv_lens, 0)
 
-    def score(qs, ks):  # qs [Hkv, N, R, D], ks [Hkv, N, C, D] -> [Hkv, N, R, C]
+    def score(qs, ks, k_scale):  # qs [Hkv, N, R, D], ks [Hkv, N, C, D] -> [Hkv, N, R, C]
+        if k_scale is not None:
+            ks = ks.astype(cdtype)  # int8 / fp8 values are exact in bf16 and f32
         s = jnp.einsum("hnrd,hncd->hnrc", qs, ks, preferred_element_type=jnp.float32)
+        if k_scale is not None:
+            s = s * k_scale[:, :, None, :]
         s = s * sm_scale
         return soft_cap * jnp.tanh(s / soft_cap) if soft_cap is not None else s
+
+    def chunk_scales(ids, valid):  # (k_scale, v_scale) f32[Hkv, N, C] of a chunk, or None
+        if not quantized:
+            return None, None
+        return _gather_scales(k_scales, ids), _gather_scales(v_scales, ids, valid)
 
     def window_ok(kv_pos, q_pos):
         return True if sliding_window is None else kv_pos > q_pos - sliding_window
@@ -135,14 +166,18 @@ def ragged_paged_attention_xla(
         valid &= is_decode[:, None]  # [S, C]
         k = _gather_chunk(k_pages, ids)  # [Hkv, S, C, D]
         v = _gather_chunk(v_pages, ids, valid)
+        k_scale, v_scale = chunk_scales(ids, valid)
         mask = valid[None, :, None, :]  # [1, S, 1, C]
         # One query row per sequence: too thin for a matmul, so multiply-and-reduce, which
         # XLA fuses with the gathers instead of materializing K and V.
         products = q_dec[:, :, :, None, :].astype(jnp.float32) * k[:, :, None].astype(jnp.float32)
-        s = jnp.sum(products, axis=-1) * sm_scale  # [Hkv, S, G, C]
+        s = jnp.sum(products, axis=-1)  # [Hkv, S, G, C]
+        if quantized:
+            s = s * k_scale[:, :, None, :]
+        s = s * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        return _online_softmax_step(carry, s, mask, v, cdtype, as_matmul=False)
+        return _online_softmax_step(carry, s, mask, v, cdtype, as_matmul=False, v_scale=v_scale)
 
     init = (
         jnp.full((num_kv_heads, max_num_seqs, group), MASK_VALUE, jnp.float32),
@@ -203,12 +238,14 @@ def ragged_paged_attention_xla(
             kv_ok = kv_pos[None, :] < g_end[:, None]  # [BG, C]
             k = _gather_chunk(k_pages, ids)  # [Hkv, BG, C, D]
             v = _gather_chunk(v_pages, ids, kv_ok)
+            k_scale, v_scale = chunk_scales(ids, kv_ok)
             mask = (kv_pos[None, None, :] <= g_pos[:, :, None]) & window_ok(
                 kv_pos[None, None, :], g_pos[:, :, None]
             )
             mask &= g_ok[:, :, None] & kv_ok[:, None, :]  # [BG, B, C]
             mask = jnp.repeat(mask, group, axis=1)[None]  # [1, BG, B*G, C]
-            return _online_softmax_step(carry, score(q_blk, k), mask, v, cdtype)
+            scores = score(q_blk, k, k_scale)
+            return _online_softmax_step(carry, scores, mask, v, cdtype, v_scale=v_scale)
 
         shape = (num_kv_heads, block_group, rows_per_block)
         init = (

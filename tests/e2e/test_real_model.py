@@ -164,10 +164,11 @@ def test_bfloat16_agreement_with_float32_reference(smollm2: Path, reference) -> 
 
 
 def test_int8_weights_agree_with_float32_reference(smollm2: Path, reference) -> None:
-    """int8 weight-only quantization (models/quant.py) on the native int8 kernel: at least
-    90% of the greedy tokens equal the float32 reference's, position by position, on every
-    fourth chat, same budget and pool. The file's Q4_1 blocks load as int8 codes exactly
-    (their block grids), so only the order of the float32 sums differs."""
+    """int8 weight-only quantization (models/quant.py) on the native kernels: at least 90%
+    of the greedy tokens equal the float32 reference's, position by position, on every
+    fourth chat, same budget and pool. The file's Q4_1 layer blocks and its Q8_0 head load
+    exactly (their block grids; the Q4 codes run at 4 bits), so only the order of the
+    float32 sums differs."""
     got, texts, llm = run_jaxcb(
         smollm2, "float32", every=4, quantization="int8", token_buckets=[64], seq_buckets=[8]
     )
@@ -183,8 +184,32 @@ def test_int8_weights_agree_with_float32_reference(smollm2: Path, reference) -> 
     assert stats["quantization"] == "int8"
     if native.INT8_MATMUL.available():
         assert stats["kernels"]["matmul_kernels"]["int8"] == "in use for the int8 weights"
-        layers = llm.engine.runner.params["layers"]
-        assert list(layers[0]["w_down"]) == ["int8"]
+        params = llm.engine.runner.params
+        assert list(params["layers"][0]["w_down"]) == ["int4"]  # Q4_1 blocks: 4-bit codes
+        assert list(params["lm_head"]) == ["int8"]  # the tied Q8_0 table, as the file has it
+    assert stats["kv_pages_used"] == 0
+
+
+def test_int8_kv_cache_agrees_with_float32_reference(smollm2: Path, reference) -> None:
+    """int8 KV pages (kv_cache_dtype, a float32 scale per token and KV head) on float32
+    weights: at least 90% of the greedy tokens equal the float32 reference's, position by
+    position, on every fourth chat, in the same small pool (preemption included)."""
+    got, texts, llm = run_jaxcb(
+        smollm2, "float32", every=4, kv_cache_dtype="int8", token_buckets=[64], seq_buckets=[8]
+    )
+    reference = reference[::4]
+    tokens = sum(len(b) for b in reference)
+    same = sum(x == y for a, b in zip(got, reference, strict=True) for x, y in zip(a, b))  # noqa: B905
+    agree = same / tokens
+    prefix = sum(_common_prefix(a, b) for a, b in zip(got, reference, strict=True))
+    print(
+        f"\nint8 KV vs float32: {agree:.1%} of {tokens} tokens agree, {prefix} before a difference"
+    )
+    assert agree >= 0.9, agree
+    assert "Paris" in texts[0]
+    stats = llm.stats()
+    assert stats["kv_cache_dtype"] == "int8"
+    assert stats["kv_bytes_per_token"] == 2 * 30 * 3 * (64 + 4)  # 30 layers, 3 KV heads
     assert stats["kv_pages_used"] == 0
 
 

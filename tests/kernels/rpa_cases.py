@@ -4,6 +4,10 @@ Every batch is built so that a kernel reading anything it should not poisons its
 pages no live sequence uses, and the unused tail slots of partly filled pages, hold NaN;
 page tables are shuffled; columns of a page table past a sequence's last page hold an
 out-of-range page index; padding query rows hold NaN too.
+
+Quantized pages (`quantize_batch`): the slots that hold NaN above get a NaN scale (and NaN
+values where the dtype has NaN, fp8; int8 ones hold 127), so a kernel that reads a scale or
+a value it should not still poisons its output.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ragged_paged_attention import kv_pages_shape
+from pallas_kernels.ragged_paged_attention import QUANTIZED_KV_DTYPES, kv_pages_shape, quantize_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,20 +92,51 @@ def make_batch(
     )
 
 
-def abstract_args(shape: Shape, sharding=None) -> list[jax.ShapeDtypeStruct]:
-    """The kernel's seven arguments as abstract values (lowering, AOT compiles)."""
+def quantize_batch(
+    batch: tuple[jax.Array, ...],  # make_batch's seven arrays, float pages
+    kv_dtype: str,  # "int8", "fp8_e4m3" or "fp8_e5m2"
+) -> tuple[tuple[jax.Array, ...], dict[str, jax.Array]]:
+    """The batch with its pages quantized, and `{"k_scales": ..., "v_scales": ...}`.
+
+    Every row that holds NaN (unused pages, tails of partly filled pages) gets a NaN scale,
+    and NaN values in fp8 (int8 has no NaN: 127), whatever `quantize_rows` makes of NaN."""
+    dtype = QUANTIZED_KV_DTYPES[kv_dtype]
+    q, k_pages, v_pages, *metadata = batch
+    pages, scales = [], {}
+    for name, x in (("k_scales", k_pages), ("v_scales", v_pages)):
+        unused = np.isnan(np.asarray(x.astype(jnp.float32))).any(axis=-1)  # [H, P, ps]
+        values, scale = quantize_rows(jnp.nan_to_num(x), dtype)
+        poison = jnp.asarray(127 if dtype == jnp.int8 else np.nan, dtype)
+        pages.append(jnp.where(unused[..., None], poison, values))
+        scales[name] = jnp.where(unused, jnp.float32(np.nan), scale)
+    return (q, *pages, *metadata), scales
+
+
+def abstract_args(
+    shape: Shape, sharding=None, kv_dtype: str | None = None
+) -> list[jax.ShapeDtypeStruct]:
+    """The kernel's seven arguments as abstract values (lowering, AOT compiles); pages of
+    `kv_dtype` ("int8", "fp8_e4m3", "fp8_e5m2") if given (their scales: `abstract_scales`)."""
     s = shape.max_num_seqs
     kv = (shape.num_kv_heads, shape.num_pages, shape.page_size, shape.head_dim)
+    page_dtype = QUANTIZED_KV_DTYPES[kv_dtype] if kv_dtype else shape.dtype
     shapes_dtypes = [
         ((shape.num_tokens, shape.num_q_heads, shape.head_dim), shape.dtype),
-        (kv, shape.dtype),
-        (kv, shape.dtype),
+        (kv, page_dtype),
+        (kv, page_dtype),
         ((s,), jnp.int32),
         ((s, shape.pages_per_seq), jnp.int32),
         ((s + 1,), jnp.int32),
         ((1,), jnp.int32),
     ]
     return [jax.ShapeDtypeStruct(x, dtype, sharding=sharding) for x, dtype in shapes_dtypes]
+
+
+def abstract_scales(shape: Shape, sharding=None) -> dict[str, jax.ShapeDtypeStruct]:
+    """`k_scales` and `v_scales` of a quantized pool of `shape`, as abstract values."""
+    scales = (shape.num_kv_heads, shape.num_pages, shape.page_size)
+    abstract = jax.ShapeDtypeStruct(scales, jnp.float32, sharding=sharding)
+    return {"k_scales": abstract, "v_scales": abstract}
 
 
 #: Tolerances per dtype. float32 errors are ~1e-6. bfloat16: the kernels round p to bf16

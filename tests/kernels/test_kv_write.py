@@ -1,4 +1,5 @@
-"""write_kv: new K/V land in their slots; padding slots (PADDING_SLOT) change nothing."""
+"""write_kv: new K/V land in their slots; padding slots (PADDING_SLOT) change nothing. A
+quantized pool (int8 / fp8 pages with scales) gets each new row's values and scale."""
 
 from __future__ import annotations
 
@@ -9,8 +10,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_kv_quant import numpy_quantize
 
-from pallas_kernels.ragged_paged_attention import PADDING_SLOT, kv_pages_shape, kv_write, write_kv
+from pallas_kernels.ragged_paged_attention import (
+    PADDING_SLOT,
+    QUANTIZED_KV_DTYPES,
+    kv_pages_shape,
+    kv_scales_shape,
+    kv_write,
+    quantize_rows,
+    write_kv,
+)
 
 
 @functools.partial(jax.jit, donate_argnames=("k_pages", "v_pages"))
@@ -59,9 +69,10 @@ def test_all_padding_writes_nothing():
 
 
 def expected_write(pages: np.ndarray, new: np.ndarray, slots: np.ndarray) -> np.ndarray:
-    """numpy: pages with new[t] at slot slots[t] for every in-range slot."""
-    num_kv_heads, num_pages, page_size, head_dim = pages.shape
-    flat = pages.reshape(num_kv_heads, num_pages * page_size, head_dim).copy()
+    """numpy: pages with new[t] at slot slots[t] for every in-range slot (pages [H, P, ps, D]
+    with new [T, H, D], or scales [H, P, ps] with new [T, H])."""
+    num_kv_heads, num_pages, page_size, *rest = pages.shape
+    flat = pages.reshape(num_kv_heads, num_pages * page_size, *rest).copy()
     real = (slots >= 0) & (slots < num_pages * page_size)
     flat[:, slots[real]] = new[real].swapaxes(0, 1)
     return flat.reshape(pages.shape)
@@ -130,3 +141,104 @@ def test_tpu_lowering_scatters_by_page_and_cpu_by_flat_slot():
     ACCELERATORS.md); CPU keeps the flat slot scatter, its fastest form there."""
     assert scatter_index_dims("tpu") == ["1, 2", "1, 2"]
     assert scatter_index_dims("cpu") == ["1", "1"]
+
+
+# --- quantized pool -----------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, donate_argnames=("k_pages", "v_pages", "k_scales", "v_scales"))
+def write_quantized_donated(k_pages, v_pages, k, v, slot_mapping, k_scales, v_scales):
+    return write_kv(k_pages, v_pages, k, v, slot_mapping, k_scales=k_scales, v_scales=v_scales)
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZED_KV_DTYPES))
+def test_quantized_write_stores_each_rows_values_and_scale(name):
+    """Values and scales as the definition (numpy) gives them, at in-range slots only; a zero
+    row is stored as zeros with scale 1."""
+    num_pages, page_size, num_kv_heads, head_dim = 5, 4, 2, 16
+    dtype = QUANTIZED_KV_DTYPES[name]
+    rng = np.random.default_rng(3)
+    pools = []
+    for _ in range(2):  # K, V: a pool already holding quantized rows
+        pool = rng.standard_normal(kv_pages_shape(num_pages, page_size, num_kv_heads, head_dim))
+        pools.append(quantize_rows(jnp.asarray(pool, jnp.float32), dtype))
+    slots = random_slots(rng, num_pages, page_size, num_tokens=16)
+    new = [rng.standard_normal((16, num_kv_heads, head_dim)).astype(np.float32) for _ in "kv"]
+    zero_row = int(np.argmax(slots == 0))  # a real slot
+    new[0][zero_row] = 0.0
+    before = [(np.asarray(x.astype(jnp.float32)), np.asarray(s)) for x, s in pools]
+
+    out = write_quantized_donated(
+        pools[0][0], pools[1][0], new[0], new[1], slots, k_scales=pools[0][1], v_scales=pools[1][1]
+    )
+
+    assert len(out) == 4
+    k_pages, v_pages, k_scales, v_scales = out
+    assert k_pages.dtype == v_pages.dtype == dtype
+    assert k_scales.shape == kv_scales_shape(num_pages, page_size, num_kv_heads)
+    for (values_before, scales_before), rows, pages, scales in zip(
+        before, new, (k_pages, v_pages), (k_scales, v_scales), strict=True
+    ):
+        values, row_scales = numpy_quantize(rows, name)
+        np.testing.assert_array_equal(
+            np.asarray(pages.astype(jnp.float32)),
+            expected_write(values_before, values.astype(np.float32), slots),
+        )
+        np.testing.assert_array_equal(
+            np.asarray(scales), expected_write(scales_before, row_scales, slots)
+        )
+    page, offset = divmod(int(slots[zero_row]), page_size)
+    np.testing.assert_array_equal(np.asarray(k_pages[:, page, offset].astype(jnp.float32)), 0.0)
+    np.testing.assert_array_equal(np.asarray(k_scales[:, page, offset]), 1.0)
+
+
+def test_quantized_all_padding_writes_nothing():
+    values = jnp.full(kv_pages_shape(3, 4, 1, 8), 5, jnp.int8)
+    scales = jnp.full(kv_scales_shape(3, 4, 1), 0.5, jnp.float32)
+    new = jnp.full((4, 1, 8), -1.0)
+    slots = jnp.full((4,), PADDING_SLOT, jnp.int32)
+    out = write_kv(values, values, new, new, slots, k_scales=scales, v_scales=scales)
+    for got, before in zip(out, (values, values, scales, scales), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(before))
+
+
+SCATTERS = {
+    "by_page": kv_write.scatter_by_page,
+    "flat": kv_write.scatter_flat,
+    "tpu": kv_write.scatter_scales_tpu,
+}
+
+
+@pytest.mark.parametrize(
+    ("num_pages", "page_size"),
+    [(128, 8), (256, 16), (16, 128), (24, 256), (7, 8)],
+    ids=["tiles_of_pages", "tiles_of_pages_16", "tiles_of_slots", "tiles_of_slots_256", "ragged"],
+)
+@pytest.mark.parametrize("form", sorted(SCATTERS))
+def test_every_scale_scatter_form_matches_numpy(form, num_pages, page_size):
+    """The scales ([H, P, ps], no head_dim axis): the two page forms, and the TPU form (a 1-D
+    view in TPU memory order: pages on lanes below 128 slots a page, slots on lanes from 128;
+    other shapes fall back to by_page), run here on CPU."""
+    num_kv_heads = 3
+    rng = np.random.default_rng(4)
+    scales = rng.random(kv_scales_shape(num_pages, page_size, num_kv_heads)).astype(np.float32)
+    slots = random_slots(rng, num_pages, page_size, num_tokens=40)
+    new = rng.random((len(slots), num_kv_heads)).astype(np.float32)
+    in_range = (slots >= 0) & (slots < num_pages * page_size)
+    dropped = np.where(in_range, slots, num_pages * page_size).astype(np.int32)
+    got = jax.jit(SCATTERS[form])(jnp.asarray(scales), jnp.asarray(new), dropped)
+    np.testing.assert_array_equal(np.asarray(got), expected_write(scales, new, slots))
+
+
+def test_quantized_write_scatters_in_place_forms_per_platform():
+    """TPU: values by (page, offset) on the 4-D pool, scales along a 1-D view of their tiles
+    (a bitcast there, scattered in place: test_rpa_tpu_compile.py); elsewhere: the flat slot."""
+    pool = jax.ShapeDtypeStruct(kv_pages_shape(128, 16, 2, 128), jnp.int8)
+    scales = jax.ShapeDtypeStruct(kv_scales_shape(128, 16, 2), jnp.float32)
+    new = jax.ShapeDtypeStruct((8, 2, 128), jnp.bfloat16)
+    slots = jax.ShapeDtypeStruct((8,), jnp.int32)
+    traced = jax.jit(write_kv).trace(pool, pool, new, new, slots, scales, scales)
+    for platform, dims in (("tpu", ["1, 2", "1, 2", "0", "0"]), ("cpu", ["1"] * 4)):
+        text = traced.lower(lowering_platforms=(platform,)).as_text()
+        found = re.findall(r"scatter_dims_to_operand_dims = \[([0-9, ]*)\]", text)
+        assert found == dims, (platform, found)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import pytest
 from jaxlib.mlir import ir
 from jaxlib.triton import dialect as triton_dialect
-from rpa_cases import Shape, abstract_args
+from rpa_cases import Shape, abstract_args, abstract_scales
 
 from pallas_kernels.ragged_paged_attention import (
     gpu_block_sizes,
@@ -87,9 +87,10 @@ def custom_calls(module: ir.Module) -> list[ir.Operation]:
     return found
 
 
-def lower(kernel, shape: Shape, platform: str, **kwargs) -> ir.Module:
+def lower(kernel, shape: Shape, platform: str, kv_dtype=None, **kwargs) -> ir.Module:
     fn = functools.partial(kernel, sm_scale=shape.head_dim**-0.5, **kwargs)
-    traced = jax.jit(fn).trace(*abstract_args(shape))
+    scales = abstract_scales(shape) if kv_dtype else {}
+    traced = jax.jit(fn).trace(*abstract_args(shape, kv_dtype=kv_dtype), **scales)
     return traced.lower(lowering_platforms=(platform,)).compiler_ir("stablehlo")
 
 
@@ -129,5 +130,42 @@ def test_gpu_kernel_lowers_to_valid_triton_ir(case, window_and_cap):
 def test_tpu_kernel_lowers_to_mosaic(case):
     shape = CASES[case]
     module = lower(ragged_paged_attention_tpu, shape, "tpu", sliding_window=64, soft_cap=30.0)
+    targets = [ir.StringAttr(c.attributes["call_target_name"]).value for c in custom_calls(module)]
+    assert targets == ["tpu_custom_call"]
+
+
+QUANTIZED_CASES = {
+    "int8_hd128_g8": ("int8", Shape(num_q_heads=8, num_kv_heads=1, head_dim=128, dtype="bfloat16")),
+    "fp8_e4m3_hd64_g1": ("fp8_e4m3", Shape(num_q_heads=2, num_kv_heads=2, head_dim=64)),
+    "fp8_e5m2_hd96_split": (
+        "fp8_e5m2",
+        Shape(num_tokens=4, head_dim=96, num_pages=256, pages_per_seq=64, dtype="bfloat16"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(QUANTIZED_CASES))
+def test_quantized_gpu_kernel_lowers_to_valid_triton_ir(case):
+    """1-byte K/V tiles loaded as stored, converted to q's dtype: still two dots of one
+    element type per KV block, plus the two scale loads."""
+    kv_dtype, shape = QUANTIZED_CASES[case]
+    module = lower(ragged_paged_attention_gpu, shape, "cuda", kv_dtype=kv_dtype)
+    (call,) = custom_calls(module)
+    config = call.attributes["mhlo.backend_config"]
+    context = ir.Context()
+    triton_dialect.register_dialect(context)
+    context.load_all_available_dialects()
+    triton_module = ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes, context=context)
+    assert triton_module.operation.verify()
+    text = str(triton_module)
+    assert text.count("tt.dot ") == 2
+    element = {"int8": "i8", "fp8_e4m3": "f8E4M3FN", "fp8_e5m2": "f8E5M2"}[kv_dtype]
+    assert f"x{element}>" in text  # the pages are read as stored
+
+
+@pytest.mark.parametrize("case", sorted(QUANTIZED_CASES))
+def test_quantized_tpu_kernel_lowers_to_mosaic(case):
+    kv_dtype, shape = QUANTIZED_CASES[case]
+    module = lower(ragged_paged_attention_tpu, shape, "tpu", kv_dtype=kv_dtype, soft_cap=30.0)
     targets = [ir.StringAttr(c.attributes["call_target_name"]).value for c in custom_calls(module)]
     assert targets == ["tpu_custom_call"]

@@ -11,6 +11,11 @@ The shapes are a v5e decode step of one layer of an 8B model at tensor parallel 
 heads and 8 query heads per chip, head_dim 128, page 16, bf16) with a 16k-token context
 limit and 512 sequences, so the page table (512 x 1024 ids, 2 MiB) is twice v5e's 1 MiB
 SMEM: the whole-table scalar prefetch the kernel used to do cannot compile there.
+
+Quantized pools (int8, fp8 e4m3 / e5m2 pages with f32 scales) compile for v5e too (Mosaic
+converts fp8 there as well), with no copy of the pool or of its scales: XLA stores a
+`[H, num_pages, 16]` f32 array with the pages on lanes, and the kernel's
+`[H, 16, num_pages]` view of it is a bitcast.
 """
 
 from __future__ import annotations
@@ -27,7 +32,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention_tpu, write_kv
+from pallas_kernels.ragged_paged_attention import (
+    QUANTIZED_KV_DTYPES,
+    ragged_paged_attention_tpu,
+    write_kv,
+)
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
@@ -67,12 +76,12 @@ def abstract(mesh, shape, dtype) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
 
 
-def attention_args(mesh, num_tokens=NUM_TOKENS, num_seqs=NUM_SEQS):
+def attention_args(mesh, num_tokens=NUM_TOKENS, num_seqs=NUM_SEQS, kv_dtype=jnp.bfloat16):
     """Abstract (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)."""
     return (
         abstract(mesh, (num_tokens, NUM_Q_HEADS, HEAD_DIM), jnp.bfloat16),
-        abstract(mesh, POOL_SHAPE, jnp.bfloat16),
-        abstract(mesh, POOL_SHAPE, jnp.bfloat16),
+        abstract(mesh, POOL_SHAPE, kv_dtype),
+        abstract(mesh, POOL_SHAPE, kv_dtype),
         abstract(mesh, (num_seqs,), jnp.int32),
         abstract(mesh, (num_seqs, PAGES_PER_SEQ), jnp.int32),
         abstract(mesh, (num_seqs + 1,), jnp.int32),
@@ -156,3 +165,116 @@ def test_layer_write_and_attention_never_copy_the_pool(mesh):
     copies = re.findall(rf"= {pool}\S* copy(?:-start)?\(", compiled.as_text())
     assert not copies, f"the compiled layer copies the KV pool: {copies}"
     assert compiled.cost_analysis()["bytes accessed"] < 1.1 * 2 * POOL_BYTES
+
+
+# --- quantized pools ----------------------------------------------------------------------
+
+#: The pool rounded up to whole 128-page lane chunks of the scales (see kv_write.py).
+QUANT_NUM_PAGES = 21_376
+SCALES_BYTES = NUM_KV_HEADS * QUANT_NUM_PAGES * PAGE_SIZE * 4  # one f32 scale array
+
+
+def quantized_args(mesh, kv_dtype, num_pages=QUANT_NUM_PAGES):
+    """Abstract (q, k_pages, v_pages, metadata..., k_scales, v_scales) of a quantized pool."""
+    q, _, _, *metadata = attention_args(mesh)
+    pages = abstract(mesh, (NUM_KV_HEADS, num_pages, PAGE_SIZE, HEAD_DIM), kv_dtype)
+    scales = abstract(mesh, (NUM_KV_HEADS, num_pages, PAGE_SIZE), jnp.float32)
+    return (q, pages, pages, *metadata, scales, scales)
+
+
+def quantized_attention(mesh, **options):
+    """The kernel on a quantized pool: (q, k, v, metadata..., k_scales, v_scales)."""
+
+    def kernel(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, ks, vs):
+        return ragged_paged_attention_tpu(
+            q,
+            k_pages,
+            v_pages,
+            kv_lens,
+            page_indices,
+            cu_q_lens,
+            num_seqs,
+            sm_scale=HEAD_DIM**-0.5,
+            k_scales=ks,
+            v_scales=vs,
+            **options,
+        )
+
+    return per_chip(mesh, kernel)
+
+
+def scale_copies(compiled, num_pages=QUANT_NUM_PAGES) -> list[str]:
+    shape = re.escape(f"f32[{NUM_KV_HEADS},{num_pages},{PAGE_SIZE}]")
+    return re.findall(rf"= {shape}\S* copy(?:-start)?\(", compiled.as_text())
+
+
+@pytest.fixture(scope="module")
+def bf16_decode_bytes(mesh) -> float:
+    kernel = per_chip(mesh, functools.partial(ragged_paged_attention_tpu, sm_scale=HEAD_DIM**-0.5))
+    return compile_on(mesh, kernel, *attention_args(mesh)).cost_analysis()["bytes accessed"]
+
+
+@pytest.mark.parametrize("kv_dtype", sorted(QUANTIZED_KV_DTYPES))
+def test_quantized_kernel_compiles_and_reads_half_the_bytes(mesh, kv_dtype, bf16_decode_bytes):
+    """1-byte pages: the decode step's counted bytes fall to ~55% of bf16's (K/V halved, plus
+    the scales, read whole once: 4 / head_dim of the pool), with no temporaries and no copy
+    of the scales (their kernel view is a bitcast)."""
+    args = quantized_args(mesh, QUANTIZED_KV_DTYPES[kv_dtype])
+    compiled = compile_on(mesh, quantized_attention(mesh), *args)
+    assert compiled.memory_analysis().temp_size_in_bytes == 0
+    assert not scale_copies(compiled)
+    quantized_bytes = compiled.cost_analysis()["bytes accessed"]
+    pool_bytes = 2 * NUM_KV_HEADS * QUANT_NUM_PAGES * PAGE_SIZE * HEAD_DIM  # K, V: 1 byte
+    expected = pool_bytes + 2 * SCALES_BYTES
+    assert expected < quantized_bytes < 1.1 * expected
+    assert 0.5 < quantized_bytes / bf16_decode_bytes < 0.6
+
+
+def test_quantized_kernel_compiles_with_window_cap_3_pages_and_any_page_count(mesh):
+    """Options, and a page count that is no multiple of 128 (the last lane chunk of the
+    scales is narrower: read with its own slice)."""
+    options = dict(sliding_window=1024, soft_cap=30.0, num_kv_pages_per_block=3)
+    args = quantized_args(mesh, jnp.int8, num_pages=NUM_PAGES)
+    compiled = compile_on(mesh, quantized_attention(mesh, **options), *args)
+    assert compiled.memory_analysis().temp_size_in_bytes == 0
+    assert not scale_copies(compiled, NUM_PAGES)
+
+
+def quantized_layer(mesh, num_pages=QUANT_NUM_PAGES):
+    """One layer's write_kv (quantize, scatter values and scales) and attention on an int8
+    pool, its four arrays donated."""
+    args = quantized_args(mesh, jnp.int8, num_pages)
+    new = abstract(mesh, (NUM_TOKENS, NUM_KV_HEADS, HEAD_DIM), jnp.bfloat16)
+    slots = abstract(mesh, (NUM_TOKENS,), jnp.int32)
+    attend = quantized_attention(mesh)
+
+    def layer(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, ks, vs, k, v, slots):
+        k_pages, v_pages, ks, vs = write_kv(k_pages, v_pages, k, v, slots, k_scales=ks, v_scales=vs)
+        out = attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, ks, vs)
+        return out, k_pages, v_pages, ks, vs
+
+    return compile_on(mesh, layer, *args, new, new, slots, donate=(1, 2, 7, 8))
+
+
+def test_quantized_layer_never_copies_the_pool_or_its_scales(mesh):
+    """All four arrays updated in place: the values by (page, offset), the scales through
+    the 1-D view of their tiles (kv_write.scatter_scales_tpu); no pool- or scale-shaped copy,
+    and the layer's counted bytes stay well under the bf16 layer's (~1.2 x bf16 pool)."""
+    compiled = quantized_layer(mesh)
+    memory = compiled.memory_analysis()
+    pool_bytes = 2 * NUM_KV_HEADS * QUANT_NUM_PAGES * PAGE_SIZE * HEAD_DIM
+    assert memory.alias_size_in_bytes == pool_bytes + 2 * SCALES_BYTES
+    assert memory.temp_size_in_bytes < POOL_BYTES // 100
+    pool = re.escape("s8[" + ",".join(map(str, (NUM_KV_HEADS, QUANT_NUM_PAGES))))
+    assert not re.findall(rf"= {pool}\S* copy(?:-start)?\(", compiled.as_text())
+    assert not scale_copies(compiled)
+    assert compiled.cost_analysis()["bytes accessed"] < 0.85 * 2 * POOL_BYTES
+
+
+def test_quantized_layer_with_other_page_counts_relayouts_the_scales(mesh):
+    """The documented cost of a page count that is no multiple of 128: XLA scatters the
+    scales by (page, offset), moving both scale arrays through VMEM (copies, no temporaries);
+    the pool itself stays in place."""
+    compiled = quantized_layer(mesh, num_pages=NUM_PAGES)
+    assert compiled.memory_analysis().temp_size_in_bytes < POOL_BYTES // 100
+    assert scale_copies(compiled, NUM_PAGES)

@@ -107,3 +107,55 @@ def test_mismatched_config_is_a_load_error(converted: Path, tmp_path: Path) -> N
 def test_existing_target_needs_force(converted: Path) -> None:
     with pytest.raises(ValueError, match="exists; pass force=True"):
         convert_hf_checkpoint(default_model_dir(), converted)
+
+
+def test_int8_round_trip(tmp_path: Path) -> None:
+    """--quantization int8: the layer matmul weights stored as int8 codes + float16 scales,
+    restored as they are (nothing quantized again), the engine running them quantized with
+    the tokens of quantizing at load; another quantization asked for is a one-line error."""
+    target = tmp_path / "int8"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts/convert_checkpoint.py"),
+            str(default_model_dir()),
+            str(target),
+            "--quantization",
+            "int8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((target / MARKER).read_text())["quantization"] == "int8"
+    restored = load_model(target, tokenizer_path=None, dtype=np.float32)
+    assert restored.quantization == "int8"
+    w_down = restored.params["layers"][0]["w_down"]
+    assert set(w_down) == {"q", "scale", "min"} and w_down["q"].dtype == np.int8
+    assert w_down["scale"].dtype == np.float16
+    assert restored.params["embed"].dtype == np.float32  # the table keeps the dtype
+    llm = LLM(str(target), **ENGINE)
+    assert llm.stats()["quantization"] == "int8"
+    got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == tokens(default_model_dir(), quantization="int8")
+    from jaxcb.runtime.setup import _stored_quantization
+
+    with pytest.raises(ValueError, match="stores int8 weights") as err:
+        _stored_quantization(llm.engine.config.__class__(quantization="fp8"), "int8")
+    assert "\n" not in str(err.value)
+
+
+def test_float16_engine_and_round_trip(tmp_path: Path) -> None:
+    """A float16 engine (for GPUs without bfloat16 speed): float16 weights computed as they
+    are, KV pages float32 on CPU (the native kernels read no float16 pages); a float16
+    checkpoint restores in float16 and gives the same tokens."""
+    target = convert_hf_checkpoint(default_model_dir(), tmp_path / "f16", dtype="float16")
+    assert json.loads((target / MARKER).read_text())["dtype"] == "float16"
+    restored = load_model(target, tokenizer_path=None, dtype=np.float16)
+    assert restored.params["layers"][0]["w_down"].dtype == np.float16
+    llm = LLM(str(target), dtype="float16", **ENGINE)
+    assert llm.engine.info.kv_cache_dtype == "float32"
+    got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == tokens(default_model_dir(), dtype="float16")
+    assert all(len(set(t)) > 3 for t in got)

@@ -370,6 +370,25 @@ def test_int8_holds_a_gguf_files_blocks_exactly(llama_dir, tmp_path) -> None:
         np.testing.assert_array_equal(got["min"], m.astype(np.float16), err_msg=name)
 
 
+def test_int8_takes_a_block_quantized_head_as_it_is(llama_dir, tmp_path) -> None:
+    """An output head stored in blocks (Q8_0 here) is held to them too: params["lm_head"]
+    becomes an int8 weight equal to the file's head bit for bit (left in the model dtype
+    otherwise, as every other table)."""
+    path = write_gguf(tmp_path / "q8.gguf", llama_dir, qtype="Q8_0")
+    plain = load_model(path, tokenizer_path=None, dtype=np.float32)
+    loaded = load_model(path, tokenizer_path=None, dtype=ml_dtypes.bfloat16, quantization="int8")
+    assert "lm_head" in loaded.block_grids and loaded.params["lm_head"].dtype == np.float32
+    infos = registry.param_infos(loaded.spec)
+    qparams, qinfos = quantize_params(loaded.params, infos, "int8", grids=loaded.block_grids)
+    head = qparams["lm_head"]
+    assert set(head) == {"q", "scale", "min"} and head["q"].shape == plain.params["lm_head"].shape
+    np.testing.assert_array_equal(dequantize_np(head), plain.params["lm_head"])
+    assert qinfos["lm_head"]["q"].axes == ("embed", "vocab")
+    assert qparams["embed"].dtype == ml_dtypes.bfloat16  # the table keeps the dtype
+    f32, _ = quantize_params(plain.params, infos, "int8")  # no grids: the head stays float
+    assert f32["lm_head"].dtype == np.float32
+
+
 def test_int8_grids_keep_their_weights_float32_and_others_follow_the_dtype(
     llama_dir, tmp_path
 ) -> None:

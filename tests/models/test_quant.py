@@ -17,7 +17,9 @@ from jaxcb.models.quant import (
     GROUP_SIZE,
     dequantize,
     dequantize_np,
+    fp8_matmul,
     int8_matmul,
+    quantize_fp8,
     quantize_int8,
     quantize_params,
     quantized_infos,
@@ -203,7 +205,69 @@ def test_int8_is_refused_off_cpu_in_one_line():
 
     check_platform("int8", "cpu")
     check_platform("none", "tpu")
+    check_platform("fp8", "tpu")  # fp8 fuses into the dot there (see test_fp8_*)
     for platform in ("tpu", "gpu", "cuda"):
         with pytest.raises(ValueError, match="runs on CPU only") as err:
             check_platform("int8", platform)
         assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_fp8_weights_round_trip_per_output_channel(dtype):
+    """e4m3 codes, one scale per output channel in the weight's dtype: each channel's
+    largest magnitude at 448, every weight within e4m3's half step (2^-4 relative, or
+    2^-10 x the scale near zero)."""
+    w = weight((64, 3, 8)).astype(dtype)
+    qw = quantize_fp8(w)
+    assert qw["q"].dtype == jnp.float8_e4m3fn and qw["q"].shape == w.shape
+    assert qw["scale"].shape == (1, 3, 8) and qw["scale"].dtype == w.dtype
+    codes = np.asarray(qw["q"], np.float32)
+    np.testing.assert_allclose(np.abs(codes).max(axis=0), 448, rtol=2**-3)
+    scale = np.asarray(qw["scale"], np.float32)
+    back, w32 = codes * scale, np.asarray(w, np.float32)
+    assert np.all(np.abs(back - w32) <= np.maximum(np.abs(w32) * 2**-4, scale * 2**-10))
+    x = np.random.default_rng(3).standard_normal((5, 64)).astype(np.float32)
+    got = np.asarray(jax.jit(fp8_matmul)(jnp.asarray(x), qw))
+    want = x @ back.reshape(64, -1)
+    # (bfloat16: x is rounded to bfloat16 in the dot, as for a plain bfloat16 weight)
+    tol = 1e-5 if dtype == np.float32 else 1e-2
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+def test_fp8_declarations_keep_the_scale_whole_along_the_input():
+    """The per-channel scale is [1, out...]: its first axis is never split (a weight split
+    by its input under tensor parallelism keeps every channel's scale on every device)."""
+    spec = registry.spec_from_hf_config(CONFIG)
+    infos = quantized_infos(registry.param_infos(spec), "fp8")
+    wo = infos["layers"][0]["wo"]
+    assert set(wo) == {"q", "scale"} and wo["q"].dtype == "float8_e4m3fn"
+    assert wo["scale"].shape[0] == 1 and wo["scale"].axes[0] == "embed"
+    assert wo["scale"].axes[1:] == wo["q"].axes[1:] and wo["scale"].dtype is None
+
+
+def test_tensor_parallel_that_splits_a_group_is_a_one_line_error():
+    """wo [576, H] split by its input (query heads) under TP: 18 groups of 32 split over 2
+    devices, not over 4."""
+    from jaxcb.models.base import ParamInfo
+    from jaxcb.models.quant import check_tensor_parallel
+
+    infos = {"layers": [{"wo": ParamInfo((576, 64), ("q_heads", "embed"), matmul=True)}]}
+    rules = {"q_heads": "tensor", "embed": None}
+    qinfos = quantized_infos(infos, "int8")
+    check_tensor_parallel(qinfos, rules, 2)
+    check_tensor_parallel(qinfos, {**rules, "q_heads": None}, 4)  # not split: fine
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 would split a group") as err:
+        check_tensor_parallel(qinfos, rules, 4)
+    assert "\n" not in str(err.value) and "wo" in str(err.value)
+    check_tensor_parallel(quantized_infos(infos, "fp8"), rules, 4)  # no groups along inputs
+
+
+def test_fp8_on_a_named_native_cpu_kernel_is_a_one_line_error():
+    from jaxcb.runtime.setup import _matmul_backend
+
+    config = EngineConfig.from_dict(None, quantization="fp8", matmul="avx2")
+    with pytest.raises(ValueError, match=r"quantization='fp8' has no native CPU kernel") as err:
+        _matmul_backend(config, jnp.float32, 1)
+    assert "\n" not in str(err.value)
+    xla = EngineConfig.from_dict(None, quantization="fp8", matmul="xla")
+    assert _matmul_backend(xla, jnp.float32, 1) == "xla"

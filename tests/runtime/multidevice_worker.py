@@ -73,7 +73,7 @@ def run(model: Path, *, server: bool = False, **overrides) -> dict:
         if o.prompt_logprobs is not None
     ]
     for replica in replicas:
-        k_pages = replica.runner.state.kv_caches[0][0]
+        k_pages, *rest = replica.runner.state.kv_caches[0]
         params = replica.runner.params
         named = {"embed": params["embed"], "lm_head": params["lm_head"], **params["layers"][0]}
         report["replicas"].append(
@@ -82,6 +82,8 @@ def run(model: Path, *, server: bool = False, **overrides) -> dict:
                 "kv_spec": spec_of(k_pages),
                 "kv_shape": list(k_pages.shape),
                 "kv_shard_shapes": [list(s.data.shape) for s in k_pages.addressable_shards],
+                # a quantized pool's K scales (None: float pages)
+                "kv_scales_spec": spec_of(rest[1]) if len(rest) == 3 else None,
                 "params": {name: spec_of(named[name]) for name in PARAMS_TO_REPORT},
                 "requests": replica.stats()["requests"],
             }
@@ -142,6 +144,14 @@ def main(work: Path) -> None:
         "dp2-tp2": dict(attention="native", mesh_shape=[2, 2]),
         "int8": dict(attention="native", quantization="int8"),
         "int8-tp2": dict(attention="native", quantization="int8", tensor_parallel_size=2),
+        # int8 KV pages with their scales, split by KV head (the swap copies compiled too)
+        "int8kv": dict(attention="native", kv_cache_dtype="int8"),
+        "int8kv-tp2": dict(
+            attention="native",
+            kv_cache_dtype="int8",
+            tensor_parallel_size=2,
+            preemption_mode="swap",
+        ),
     }
     for name, overrides in runs.items():
         results[name] = run(model, **overrides)

@@ -122,6 +122,30 @@ def test_step_compiles_for_target(model_dir, target, family, tp, backend, kernel
     assert "(32, 8)" in text and text.splitlines()[-1].startswith("fits:")
 
 
+@pytest.mark.parametrize(
+    ("target", "kv_dtype", "kernel_call"),
+    [
+        pytest.param("v5e:1x1", "int8", "tpu_custom_call", marks=needs_tpu),
+        pytest.param("h100", "fp8", aot_report.TRITON_CALL, marks=needs_cuda),
+    ],
+)
+def test_quantized_kv_pool_compiles_for_target(model_dir, target, kv_dtype, kernel_call):
+    """int8 / fp8 KV pages with their float32 scales: the pool's bytes count the scales,
+    the whole pool is donated, attention is the Pallas kernel reading them."""
+    config = EngineConfig.from_dict(
+        None, model=str(model_dir["llama"]), kv_cache_dtype=kv_dtype, num_pages=96, **SMALL
+    )
+    build = aot.compile_for_target(config, aot.get_target(target))
+    rep = aot_report.report(build)
+    assert rep.kv_cache_dtype == {"int8": "int8", "fp8": "float8_e4m3fn"}[kv_dtype]
+    per_token = 2 * 2 * 4 * (128 + 4)  # K and V, 2 layers, 4 KV heads, 128 codes + a scale
+    assert rep.kv_pool_bytes == 96 * 16 * per_token
+    for b in rep.buckets:  # (TPU pads the small scale arrays' tiles: a little more there)
+        assert rep.kv_pool_bytes <= b.alias_bytes < 1.05 * rep.kv_pool_bytes and b.fits
+    hlo = build.runner.compiled_step(build.buckets[0]).as_text()
+    assert hlo.count(kernel_call) == build.spec.num_layers
+
+
 @needs_tpu
 def test_int8_weights_are_refused_for_accelerators(model_dir, capsys):
     """int8 weights are CPU-only for now (models/quant.check_platform): XLA materializes
@@ -180,8 +204,8 @@ def test_pool_sizing_leaves_room_for_the_step():
     from jaxcb.runtime.kv_cache import CPU_AUTO_BUDGET_BYTES, page_bytes, size_kv_pool
 
     spec = registry.spec_from_hf_config({**TINY, **MODELS["llama"]})
-    per_page = page_bytes(spec, 16, 2)
-    common = dict(itemsize=2, max_model_len=256, max_num_seqs=1000, params_bytes=4 << 20)
+    per_page = page_bytes(spec, 16, "bfloat16")
+    common = dict(dtype="bfloat16", max_model_len=256, max_num_seqs=1000, params_bytes=4 << 20)
     # An accelerator's memory: limit x utilization - weights - the compiled step's buffers.
     sized = size_kv_pool(
         CacheConfig(memory_utilization=0.5),

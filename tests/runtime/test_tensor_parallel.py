@@ -63,6 +63,16 @@ def test_int8_weights_split_like_their_float_weights(report: dict) -> None:
     assert params["wo"]["q"] == ["tensor", None]  # by input (query heads): whole groups
 
 
+def test_quantized_kv_pages_and_scales_split_by_kv_head(report: dict) -> None:
+    """int8 KV pages (kv_cache_dtype) under TP 2: the same tokens as on one device, the
+    pages and their scales split by KV head."""
+    assert report["int8kv-tp2"]["tokens"] == report["int8kv"]["tokens"]
+    (replica,) = report["int8kv-tp2"]["replicas"]
+    assert replica["kv_spec"] == ["tensor", None, None, None]
+    assert replica["kv_scales_spec"] == ["tensor", None, None]
+    assert report["tp1"]["replicas"][0]["kv_scales_spec"] is None
+
+
 @pytest.mark.parametrize("name", RUNS)
 def test_same_prompt_logprobs_as_one_device(report: dict, name: str) -> None:
     (want,) = report["tp1"]["prompt_logprobs"]
