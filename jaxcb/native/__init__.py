@@ -5,7 +5,8 @@ float32, bfloat16 and int8), compiled per ISA level and chosen by what the CPU h
     build.py   the ISA levels, what this CPU fits (capped by JAXCB_CPU_ISA), compiling the
                sources (attention.cc, matmul.cc, common.h, simd.h) once per level into the
                jaxcb cache directory, loading a level's library and registering its FFI targets
-    ops.py     the kernels as jax functions, the weight packing, the PACKED_MATMULS table
+    packing.py the weight layouts the matmul kernels read (numpy, at load time)
+    ops.py     the kernels as jax functions, the PACKED_MATMULS table
 
 This package imports nothing from jaxcb but the cache directory (jaxcb.paths): the attention
 choice and the model code call into it, never the other way round.
@@ -29,22 +30,24 @@ from jaxcb.native.ops import (
     INT8_MATMUL,
     PACKED_MATMULS,
     PackedMatmul,
-    can_pack_bf16,
-    can_pack_f32,
-    can_pack_int8,
     copy_kv_native,
-    fits_int4,
     matmul_argmax_screened_f32,
-    pack_argmax_screen,
-    pack_bf16,
-    pack_f32,
-    pack_int4,
-    pack_int8,
     packed_matmul,
     packed_matmul_argmax,
     packed_swiglu,
     ragged_paged_attention_native,
     write_kv_native,
+)
+from jaxcb.native.packing import (
+    can_pack_bf16,
+    can_pack_f32,
+    can_pack_int8,
+    fits_int4,
+    pack_argmax_screen,
+    pack_bf16,
+    pack_f32,
+    pack_int4,
+    pack_int8,
 )
 
 __all__ = [
