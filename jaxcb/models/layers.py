@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -17,6 +18,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight.astype(jnp.float32) * x32
 
 
+def precision(dtype: Any) -> lax.Precision | None:
+    """HIGHEST for float32 operands (full float32 products on every backend, as torch's
+    default; XLA's DEFAULT is TF32 on NVIDIA GPUs and bf16 passes on TPU), else the default."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     """x @ w (+ b): inputs in the weights' dtype, float32 accumulation and result.
 
@@ -24,8 +31,13 @@ def dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     is fastest; asking for a bf16 result directly is several times slower on CPU. Keeping
     activations in f32 between matmuls also avoids bf16 elementwise ops, which the CPU
     backend emulates through conversions.
+
+    float32 weights multiply in full float32 (`precision(w.dtype)`): GPUs would otherwise
+    round the inputs to TF32, and greedy tokens drift from a float32 reference.
     """
-    y = jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    y = jnp.dot(
+        x.astype(w.dtype), w, preferred_element_type=jnp.float32, precision=precision(w.dtype)
+    )
     if b is not None:
         y = y + b.astype(jnp.float32)
     return y

@@ -27,7 +27,7 @@ from jaxcb.models.base import (
     ParamInfo,
     Params,
 )
-from jaxcb.models.layers import apply_rope, rms_norm, rope_inv_freq, rope_tables
+from jaxcb.models.layers import apply_rope, precision, rms_norm, rope_inv_freq, rope_tables
 from jaxcb.models.packed import embed_lookup, lm_head, matmul, packed_swiglu
 from jaxcb.models.weights import CheckpointTensors, ConfigFields, ModelLoadError, cast
 
@@ -390,7 +390,11 @@ def _mlp(layer: Params, h: jax.Array, real_tokens: jax.Array) -> jax.Array:
         # Gate and up in one matmul, without merging (2, I) into one axis: tensor parallelism
         # shards I, and a merged 2 * I axis would not be sharded evenly (XLA would gather w).
         gate_up = jnp.einsum(
-            "th,hci->tci", h.astype(w.dtype), w, preferred_element_type=jnp.float32
+            "th,hci->tci",
+            h.astype(w.dtype),
+            w,
+            preferred_element_type=jnp.float32,
+            precision=precision(w.dtype),
         )  # [T, 2, I]
         act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
     return matmul(act, layer["w_down"], real_tokens)

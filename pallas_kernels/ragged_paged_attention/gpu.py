@@ -47,6 +47,7 @@ from pallas_kernels.ragged_paged_attention.common import (
     query_block_seq_ranges,
     unpack_outputs,
 )
+from pallas_kernels.ragged_paged_attention.reference import FULL
 from pallas_kernels.ragged_paged_attention.tuning import (
     gpu_block_sizes,
     gpu_num_kv_splits,
@@ -143,7 +144,7 @@ def _kernel(
                 v_scale = pltriton.load(v_scales_ref.at[scale_at], mask=visible, other=0.0)
 
             scores = lax.dot_general(
-                q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                q, k, (((1,), (1,)), ((), ())), precision=FULL, preferred_element_type=jnp.float32
             )  # [rows, kv_block]
             if quantized:
                 scores = scores * k_scale[None, :]
@@ -162,7 +163,11 @@ def _kernel(
             if quantized:
                 p = p * v_scale[None, :]
             pv = lax.dot_general(
-                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+                p.astype(v.dtype),
+                v,
+                (((1,), (0,)), ((), ())),
+                precision=FULL,
+                preferred_element_type=jnp.float32,
             )  # [rows, Dp]
             return m_next, l_next, acc_prev * alpha[:, None] + pv
 

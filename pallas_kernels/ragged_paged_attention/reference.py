@@ -20,10 +20,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels.ragged_paged_attention.kv_quant import check_scales
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+#: The dots' precision: full float32 products for float32 operands (DEFAULT rounds them to
+#: TF32 on NVIDIA GPUs; Triton's "ieee" input precision), a no-op for bf16 and 8-bit ones.
+FULL = lax.Precision.HIGHEST
 
 
 def token_metadata(
@@ -95,7 +99,7 @@ def ragged_paged_attention_reference(
     k = gather(k_pages, k_scales)
     v = gather(v_pages, v_scales)
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)  # [T,Hkv,G,D]
-    scores = jnp.einsum("thgd,htld->thgl", qg, k) * sm_scale  # [T, Hkv, G, L]
+    scores = jnp.einsum("thgd,htld->thgl", qg, k, precision=FULL) * sm_scale  # [T, Hkv, G, L]
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = jnp.where(mask[:, None, None, :], scores, MASK_VALUE)
@@ -103,5 +107,6 @@ def ragged_paged_attention_reference(
     probs = jnp.exp(scores - scores_max)
     probs = jnp.where(mask[:, None, None, :], probs, 0.0)
     denom = jnp.sum(probs, axis=-1, keepdims=True)
-    out = jnp.einsum("thgl,htld->thgd", probs, v) / jnp.where(denom == 0, 1.0, denom)
+    out = jnp.einsum("thgl,htld->thgd", probs, v, precision=FULL)
+    out = out / jnp.where(denom == 0, 1.0, denom)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

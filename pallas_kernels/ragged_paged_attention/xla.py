@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.ragged_paged_attention.kv_quant import check_scales
-from pallas_kernels.ragged_paged_attention.reference import MASK_VALUE
+from pallas_kernels.ragged_paged_attention.reference import FULL, MASK_VALUE
 
 
 def _online_softmax_step(carry, scores, mask, v, out_dtype, *, as_matmul=True, v_scale=None):
@@ -52,7 +52,11 @@ def _online_softmax_step(carry, scores, mask, v, out_dtype, *, as_matmul=True, v
         v = v.astype(out_dtype)
     if as_matmul:
         pv = jnp.einsum(
-            "hnrc,hncd->hnrd", p.astype(out_dtype), v, preferred_element_type=jnp.float32
+            "hnrc,hncd->hnrd",
+            p.astype(out_dtype),
+            v,
+            preferred_element_type=jnp.float32,
+            precision=FULL,
         )
     else:  # multiply-and-reduce: XLA fuses it with the gather of v, nothing materialized
         pv = jnp.sum(p[..., None] * v[:, :, None, :, :].astype(jnp.float32), axis=-2)
@@ -134,7 +138,9 @@ def ragged_paged_attention_xla(
     def score(qs, ks, k_scale):  # qs [Hkv, N, R, D], ks [Hkv, N, C, D] -> [Hkv, N, R, C]
         if k_scale is not None:
             ks = ks.astype(cdtype)  # int8 / fp8 values are exact in bf16 and f32
-        s = jnp.einsum("hnrd,hncd->hnrc", qs, ks, preferred_element_type=jnp.float32)
+        s = jnp.einsum(
+            "hnrd,hncd->hnrc", qs, ks, preferred_element_type=jnp.float32, precision=FULL
+        )
         if k_scale is not None:
             s = s * k_scale[:, :, None, :]
         s = s * sm_scale
