@@ -13,6 +13,11 @@ the achieved TFLOP/s over the *useful* causal work (4 * head_dim flops per visib
     python scripts/bench_kernels.py                       # defaults for the backend present
     python scripts/bench_kernels.py --mixes decode --num-seqs 64,256 --kv-lens 1024,8192 \\
         --json out/bench_kernels.json
+    python scripts/bench_kernels.py --kv-cache-dtype int8     # quantized pages + their scales
+
+With --kv-cache-dtype int8 / fp8_e4m3 / fp8_e5m2 the pages hold codes and a float32 scale per
+token and KV head (kv_quant.py), which every implementation reads; the ideal traffic counts
+the codes and the scales.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from pallas_kernels.ragged_paged_attention import (
+    quantize_rows,
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
@@ -45,6 +51,9 @@ MIXES = {
     "prefill": "every sequence adds a chunk of --prefill-chunk tokens (capped at kv_len)",
     "mixed": "one prefill chunk, the other sequences decode",
 }
+
+#: --kv-cache-dtype choices -> the pages' dtype (None: --dtype).
+KV_DTYPES = {"auto": None, "int8": "int8", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 #: Grids sized for the machine: the reference gathers T x kv_len K/V rows, so CPU stays small.
 DEFAULT_GRID = {
@@ -72,6 +81,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=sorted(KV_DTYPES),
+        help="the pages' dtype: auto (= --dtype), or int8 / fp8 codes with per-token scales",
+    )
     parser.add_argument("--sliding-window", type=int, default=None)
     parser.add_argument("--soft-cap", type=float, default=None)
     parser.add_argument("--iters", type=int, default=10, help="timed calls per point (median)")
@@ -88,7 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_inputs(args, mix: str, num_seqs: int, kv_len: int, key: jax.Array):
-    """Inputs of one benchmark point, plus its ideal bytes and useful flops."""
+    """Inputs of one benchmark point (positional arrays, and the pages' scales by keyword
+    when they are quantized), plus its ideal bytes and useful flops."""
     chunk = min(args.prefill_chunk, kv_len)
     q_lens = {
         "decode": [1] * num_seqs,
@@ -104,31 +120,38 @@ def make_inputs(args, mix: str, num_seqs: int, kv_len: int, key: jax.Array):
     dtype = jnp.dtype(args.dtype)
     kq, kk, kv = jax.random.split(key, 3)
     pages_shape = (args.num_kv_heads, num_pages, args.page_size, args.head_dim)
+    k_pages = jax.random.normal(kk, pages_shape, dtype)
+    v_pages = jax.random.normal(kv, pages_shape, dtype)
+    scales, row_bytes = {}, args.head_dim * dtype.itemsize
+    if (kv_dtype := KV_DTYPES[args.kv_cache_dtype]) is not None:
+        k_pages, scales["k_scales"] = quantize_rows(k_pages, kv_dtype)
+        v_pages, scales["v_scales"] = quantize_rows(v_pages, kv_dtype)
+        row_bytes = args.head_dim * jnp.dtype(kv_dtype).itemsize + 4  # + f32 scale
     inputs = (
         jax.random.normal(kq, (num_tokens, args.num_q_heads, args.head_dim), dtype),
-        jax.random.normal(kk, pages_shape, dtype),
-        jax.random.normal(kv, pages_shape, dtype),
+        k_pages,
+        v_pages,
         jnp.full((num_seqs,), kv_len, jnp.int32),
         jnp.asarray(page_indices),
         jnp.asarray(cu_q_lens),
         jnp.asarray([num_seqs], jnp.int32),
     )
-    itemsize = dtype.itemsize
-    q_bytes = 2 * num_tokens * args.num_q_heads * args.head_dim * itemsize  # q in, out out
-    kv_bytes = 2 * num_seqs * kv_len * args.num_kv_heads * args.head_dim * itemsize
+    q_bytes = 2 * num_tokens * args.num_q_heads * args.head_dim * dtype.itemsize  # q, out
+    kv_bytes = 2 * num_seqs * kv_len * args.num_kv_heads * row_bytes
     pairs = sum(q * (kv_len - q) + q * (q + 1) // 2 for q in q_lens)  # causal (query, key)
     flops = 4 * args.head_dim * args.num_q_heads * pairs
-    return inputs, num_tokens, q_bytes + kv_bytes, flops
+    return (inputs, scales), num_tokens, q_bytes + kv_bytes, flops
 
 
 def time_fn(fn, inputs, iters: int, warmup: int) -> tuple[float, jax.Array]:
-    out = fn(*inputs).block_until_ready()  # compile
+    args, scales = inputs
+    out = fn(*args, **scales).block_until_ready()  # compile
     for _ in range(warmup):
-        fn(*inputs).block_until_ready()
+        fn(*args, **scales).block_until_ready()
     times = []
     for _ in range(iters):
         start = time.perf_counter()
-        fn(*inputs).block_until_ready()
+        fn(*args, **scales).block_until_ready()
         times.append(time.perf_counter() - start)
     return statistics.median(times), out
 
@@ -207,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     args.prefill_chunk = args.prefill_chunk or grid["prefill_chunk"]
 
     device = jax.devices()[0]
-    print(f"device: {device.device_kind} ({platform}), jax {jax.__version__}, dtype {args.dtype}")
+    print(
+        f"device: {device.device_kind} ({platform}), jax {jax.__version__}, dtype {args.dtype}, "
+        f"KV {args.kv_cache_dtype}"
+    )
     if kernel_backend is None:
         print(
             "No GPU/TPU: the Pallas kernels run here only in interpret mode, which checks "

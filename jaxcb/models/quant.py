@@ -18,9 +18,15 @@ scale and minimum, so the rounding of those costs no accuracy beyond the int8 st
 `packed.matmul` runs them in float32 whatever the model dtype (the activations between
 matmuls are float32 already): on CPU through jaxcb's native int8 kernel where one can run
 (native/matmul.cc: the codes widened and scaled in registers), else through XLA, which
-dequantizes to float32 and multiplies as for a plain weight (`layers.dense`). CPU
-only for now (`check_platform`): on GPU/TPU XLA materializes the dequantized weights every
-step, which moves more bytes than bfloat16 does: a fused int8 matmul kernel is what they need.
+dequantizes to float32 and multiplies as for a plain weight (`layers.dense`).
+
+On GPU and TPU int8 weights take another form (`weight_form`): {"q": int8, "scale": [1, out]},
+symmetric, one scale per output channel (w8a16, as fp8's). The codes are converted to the
+model dtype inside the dot and the scale multiplies its result, so XLA fuses the conversion
+into the matmul and reads one byte a weight. The grouped form cannot fuse there: its scale and
+minimum vary along the contracted axis, and XLA materialized the dequantized weights every
+step (compiled for v5e x4, a 2-layer Qwen3-8B decode step moved 10.4 GB instead of bfloat16's
+0.84). A GGUF file's blocks are therefore requantized per channel on those platforms.
 
 `quantize_params` quantizes every layer matmul weight (the ParamInfos marked `matmul`);
 the embedding table and the output head stay in the model dtype (vLLM's int8 schemes keep
@@ -48,13 +54,15 @@ SCALE_DTYPE = "float16"
 
 
 def is_quantized(w: Any) -> bool:
-    """An int8 weight {"q", "scale", "min"} or an fp8 one {"q", "scale"}."""
+    """An int8 weight {"q", "scale", "min"}, or an fp8 or per-channel int8 one {"q", "scale"}."""
     return isinstance(w, dict) and set(w) in ({"q", "scale", "min"}, {"q", "scale"})
 
 
 #: fp8 weights: e4m3 (vLLM's "fp8"), a scale per output channel in the model dtype.
 FP8_DTYPE = "float8_e4m3fn"
 FP8_MAX = 448.0
+#: Per-channel int8 codes: -127..127 (symmetric).
+INT8_MAX = 127.0
 
 
 #: Input rows that share a scale (GGUF's block size): per output channel, every 32 inputs.
@@ -142,6 +150,18 @@ def int8_matmul(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
     return dense(x, weight.reshape(weight.shape[0], -1))
 
 
+def quantize_int8_channel(w: Any) -> dict[str, np.ndarray]:
+    """{"q": int8 w.shape, "scale": [1, *w.shape[1:]] in w's dtype}: w [in, ...] with one
+    symmetric scale per output channel, its largest magnitude -> 127, the codes chosen
+    against the rounded scale (the GPU/TPU form of int8; `channel_matmul` runs it)."""
+    w = np.asarray(w)
+    w32 = w.astype(np.float32)
+    amax = np.abs(w32).max(axis=0, keepdims=True)
+    scale = np.where(amax > 0, amax / INT8_MAX, 1.0).astype(w.dtype)
+    codes = np.clip(np.rint(w32 / scale.astype(np.float32)), -INT8_MAX, INT8_MAX)
+    return {"q": codes.astype(np.int8), "scale": scale}
+
+
 def quantize_fp8(w: Any) -> dict[str, np.ndarray]:
     """{"q": float8_e4m3fn w.shape, "scale": [1, *w.shape[1:]] in w's dtype}: w [in, ...]
     with one scale per output channel, its largest magnitude -> 448 (e4m3's largest), the
@@ -154,30 +174,39 @@ def quantize_fp8(w: Any) -> dict[str, np.ndarray]:
     return {"q": codes.astype(jnp.dtype(FP8_DTYPE)), "scale": scale}
 
 
-def fp8_matmul(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
-    """x [T, in] @ an fp8 [in, ...] weight viewed as [in, out]: float32 [T, out]. The codes
-    are converted to the scale's dtype (the model's) inside the dot and the per-channel scale
-    applied to its result, which XLA fuses on GPU and TPU (the weight is read as fp8)."""
+def channel_matmul(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+    """x [T, in] @ an fp8 or per-channel int8 [in, ...] weight viewed as [in, out]: float32
+    [T, out]. The codes are converted to the scale's dtype (the model's) inside the dot and
+    the per-channel scale applied to its result, which XLA fuses on GPU and TPU (the weight
+    is read at one byte a weight)."""
     q, scale = w["q"], w["scale"]
     y = dense(x, q.reshape(q.shape[0], -1).astype(scale.dtype))
     return y * scale.reshape(1, -1).astype(jnp.float32)
 
 
 def quantized_matmul(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
-    """`int8_matmul` or `fp8_matmul`, by the weight's form."""
-    return int8_matmul(x, w) if "min" in w else fp8_matmul(x, w)
+    """`int8_matmul` (grouped int8) or `channel_matmul` (fp8, per-channel int8)."""
+    return int8_matmul(x, w) if "min" in w else channel_matmul(x, w)
 
 
-def check_platform(quantization: str, platform: str) -> None:
-    """One-line ValueError for a quantization the platform cannot run well yet: int8 on
-    GPU/TPU, where XLA materializes the dequantized weights instead of fusing them into the
-    dot (compiled for v5e x4, a 2-layer Qwen3-8B decode step moved 10.4 GB instead of
-    bfloat16's 0.84; for H100, 61.5 GB instead of 39.7 at the 8B preset's 16 sequences).
-    fp8 runs everywhere (on CPU through XLA: slow, for tests)."""
+def weight_form(quantization: str, platform: str) -> str:
+    """How `quantization`'s weights are held on `platform`: "none", "int8" (groups of 32
+    with a minimum: CPU, where the native kernels run them and GGUF blocks load exactly),
+    "int8_channel" (GPU/TPU: per-channel, fused into the dot by XLA; see the module doc) or
+    "fp8"."""
+    _check(quantization)
+    return "int8_channel" if quantization == "int8" and platform != "cpu" else quantization
+
+
+def check_stored(quantization: str, platform: str) -> None:
+    """One-line ValueError for a checkpoint stored quantized in a form `platform` cannot run
+    well: grouped int8 (convert_checkpoint.py's, the CPU form) on GPU/TPU, where XLA would
+    materialize the dequantized weights every step instead of fusing them into the dot."""
     if quantization == "int8" and platform != "cpu":
         raise ValueError(
-            f"quantization={quantization!r} runs on CPU only for now: on {platform} XLA "
-            "would materialize the dequantized weights every step (no fused int8 matmul yet)"
+            f"this checkpoint stores quantization='int8' weights in groups of 32 (the CPU "
+            f"form), which {platform} would dequantize every step: convert it without "
+            "--quantization and pass quantization int8 at load (per-channel there)"
         )
 
 
@@ -208,10 +237,10 @@ def _check(quantization: str) -> None:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
 
 
-def _quantized_info(info: ParamInfo, quantization: str) -> dict[str, ParamInfo]:
-    if quantization == "fp8":  # one scale per output channel: never split along the input
+def _quantized_info(info: ParamInfo, form: str) -> dict[str, ParamInfo]:
+    if form in ("fp8", "int8_channel"):  # a scale per output channel: never split on inputs
         return {
-            "q": ParamInfo(info.shape, info.axes, matmul=True, dtype=FP8_DTYPE),
+            "q": ParamInfo(info.shape, info.axes, matmul=True, dtype=_CHANNEL_CODES[form]),
             "scale": ParamInfo((1, *info.shape[1:]), ("embed", *info.axes[1:])),
         }
     groups = info.shape[0] // group_size(info.shape[0])
@@ -222,15 +251,18 @@ def _quantized_info(info: ParamInfo, quantization: str) -> dict[str, ParamInfo]:
     }
 
 
-def quantized_infos(infos: Params, quantization: str) -> Params:
+_CHANNEL_CODES = {"fp8": FP8_DTYPE, "int8_channel": "int8"}
+
+
+def quantized_infos(infos: Params, quantization: str, platform: str = "cpu") -> Params:
     """The declarations of `quantize_params`' result (for abstract params: runtime/aot.py)."""
-    _check(quantization)
-    if quantization == "none":
+    form = weight_form(quantization, platform)
+    if form == "none":
         return infos
     infos = dict(infos)
     infos["layers"] = [
         {
-            k: _quantized_info(v, quantization) if is_param_info(v) and v.matmul else v
+            k: _quantized_info(v, form) if is_param_info(v) and v.matmul else v
             for k, v in layer.items()
         }
         for layer in infos["layers"]
@@ -239,34 +271,42 @@ def quantized_infos(infos: Params, quantization: str) -> Params:
 
 
 def quantize_params(
-    params: Params, infos: Params, quantization: str, grids: Params | None = None
+    params: Params,
+    infos: Params,
+    quantization: str,
+    grids: Params | None = None,
+    platform: str = "cpu",
 ) -> tuple[Params, Params]:
-    """(params, infos) with every layer matmul weight quantized (see the module doc);
-    unchanged for "none". The output head and the embedding table are left as they are,
-    but for a head stored in GGUF blocks. `grids`: {"layers": [{name: (d, m)}], "lm_head":
-    (d, m)} for weights dequantized from GGUF blocks (loader.LoadedModel.block_grids), held
-    to their blocks exactly; with a head's grid, params["lm_head"] ([H, V]: the loader's
-    float32 copy of a tied table) becomes an int8 weight too."""
-    new_infos = quantized_infos(infos, quantization)
-    if quantization == "none":
+    """(params, infos) with every layer matmul weight quantized in `weight_form(quantization,
+    platform)` (see the module doc); unchanged for "none". The output head and the embedding
+    table are left as they are, but for a head stored in GGUF blocks. `grids`: {"layers":
+    [{name: (d, m)}], "lm_head": (d, m)} for weights dequantized from GGUF blocks
+    (loader.LoadedModel.block_grids), held to their blocks exactly in the grouped form; with
+    a head's grid, params["lm_head"] ([H, V]: the loader's float32 copy of a tied table)
+    becomes an int8 weight too. The per-channel forms ignore the grids."""
+    form = weight_form(quantization, platform)
+    new_infos = quantized_infos(infos, quantization, platform)
+    if form == "none":
         return params, infos
     params = dict(params)
     layer_grids = (grids or {}).get("layers") or [{}] * len(params["layers"])
 
     def quantize(w: Any, grid: Any) -> dict[str, np.ndarray]:
-        return quantize_fp8(w) if quantization == "fp8" else quantize_int8(w, grid)
+        if form == "int8":
+            return quantize_int8(w, grid)
+        return quantize_fp8(w) if form == "fp8" else quantize_int8_channel(w)
 
     params["layers"] = [
         {k: quantize(w, grid.get(k)) if is_param_info(info[k]) and info[k].matmul else w
          for k, w in layer.items()}
         for layer, info, grid in zip(params["layers"], infos["layers"], layer_grids, strict=True)
     ]  # fmt: skip
-    if grids and "lm_head" in grids and "lm_head" in params:
+    if form == "int8" and grids and "lm_head" in grids and "lm_head" in params:
         # A head stored in GGUF blocks (a Q8_0 table, say): as the file has it, not rounded.
         head = params["lm_head"]
         params["lm_head"] = quantize_int8(head, grids["lm_head"])
         info = ParamInfo(tuple(np.shape(head)), ("embed", "vocab"), matmul=True)
-        new_infos = {**new_infos, "lm_head": _quantized_info(info, quantization)}
+        new_infos = {**new_infos, "lm_head": _quantized_info(info, form)}
     return params, new_infos
 
 

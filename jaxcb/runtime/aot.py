@@ -40,7 +40,7 @@ from jaxcb.engine.buckets import Bucket, default_token_buckets, make_buckets
 from jaxcb.engine.interface import MAX_TOP_LOGPROBS
 from jaxcb.models import registry
 from jaxcb.models.base import ModelSpec, abstract_from_infos
-from jaxcb.models.quant import check_platform, quantized_infos
+from jaxcb.models.quant import quantized_infos
 from jaxcb.runtime import compile_cache, sharding
 from jaxcb.runtime.kv_cache import PoolSizing, resolve_kv_cache_dtype, size_kv_pool
 from jaxcb.runtime.runner import ModelRunner
@@ -226,7 +226,6 @@ def compile_for_target(
         raise ValueError(
             f"tensor_parallel_size={tp} needs {tp} chips; {target.name} has {len(devices)}"
         )
-    check_platform(config.quantization, platform)
     if config.kernels.matmul not in ("auto", "xla"):
         raise ValueError(f"kernels.matmul={config.kernels.matmul!r} is a CPU kernel; use xla")
     mesh = sharding.replica_mesh(tp, devices[:tp])
@@ -243,7 +242,7 @@ def compile_for_target(
     sched = config.scheduler
     token_buckets = sched.token_buckets or default_token_buckets(sched.max_num_batched_tokens)
     buckets = make_buckets(token_buckets, sched.max_num_seqs, sched.seq_buckets)
-    infos = quantized_infos(registry.param_infos(spec), config.quantization)
+    infos = quantized_infos(registry.param_infos(spec), config.quantization, platform)
     params = abstract_from_infos(infos, dtype)
     params_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
     limit = hbm_bytes if hbm_bytes is not None else memory_limit_bytes(target)

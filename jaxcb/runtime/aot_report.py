@@ -71,6 +71,7 @@ class AotReport:
     attention: str
     model: str
     dtype: str
+    quantization: str  # the layer weights' ("none": in dtype)
     kv_cache_dtype: str
     peak_flops: float  # per chip
     hbm_bandwidth: float
@@ -306,6 +307,7 @@ def report(build: AotBuild, *, context_len: int | None = None) -> AotReport:
         attention=build.attention,
         model=str(build.config.model),
         dtype=str(build.config.dtype),
+        quantization=build.config.quantization,
         kv_cache_dtype=str(build.kv_dtype),
         peak_flops=target.peak_flops,
         hbm_bandwidth=target.hbm_bandwidth,
@@ -324,12 +326,16 @@ def report(build: AotBuild, *, context_len: int | None = None) -> AotReport:
     )
 
 
+def _quantized(quantization: str) -> str:
+    return "" if quantization == "none" else f" ({quantization} layers)"
+
+
 def format_report(rep: AotReport) -> str:
     """The report as a table, one line per bucket, and a verdict."""
     lines = [
         f"target {rep.target} ({rep.platform}, {rep.num_chips} chip(s);"
         f" TP {rep.tensor_parallel_size}), attention {rep.attention},"
-        f" {rep.dtype} weights, {rep.kv_cache_dtype} KV",
+        f" {rep.dtype} weights{_quantized(rep.quantization)}, {rep.kv_cache_dtype} KV",
         f"per chip: peak {rep.peak_flops / 1e12:.0f} TFLOP/s, {rep.hbm_bandwidth / GB:.0f} GB/s,"
         f" memory limit {rep.memory_limit_bytes / GB:.2f} GB",
         f"KV pool: {rep.kv_pool_sizing}",

@@ -35,7 +35,7 @@ from jaxcb.models.default_model import DEFAULT_NAME
 from jaxcb.models.loader import LoadedModel, load_model
 from jaxcb.models.packed import matmul_backend, matmul_report
 from jaxcb.models.quant import (
-    check_platform,
+    check_stored,
     check_tensor_parallel,
     quantize_params,
     quantized_infos,
@@ -128,11 +128,13 @@ def build_runner(
     max_model_len = resolve_max_model_len(config, spec)
     attention = get_attention_backend(config.kernels.attention)
     config = _stored_quantization(config, model.quantization)
+    check_stored(model.quantization, jax.default_backend())
     params, infos = quantize_params(
         model.params,
         registry.param_infos(spec),
         "none" if model.quantization != "none" else config.quantization,
         grids=model.block_grids,
+        platform=jax.default_backend(),
     )
     infos = quantized_infos(infos, model.quantization)
     tp = sharding.tensor_parallel_size(mesh)
@@ -238,8 +240,7 @@ def _stored_quantization(config: EngineConfig, stored: str) -> EngineConfig:
 def _matmul_backend(config: EngineConfig, dtype: Any, tensor_parallel_size: int) -> str:
     """packed.matmul_backend's choice for the model dtype's matmuls (quantized weights go to
     the native int8 kernel wherever a native kernel is chosen and it runs, else to XLA);
-    int8 off CPU is a one-line ValueError."""
-    check_platform(config.quantization, jax.default_backend())
+    fp8 on a named native CPU kernel is a one-line ValueError."""
     requested = config.kernels.matmul
     if config.quantization == "fp8" and jax.default_backend() == "cpu":
         if requested not in ("auto", "xla"):

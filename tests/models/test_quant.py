@@ -15,9 +15,9 @@ from jaxcb.models.default_model import CONFIG
 from jaxcb.models.quant import (
     CODE_OFFSET,
     GROUP_SIZE,
+    channel_matmul,
     dequantize,
     dequantize_np,
-    fp8_matmul,
     int8_matmul,
     quantize_fp8,
     quantize_int8,
@@ -200,16 +200,51 @@ def test_bad_quantization_is_a_one_line_error():
     assert "\n" not in str(err.value)
 
 
-def test_int8_is_refused_off_cpu_in_one_line():
-    from jaxcb.models.quant import check_platform
+def test_int8_takes_the_per_channel_form_off_cpu():
+    """GPU/TPU hold int8 per output channel (fused into the dot there); a checkpoint stored in
+    the grouped CPU form is refused there in one line."""
+    from jaxcb.models.quant import check_stored, weight_form
 
-    check_platform("int8", "cpu")
-    check_platform("none", "tpu")
-    check_platform("fp8", "tpu")  # fp8 fuses into the dot there (see test_fp8_*)
-    for platform in ("tpu", "gpu", "cuda"):
-        with pytest.raises(ValueError, match="runs on CPU only") as err:
-            check_platform("int8", platform)
+    assert weight_form("int8", "cpu") == "int8"
+    assert [weight_form("int8", p) for p in ("gpu", "tpu")] == ["int8_channel"] * 2
+    assert weight_form("fp8", "tpu") == "fp8" and weight_form("none", "gpu") == "none"
+    spec = registry.spec_from_hf_config(CONFIG)
+    infos = registry.param_infos(spec)
+    abstract = registry.abstract_params(spec, jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    params = jax.tree_util.tree_map(
+        lambda a: rng.normal(size=a.shape).astype(jnp.bfloat16), abstract
+    )
+    qparams, qinfos = quantize_params(params, infos, "int8", platform="gpu")
+    assert qinfos == quantized_infos(infos, "int8", "tpu")
+    wo, info = qparams["layers"][0]["wo"], qinfos["layers"][0]["wo"]
+    assert set(wo) == {"q", "scale"} and wo["q"].dtype == np.int8
+    assert wo["scale"].dtype == jnp.bfloat16 and wo["scale"].shape == (1, *wo["q"].shape[1:])
+    assert info["q"].dtype == "int8" and info["scale"].axes[0] == "embed"
+    check_stored("int8", "cpu")
+    check_stored("none", "tpu")
+    for platform in ("tpu", "gpu"):
+        with pytest.raises(ValueError, match=r"groups of 32 .* convert it without") as err:
+            check_stored("int8", platform)
         assert "\n" not in str(err.value)
+
+
+def test_per_channel_int8_round_trip_and_matmul():
+    """Symmetric per-channel int8: each weight within half a step of its channel's scale;
+    channel_matmul (XLA) equals x @ the dequantized weight."""
+    from jaxcb.models.quant import quantize_int8_channel
+
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(64, 4, 8)).astype(np.float32)
+    w[:, 0, 0] = 0.0  # an all-zero channel keeps scale 1 and codes 0
+    qw = quantize_int8_channel(w)
+    assert qw["q"].dtype == np.int8 and qw["scale"].shape == (1, 4, 8)
+    assert np.abs(qw["q"]).max() <= 127 and not qw["q"][:, 0, 0].any()
+    deq = qw["q"].astype(np.float32) * qw["scale"]
+    assert (np.abs(deq - w) <= qw["scale"] / 2 + 1e-7).all()
+    x = rng.normal(size=(5, 64)).astype(np.float32)
+    got = np.asarray(jax.jit(channel_matmul)(jnp.asarray(x), qw))
+    np.testing.assert_allclose(got, x @ deq.reshape(64, -1), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
@@ -227,7 +262,7 @@ def test_fp8_weights_round_trip_per_output_channel(dtype):
     back, w32 = codes * scale, np.asarray(w, np.float32)
     assert np.all(np.abs(back - w32) <= np.maximum(np.abs(w32) * 2**-4, scale * 2**-10))
     x = np.random.default_rng(3).standard_normal((5, 64)).astype(np.float32)
-    got = np.asarray(jax.jit(fp8_matmul)(jnp.asarray(x), qw))
+    got = np.asarray(jax.jit(channel_matmul)(jnp.asarray(x), qw))
     want = x @ back.reshape(64, -1)
     # (bfloat16: x is rounded to bfloat16 in the dot, as for a plain bfloat16 weight)
     tol = 1e-5 if dtype == np.float32 else 1e-2
