@@ -331,6 +331,15 @@ def draw_all_rows(
     return jax.lax.cond(jnp.all(unfiltered), plain, filtered, logits)
 
 
+def apply_token_mask(logits: jax.Array, token_mask: jax.Array) -> jax.Array:
+    """-inf where a row's packed mask (i32[S, ceil(V / 32)], bit i of word w = id 32 w + i)
+    forbids the id."""
+    ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    words = jnp.take(token_mask, ids // 32, axis=1)  # [S, V]
+    allowed = (jax.lax.shift_right_logical(words, (ids % 32)[None, :]) & 1) == 1
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def sample(
     logits: jax.Array,  # f32[S, V]
     *,
@@ -346,6 +355,8 @@ def sample(
     greedy_ids: jax.Array | None = None,  # i32[S]: the logits' argmax, if already known
     num_rows: jax.Array | None = None,  # i32: the real rows (the rest a bucket's padding)
     rows_at_once: bool | None = None,
+    token_mask: jax.Array | None = None,  # i32[S, ceil(V / 32)]: allowed ids, packed
+    any_mask: jax.Array | None = None,  # bool: token_mask applies (some row is constrained)
 ) -> SamplingOutput:
     """Each row's token (greedy, or drawn under its filters with its own key), and the
     logprobs asked for; padding rows (from `num_rows`, default none) get token 0.
@@ -391,7 +402,11 @@ def sample(
     else:
         draw = draw_rows_at_once if rows_at_once else draw_row_by_row
 
+    masked = jnp.bool_(False) if token_mask is None else any_mask
+
     def general(x: jax.Array) -> jax.Array:
+        if token_mask is not None:  # structured outputs: before penalties and the filters
+            x = jax.lax.cond(masked, lambda y: apply_token_mask(y, token_mask), lambda y: y, x)
         x = jax.lax.cond(any_penalty, lambda y: apply_penalties(y, *penalty_args), lambda y: y, x)
         return jax.lax.cond(any_random, draw, argmax_last_axis, x)
 
@@ -401,7 +416,7 @@ def sample(
     # (The LM head's native CPU kernels take the argmax from their accumulators: no pass over
     # the [S, V] logits at all then.)
     greedy = argmax_last_axis if greedy_ids is None else (lambda x: greedy_ids)
-    token_ids = jax.lax.cond(any_random | any_penalty, general, greedy, logits)
+    token_ids = jax.lax.cond(any_random | any_penalty | masked, general, greedy, logits)
 
     k = num_top_logprobs
 

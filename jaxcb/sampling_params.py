@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+from jaxcb.structured_outputs import StructuredOutputsParams
 
 
 @dataclass
@@ -36,8 +39,13 @@ class SamplingParams:
     # the queue by arrival + ttft_target_ms and preempts by tpot_target_ms slack.
     ttft_target_ms: float | None = None
     tpot_target_ms: float | None = None
+    # What the output must match (a JSON schema, a regex, a choice, a grammar), enforced
+    # token by token (engine/grammar.py); a dict of its fields is taken too.
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = _as_list(self.stop)

@@ -6,7 +6,8 @@ functions included), so that a lazy import cannot hide a loop:
     jaxcb.native        imports nothing from jaxcb but jaxcb.paths (and itself)
     models              never import runtime, engine, server, llm, batch, bench
     runtime             never imports server, llm, batch, bench
-    leaves              config, sampling_params, outputs, paths import no other jaxcb module
+    leaves              config, sampling_params, structured_outputs, outputs, paths import no
+                        other jaxcb module (but sampling_params its structured_outputs)
 """
 
 from __future__ import annotations
@@ -94,8 +95,12 @@ RULES = {
     ),
     "runtime": ("jaxcb.runtime", jaxcb_modules("server", "llm", "batch", "bench"), ()),
     **{
-        leaf: (f"jaxcb.{leaf}", ["jaxcb"], ("jaxcb.config", "jaxcb.sampling_params"))
-        for leaf in ("config", "sampling_params", "outputs", "paths")
+        leaf: (
+            f"jaxcb.{leaf}",
+            ["jaxcb"],
+            ("jaxcb.config", "jaxcb.sampling_params", "jaxcb.structured_outputs"),
+        )
+        for leaf in ("config", "sampling_params", "structured_outputs", "outputs", "paths")
     },
 }
 

@@ -45,6 +45,11 @@ def engine_stats(
         "admitted_idle_pages": engine.scheduler.admitted_idle_pages,
         "predicted_output_len": engine.scheduler.predicted_output_len,
         "failed": s["failed"],
+        # structured outputs: grammars compiled (schemas, regexes, ...), their seconds, and
+        # constraints served from the cache instead
+        "grammars_compiled": engine.grammars.num_compiled,
+        "grammar_compile_seconds": engine.grammars.compile_seconds,
+        "grammar_cache_hits": engine.grammars.cache_hits,
         # preemption by swap (engine/swap.py): victims whose pages went to host memory,
         # of them resumed, host pages held now, victims recomputed for want of host pages
         "swapped_out_requests": engine.swapper.num_swapped_out if engine.swapper else 0,

@@ -17,8 +17,9 @@ behind the device's. What makes that give the same tokens:
 - Pages freed while a step that writes them is in flight (a stop, an abort, a preemption)
   may go to another request at once: every later step that uses them consumes the KV state
   the step in flight outputs, so the device runs it first.
-- Rows with penalties read their history on the host: a step after one that sampled such a
-  row waits for its tokens first (`needs_host_tokens`).
+- Rows with penalties read their history on the host, and constrained rows (structured
+  outputs) need their last token in the grammar before the next mask: a step after one that
+  sampled such a row waits for its tokens first (`needs_host_tokens`).
 
 Engines that cannot overlap run synchronously (`sync_reason`).
 
@@ -44,7 +45,7 @@ class InFlightStep:
     bucket: Bucket
     handle: Any  # the runner's dispatch handle
     samples: list[bool]  # per chunk: the step samples its request's next token
-    needs_host_tokens: bool  # a sampled row uses penalties: the next step needs its token here
+    needs_host_tokens: bool  # a sampled row has penalties or a grammar: the next step waits
 
     @classmethod
     def dispatch(
@@ -57,7 +58,9 @@ class InFlightStep:
         for chunk, sampled in zip(sched.chunks, samples, strict=True):
             if sampled:
                 chunk.request.num_inflight += 1
-                needs_host_tokens |= chunk.request.params.uses_penalties
+                # penalties read the history, a grammar's mask follows the last token
+                req = chunk.request
+                needs_host_tokens |= req.params.uses_penalties or req.grammar is not None
         return cls(sched, bucket, handle, samples, needs_host_tokens)
 
     def collect(self, runner: Runner) -> StepResult:

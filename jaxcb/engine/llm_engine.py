@@ -33,6 +33,7 @@ from jaxcb.engine.buckets import pick_bucket
 from jaxcb.engine.builders import build_itl_controller, build_scheduler, build_swapper
 from jaxcb.engine.detokenizer import IncrementalDetokenizer
 from jaxcb.engine.engine_stats import engine_stats
+from jaxcb.engine.grammar import GrammarCompiler
 from jaxcb.engine.groups import RequestGroup, new_sample
 from jaxcb.engine.inflight import InFlightStep, link_to_inflight, sync_reason
 from jaxcb.engine.interface import Engine, EngineInfo, KVUsage, Runner, StepRecord, StepResult
@@ -64,6 +65,7 @@ class LLMEngine(Engine):
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.grammars = GrammarCompiler(tokenizer, info.vocab_size, self.eos_token_ids)
         self.limits = config.limits
         self.pool = PagePool(info.num_pages)
         self.swapper = build_swapper(config, info)  # None: preemption by recompute only
@@ -108,6 +110,7 @@ class LLMEngine(Engine):
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        grammar = self.grammars.compile(params.structured_outputs)  # None: unconstrained
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = [
             new_sample(
@@ -137,6 +140,7 @@ class LLMEngine(Engine):
         group = RequestGroup(request_id, prompt_text, prompt_ids, children, detoks, final_only)
         self._groups[request_id] = group
         for child in children:
+            child.grammar = grammar and self.grammars.matcher(grammar)
             self._request_group[id(child)] = group
             self.scheduler.add(child)
         self._stats["requests"] += 1

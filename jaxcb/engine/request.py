@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxcb.sampling_params import SamplingParams
 
@@ -87,6 +88,9 @@ class Request:
     # the older one). They count in num_tokens: the next step is scheduled as if they were
     # here, and the device feeds them in (ScheduledChunk.prev_sample_row).
     num_inflight: int = 0
+    # Structured outputs: the sequence's place in its grammar (engine/grammar.Matcher),
+    # advanced with each token it appends; None when the output is unconstrained.
+    grammar: Any = None
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -131,8 +135,12 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
+        """Append a sampled token (and advance the grammar past it: a token it does not
+        allow raises ValueError, and the engine fails this request)."""
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def check_stop_tokens(self, max_model_len: int) -> None:
         """Set finish_reason from the newest token and the length limits."""
@@ -141,5 +149,7 @@ class Request:
             self.finish_reason, self.stop_reason = "stop", None
         elif token in self.params.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", token
+        elif self.grammar is not None and self.grammar.is_finished:
+            self.finish_reason, self.stop_reason = "stop", None  # nothing more may follow
         elif len(self.output_token_ids) >= self.max_tokens or len(self.token_ids) >= max_model_len:
             self.finish_reason = "length"

@@ -38,6 +38,7 @@ from jaxcb.runtime.step_input import (
     FLAG_PROMPT_TOP_LOGPROBS,
     FLAG_TOP_LOGPROBS,
     StepInput,
+    all_tokens_allowed,
     empty_step_input,
     no_penalties,
     pack_step_input,
@@ -161,6 +162,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self._compiled: dict[Bucket, jax.stages.Compiled] = {}
         self._no_penalty_tokens: dict[Bucket, tuple[jax.Array, jax.Array]] = {}
+        self._all_tokens: dict[Bucket, jax.Array] = {}  # token masks allowing every id
         # The last step's sampled tokens on device, i32[num_sampled_rows] (the largest
         # bucket's S, so one shape for every bucket): a step packed before its predecessor's
         # tokens were read back takes its decode inputs from here (StepInput.prev_rows).
@@ -219,7 +221,11 @@ class ModelRunner:
         """The step traced for the bucket's shapes: what `compile` lowers (its jaxpr names
         the Pallas kernels and the cost estimates they declare)."""
         example = empty_step_input(
-            bucket, self.pages_per_seq, self.max_model_len, self.num_sampled_rows
+            bucket,
+            self.pages_per_seq,
+            self.max_model_len,
+            self.num_sampled_rows,
+            vocab_size=self.spec.vocab_size,
         )
         return self._step.trace(self.params, self.state, example)
 
@@ -236,6 +242,7 @@ class ModelRunner:
             pages_per_seq=self.pages_per_seq,
             max_model_len=self.max_model_len,
             num_top_logprobs=self.num_top_logprobs,
+            vocab_size=self.spec.vocab_size,
         )
 
     def execute(self, bucket: Bucket, inp: StepInput) -> StepResult:
@@ -251,6 +258,11 @@ class ModelRunner:
                 arrays = no_penalties(bucket.num_seqs, self.max_model_len)
                 self._no_penalty_tokens[bucket] = jax.device_put(arrays, self._replicated)
             inp.penalty_tokens, inp.penalty_counts = self._no_penalty_tokens[bucket]
+        if inp.token_mask is None:
+            if bucket not in self._all_tokens:
+                mask = all_tokens_allowed(bucket.num_seqs, self.spec.vocab_size)
+                self._all_tokens[bucket] = jax.device_put(mask, self._replicated)
+            inp.token_mask = self._all_tokens[bucket]
         if self._sampled is None:
             rows = max(self.num_sampled_rows, bucket.num_seqs)
             self._sampled = jax.device_put(np.zeros(rows, np.int32), self._replicated)

@@ -16,7 +16,13 @@ from jaxcb.models import registry
 from jaxcb.models.base import AttentionBackend, AttentionMetadata, ModelSpec, Params
 from jaxcb.runtime.kv_cache import DeviceState
 from jaxcb.runtime.prompt_logprobs import PromptLogprobsOutput, prompt_logprobs
-from jaxcb.runtime.step_input import FLAG_LOGPROBS, FLAG_PENALTY, FLAG_RANDOM, StepInput
+from jaxcb.runtime.step_input import (
+    FLAG_LOGPROBS,
+    FLAG_MASK,
+    FLAG_PENALTY,
+    FLAG_RANDOM,
+    StepInput,
+)
 from jaxcb.sampling import SamplingOutput, sample
 
 #: Incremented each time the step function is traced; tests assert it stays put after warm-up.
@@ -76,10 +82,12 @@ def step(
         spec=spec,
         attention=attention,
         num_compute_tokens=inp.num_compute_tokens,
-        # Random rows, penalties and logprobs read the logits; greedy rows only their argmax.
+        # Random rows, penalties, logprobs and token masks read the logits; greedy rows only
+        # their argmax.
         need_logits=(inp.flags[FLAG_RANDOM] > 0)
         | (inp.flags[FLAG_PENALTY] > 0)
-        | (inp.flags[FLAG_LOGPROBS] > 0),
+        | (inp.flags[FLAG_LOGPROBS] > 0)
+        | (inp.flags[FLAG_MASK] > 0),
     )
     for sharding in logits_shardings:
         logits = jax.lax.with_sharding_constraint(logits, sharding)
@@ -103,6 +111,8 @@ def step(
         num_top_logprobs=num_top_logprobs,
         greedy_ids=greedy_ids,
         num_rows=inp.num_seqs[0],
+        token_mask=inp.token_mask,
+        any_mask=inp.flags[FLAG_MASK] > 0,
     )
     prompt_out = prompt_logprobs(
         params, hidden, inp, num_top_logprobs=num_top_logprobs, logits_shardings=logits_shardings

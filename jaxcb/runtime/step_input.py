@@ -20,7 +20,10 @@ from pallas_kernels.ragged_paged_attention import PADDING_SLOT
 
 FLAG_RANDOM, FLAG_PENALTY, FLAG_LOGPROBS, FLAG_TOP_LOGPROBS = 0, 1, 2, 3
 FLAG_PROMPT_TOP_LOGPROBS = 4  # some prompt logprob row wants its top-k too
-NUM_FLAGS = 5
+FLAG_MASK = 5  # some sampled row is constrained (structured outputs): token_mask applies
+NUM_FLAGS = 6
+#: Vocabulary ids per word of a packed token mask (bit i of word w: id 32 w + i allowed).
+MASK_WORD_BITS = 32
 
 
 @dataclass
@@ -54,7 +57,8 @@ class StepInput:
     presence_penalty: np.ndarray  # f32[S]
     frequency_penalty: np.ndarray  # f32[S]
     repetition_penalty: np.ndarray  # f32[S]
-    # i32[NUM_FLAGS]: any random row / penalties / logprobs / top logprobs / prompt top-k
+    # i32[NUM_FLAGS]: any random row / penalties / logprobs / top logprobs / prompt top-k /
+    # a constrained row
     flags: np.ndarray
     # Penalties (`penalty_arrays`): i32[S, M] each row's distinct tokens so far (prompt and
     # output), ascending, then PENALTY_PAD + column; f32[S, M] how often each came out. None
@@ -70,6 +74,9 @@ class StepInput:
     # buffer; P is the runner's largest bucket's S, the same for every bucket. None when
     # packed: the runner fills it in.
     prev_token_ids: np.ndarray | jax.Array | None
+    # Structured outputs: i32[S, ceil(V / 32)] each row's allowed next tokens, packed (-1:
+    # all). None (device-resident all-allowed rows are used) unless some row is constrained.
+    token_mask: np.ndarray | jax.Array | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -82,10 +89,15 @@ jax.tree_util.register_dataclass(
 
 
 def empty_step_input(
-    bucket: Bucket, pages_per_seq: int, max_model_len: int, num_sampled_rows: int = 0
+    bucket: Bucket,
+    pages_per_seq: int,
+    max_model_len: int,
+    num_sampled_rows: int = 0,
+    vocab_size: int = 1,
 ) -> StepInput:
     """An all-padding input of the bucket's shapes (used for compilation); the previous
-    step's token buffer holds `num_sampled_rows` (at least the bucket's S)."""
+    step's token buffer holds `num_sampled_rows` (at least the bucket's S), the token mask
+    `vocab_size` ids a row."""
     t, s = bucket.num_tokens, bucket.num_seqs
     i32, f32 = np.int32, np.float32
     penalty_tokens, penalty_counts = no_penalties(s, max_model_len)
@@ -117,7 +129,13 @@ def empty_step_input(
         penalty_counts=penalty_counts,
         prev_rows=np.full(t, -1, i32),
         prev_token_ids=np.zeros(max(s, num_sampled_rows), i32),
+        token_mask=all_tokens_allowed(s, vocab_size),
     )
+
+
+def all_tokens_allowed(num_rows: int, vocab_size: int) -> np.ndarray:
+    """A packed token mask that allows every id."""
+    return np.full((num_rows, -(-vocab_size // MASK_WORD_BITS)), -1, np.int32)
 
 
 def pack_step_input(
@@ -128,6 +146,7 @@ def pack_step_input(
     pages_per_seq: int,
     max_model_len: int,
     num_top_logprobs: int,
+    vocab_size: int = 1,
 ) -> StepInput:
     """Lay the scheduled chunks out on the token axis, padded to the bucket.
 
@@ -135,7 +154,7 @@ def pack_step_input(
     element-wise numpy writes cost ~10 µs per sequence, over a millisecond per step of 128.
     """
     inp = empty_step_input(bucket, pages_per_seq, max_model_len=1)
-    inp.penalty_tokens = inp.penalty_counts = inp.prev_token_ids = None
+    inp.penalty_tokens = inp.penalty_counts = inp.prev_token_ids = inp.token_mask = None
     chunks = sched.chunks
     num_seqs = len(chunks)
     reqs = [c.request for c in chunks]
@@ -190,6 +209,13 @@ def pack_step_input(
     inp.flags[FLAG_TOP_LOGPROBS] = num_top_logprobs > 0 and any(
         (p.logprobs or 0) > 0 for p in sampling
     )
+    constrained = [(s, c.request.grammar) for s, c in enumerate(chunks) if c.samples]
+    constrained = [(s, grammar) for s, grammar in constrained if grammar is not None]
+    if constrained:  # each constrained row's mask from its grammar; the others allow all
+        inp.flags[FLAG_MASK] = 1
+        inp.token_mask = all_tokens_allowed(bucket.num_seqs, vocab_size)
+        for s, grammar in constrained:
+            grammar.fill(inp.token_mask, s)
     if any(r.prompt_logprobs is not None for r in reqs):
         _pack_prompt_logprob_rows(inp, chunks, cu - lens, num_top_logprobs)
     if inp.flags[FLAG_PENALTY]:

@@ -25,6 +25,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jaxcb.sampling_params import SamplingParams
+from jaxcb.server.structured import StructuredOutputsError, structured_outputs_of
 
 MAX_LOGPROBS = 20  # top-k logprobs per token (the engine computes at most 20)
 INT32_MAX = 2**31 - 1
@@ -104,6 +105,15 @@ class _SamplingBody(_Body):
     # jaxcb's: latency targets in ms for the "edf" policy (None: --ttft/tpot-target-ms)
     ttft_target_ms: float | None = None
     tpot_target_ms: float | None = None
+    # Structured outputs (server/structured.py): OpenAI's response_format, vLLM's
+    # structured_outputs object and its older guided_* fields (types checked there).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: Any = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -133,6 +143,10 @@ class _SamplingBody(_Body):
             "tpot_target_ms": self.tpot_target_ms,
         }
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        try:
+            kwargs["structured_outputs"] = structured_outputs_of(self)
+        except StructuredOutputsError as exc:
+            raise bad_request(str(exc), exc.param) from None
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -228,7 +242,6 @@ class ChatCompletionRequest(_SamplingBody):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def chat_messages(self) -> list[dict[str, Any]]:
         if not self.messages:
@@ -240,10 +253,6 @@ class ChatCompletionRequest(_SamplingBody):
         self._check_common()
         if self.tools or self.functions:
             raise bad_request("tools and functions are not supported", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request(
-                "only response_format {'type': 'text'} is supported", "response_format"
-            )
         logprobs = None
         if self.top_logprobs is not None:
             if not self.logprobs:

@@ -92,6 +92,17 @@ class OpenAIServing:
         fmt = ChatFormat("chatcmpl", model, params, return_token_ids=bool(body.return_token_ids))
         return await self._generate(request, fmt, [prompt], params, body, arrival)
 
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """Compile a constraint here, in a worker thread, off the engine loop (which then
+        finds it in the compiler's cache); one the library rejects is a 400."""
+        grammars = getattr(self.engine_loop.engine, "grammars", None)
+        if params.structured_outputs is None or grammars is None:
+            return
+        try:
+            await asyncio.to_thread(grammars.compile, params.structured_outputs)
+        except ValueError as exc:
+            raise bad_request(str(exc), "structured_outputs") from None
+
     async def _generate(
         self,
         request: Request,
@@ -108,6 +119,7 @@ class OpenAIServing:
                 "prompt",
             )
         self.engine_loop.check_admission(len(prompts), params.n)  # before the tokenizing
+        await self._compile_grammar(params)
         submission = Submission(
             [f"{fmt.id}-{i}" for i in range(len(prompts))],
             final_only=not body.stream,
