@@ -49,6 +49,8 @@ class ServerSettings:
     max_request_body_bytes: int = 8 * 2**20  # larger bodies get 413 (a few MB: see cli.py)
     show_model_path: bool = False  # /v1/models' "root": the model's path, not the served name
     step_trace: Path | None = None  # every step's record, written here on shutdown (JSON)
+    chat_template: str | None = None  # a Jinja chat template instead of the tokenizer's
+    tool_call_parser: str = "hermes"  # how `auto` tool choice reads calls (server/tools.py)
 
     def __post_init__(self) -> None:
         # HTTP header values are bytes that servers (Starlette too) decode as Latin-1 and
@@ -69,10 +71,11 @@ def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     engine_loop = EngineLoop(engine, metrics)
     if settings.step_trace is not None:
         engine_loop.steps = []
-    encoder = PromptEncoder(engine)
+    encoder = PromptEncoder(engine, chat_template=settings.chat_template)
     serving = OpenAIServing(
         engine_loop, encoder, list(settings.served_model_names), settings.max_request_body_bytes
     )
+    serving.tool_call_parser = settings.tool_call_parser
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -33,6 +33,8 @@ from jaxcb.engine.interface import Engine
 from jaxcb.runtime.setup import build_engine, model_name
 from jaxcb.server.app import ServerSettings, build_app
 from jaxcb.server.engine_loop import EngineLoop
+from jaxcb.server.prompts import read_chat_template
+from jaxcb.server.tools import PARSERS
 
 logger = logging.getLogger("jaxcb.server")
 
@@ -87,6 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep every engine step's record and write them on shutdown as a step trace "
         "(JSON; scripts/plot_trace.py draws it, the ITL controller's budget included)",
     )
+    server.add_argument(
+        "--chat-template",
+        metavar="FILE_OR_TEXT",
+        help="a Jinja chat template (a file, or the template itself) used instead of the "
+        "tokenizer's, for every chat request (as vLLM's --chat-template)",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        default="hermes",
+        help="how tool_choice auto finds the calls in the model's output: hermes, "
+        '<tool_call>{"name": ..., "arguments": ...}</tool_call> (default: %(default)s)',
+    )
     add_engine_args(parser, taken=set(vars(parser.parse_args([]))))
     return parser
 
@@ -118,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_request_body_bytes=int(args.max_request_body_mb * 2**20),
             show_model_path=args.show_model_path,
             step_trace=args.step_trace,
+            chat_template=read_chat_template(args.chat_template),
+            tool_call_parser=args.tool_call_parser,
         )
     except ValueError as exc:
         parser.exit(2, f"serve.py: error: {exc}\n")

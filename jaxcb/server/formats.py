@@ -20,6 +20,7 @@ from typing import Any
 from jaxcb.outputs import CompletionOutput, RequestOutput
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.submission import Submission
+from jaxcb.server.tools import ToolMode
 
 MIN_LOGPROB = -9999.0  # stands in for -inf, which JSON cannot carry
 
@@ -279,9 +280,58 @@ def _offsets(tokens: list[str], state: ChoiceState) -> list[int]:
     return offsets
 
 
+def _tool_finish(finish_reason: str | None, calls: list[Any]) -> str | None:
+    """ "tool_calls" for a choice that stopped with calls (OpenAI's), else as it ended."""
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+
 class ChatFormat(Format):
+    """Chat shapes; with `tools`, outputs are read into `tool_calls` (server/tools.py): a
+    stream sends content while it is surely content, and the calls, whole, when the choice
+    finishes (their deltas assemble to the non-streamed calls)."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, *args: Any, tools: ToolMode | None = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.tools = tools
+
+    def stream_choice(self, key, out, sample, state, token_texts):
+        if self.tools is None:
+            return super().stream_choice(key, out, sample, state, token_texts)
+        sample = self.visible(sample)
+        if sample.finish_reason is None:
+            content = self.tools.streamable_content(sample.text)
+            if len(content) <= state.num_chars:
+                return None
+            choice = self.delta_choice(key, content[state.num_chars :], None, None)
+            state.num_chars, state.started = len(content), True
+            return choice
+        content, calls = self.tools.calls(sample.text)
+        delta: dict[str, Any] = {}
+        rest = (content or "")[state.num_chars :]
+        if rest:
+            delta["content"] = rest
+        if calls:
+            delta["tool_calls"] = [call.to_json(i) for i, call in enumerate(calls)]
+        state.num_chars, state.finished, state.started = len(content or ""), True, True
+        finish = _tool_finish(sample.finish_reason, calls)
+        return {"index": key, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    def final_choice(self, key, out, sample, token_texts):
+        choice = super().final_choice(key, out, sample, token_texts)
+        if self.tools is None:
+            return choice
+        content, calls = self.tools.calls(choice["message"]["content"])
+        if calls:
+            choice["message"] = {
+                "role": "assistant",
+                "content": content,
+                "tool_calls": [call.to_json() for call in calls],
+            }
+            choice["finish_reason"] = _tool_finish(choice["finish_reason"], calls)
+        return choice
 
     def opening_chunks(self, num_prompts: int) -> list[dict[str, Any]]:
         # OpenAI's streams open with the role, one chunk per choice.

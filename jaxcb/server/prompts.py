@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from jaxcb.sampling_params import SamplingParams
@@ -24,9 +25,10 @@ from jaxcb.tokenizing import max_token_chars, min_num_tokens, own_tokenizer
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """Chat messages, rendered with the tokenizer's chat template."""
+    """Chat messages, rendered with the tokenizer's chat template (and the tools offered)."""
 
     messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
 
 
 Prompt = str | list[int] | ChatPrompt
@@ -47,7 +49,9 @@ class PromptLimits:
 class PromptEncoder:
     """Tokenizes prompts on a thread of its own, with a tokenizer of its own."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, chat_template: str | None = None) -> None:
+        """`chat_template`: used instead of the tokenizer's (--chat-template)."""
+        self.chat_template = chat_template
         self.limits = PromptLimits(
             engine.max_model_len, engine.config.limits.max_prompt_len, engine.info.vocab_size
         )
@@ -112,16 +116,47 @@ class PromptEncoder:
             if tokenizer is None:
                 raise bad_request("this model has no tokenizer: send token id lists", param)
             return prompt, True
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        template = self.chat_template or getattr(tokenizer, "chat_template", None)
+        if tokenizer is None or not template:
             raise bad_request("this model has no chat template; use /v1/completions", param)
+        if prompt.tools and "tools" not in template:
+            # A ChatML template that ignores tools (SmolLM2's): jaxcb's own, with Hermes calls.
+            if "<|im_start|>" not in template:
+                raise bad_request(
+                    "this model's chat template does not render tools: give the server a "
+                    "--chat-template that does",
+                    "tools",
+                )
+            template = CHATML_TOOLS_TEMPLATE
         try:
             text = tokenizer.apply_chat_template(
-                prompt.messages, tokenize=False, add_generation_prompt=True
+                prompt.messages,
+                tools=prompt.tools,
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=True,
             )
         except Exception as exc:  # jinja errors, raise_exception() in templates
             raise bad_request(f"the chat template rejected the messages: {exc}", param) from None
         # The template writes any BOS itself; letting the tokenizer add one would double it.
         return text, False
+
+
+#: jaxcb's ChatML template with tools (Hermes-style calls), for ChatML models whose own
+#: template ignores tools.
+CHATML_TOOLS_TEMPLATE = (Path(__file__).parent / "templates" / "chatml_tools.jinja").read_text()
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the template given inline; ValueError otherwise."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if len(value) < 4096 and path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
 def check_length(

@@ -26,6 +26,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.structured import StructuredOutputsError, structured_outputs_of
+from jaxcb.server.tools import (
+    ToolError,
+    ToolMode,
+    parse_tools,
+    resolve_choice,
+    template_call,
+    tool_constraint,
+)
+from jaxcb.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # top-k logprobs per token (the engine computes at most 20)
 INT32_MAX = 2**31 - 1
@@ -224,6 +233,8 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, sent back
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     def template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -232,6 +243,13 @@ class ChatMessage(_Body):
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            try:
+                out["tool_calls"] = [template_call(c) for c in self.tool_calls]
+            except ToolError as exc:
+                raise bad_request(str(exc), exc.param) from None
         return out
 
 
@@ -241,6 +259,8 @@ class ChatCompletionRequest(_SamplingBody):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
 
     def chat_messages(self) -> list[dict[str, Any]]:
@@ -251,8 +271,8 @@ class ChatCompletionRequest(_SamplingBody):
     def to_sampling_params(self, max_tokens_cap: int | None = None) -> SamplingParams:
         """No max_tokens means up to max_model_len, or `max_tokens_cap` (the engine's)."""
         self._check_common()
-        if self.tools or self.functions:
-            raise bad_request("tools and functions are not supported", "tools")
+        if self.functions:
+            raise bad_request("functions are not supported: use tools", "functions")
         logprobs = None
         if self.top_logprobs is not None:
             if not self.logprobs:
@@ -269,7 +289,26 @@ class ChatCompletionRequest(_SamplingBody):
             if self.max_completion_tokens is not None
             else self.max_tokens
         )
-        return self._sampling_params(max_tokens, logprobs)
+        params = self._sampling_params(max_tokens, logprobs)
+        constraint = tool_constraint(self.tool_mode().choice, self.tool_mode().tools)
+        if constraint is not None:  # required / a named function: the calls' schema
+            if params.structured_outputs is not None:
+                raise bad_request(
+                    "tool_choice required or a named function constrains the output "
+                    "already: leave out response_format and structured outputs",
+                    "tool_choice",
+                )
+            params.structured_outputs = StructuredOutputsParams.of(constraint)
+        return params
+
+    def tool_mode(self, parser: str = "hermes") -> ToolMode:
+        """How this request's tools are handled (server/tools.py); a bad `tools` or
+        `tool_choice` is a 400 naming it."""
+        try:
+            tools = parse_tools(self.tools or [])
+            return ToolMode(resolve_choice(self.tool_choice, tools), tools, parser)
+        except ToolError as exc:
+            raise bad_request(str(exc), exc.param) from None
 
 
 # ---- parsing ----------------------------------------------------------------------------

@@ -53,6 +53,7 @@ class OpenAIServing:
         limits = engine_loop.engine.config.limits
         self.max_tokens_cap = limits.max_output_tokens
         self.max_prompts = limits.max_prompts_per_request
+        self.tool_call_parser = "hermes"  # --tool-call-parser (app.py sets it)
 
     def resolve_model(self, name: str | None) -> str:
         if name is None:
@@ -88,8 +89,16 @@ class OpenAIServing:
         body = parse_body(raw, ChatCompletionRequest)
         model = self.resolve_model(body.model)
         params = body.to_sampling_params(self.max_tokens_cap)
-        prompt = ChatPrompt(body.chat_messages())
-        fmt = ChatFormat("chatcmpl", model, params, return_token_ids=bool(body.return_token_ids))
+        tools = body.tool_mode(self.tool_call_parser)
+        offered = [t.template_dict() for t in tools.tools] or None
+        prompt = ChatPrompt(body.chat_messages(), tools=offered)
+        fmt = ChatFormat(
+            "chatcmpl",
+            model,
+            params,
+            return_token_ids=bool(body.return_token_ids),
+            tools=tools if tools.tools else None,
+        )
         return await self._generate(request, fmt, [prompt], params, body, arrival)
 
     async def _compile_grammar(self, params: SamplingParams) -> None:

@@ -22,6 +22,7 @@ def _chat(**fields) -> bytes:
 
 
 # (path, raw body, status, param) ; param None = not checked
+TOOL_F = {"type": "function", "function": {"name": "f"}}
 CASES = {
     # bodies that are not a JSON object
     "bad-json": (COMPLETIONS, b"{bad", 400, None),
@@ -87,7 +88,18 @@ CASES = {
     "messages-empty": (CHAT, _chat(messages=[]), 400, "messages"),
     "top-logprobs-alone": (CHAT, _chat(top_logprobs=2), 400, "top_logprobs"),
     "top-logprobs-30": (CHAT, _chat(logprobs=True, top_logprobs=30), 400, "top_logprobs"),
-    "tools": (CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    # tools: the tiny model's template renders none (and is no ChatML); malformed ones; a
+    # tool_choice naming no tool, or needing tools that are not there; legacy functions
+    "tools-not-rendered": (CHAT, _chat(tools=[TOOL_F]), 400, "tools"),
+    "tools-malformed": (CHAT, _chat(tools=[{"type": "function"}]), 400, "tools"),
+    "tool-choice-unknown": (
+        CHAT,
+        _chat(tools=[TOOL_F], tool_choice={"type": "function", "function": {"name": "g"}}),
+        400,
+        "tool_choice",
+    ),
+    "tool-choice-without-tools": (CHAT, _chat(tool_choice="required"), 400, "tool_choice"),
+    "functions": (CHAT, _chat(functions=[{"name": "f"}]), 400, "functions"),
     "stream-bad-value": (CHAT, _chat(stream=True, temperature=-1), 400, "temperature"),
     # too long for max_model_len
     "prompt-too-long": (COMPLETIONS, _completion(prompt="x" * 600, max_tokens=1), 400, "prompt"),

@@ -1,7 +1,10 @@
 """`scripts/serve.py` with no --model serves the real default, SmolLM2-135M-Instruct, and
-answers a factual chat question through the official openai client, streaming and not."""
+answers a factual chat question through the official openai client, streaming and not; tool
+calling (named, required, auto, tool results) on it."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -45,3 +48,103 @@ def test_a_factual_question_is_answered_streaming(client):
     pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
     assert "Paris" in "".join(pieces), pieces
     assert len([p for p in pieces if p]) > 1  # streamed, not one block
+
+
+# ---- tool calling (SmolLM2's ChatML template ignores tools: jaxcb's renders them) ---------
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"timezone": {"type": "string", "maxLength": 20}},
+    "required": ["timezone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ARGS_PARIS = '{"city": "Paris", "unit": "celsius"}'
+
+
+def _calls(client, stream: bool, **kw):
+    """(content, [(name, arguments)], finish_reason) of one chat answer; a stream's deltas
+    assembled as OpenAI clients assemble them."""
+    out = client.chat.completions.create(
+        model=NAME, messages=kw.pop("messages", ASK), tools=TOOLS, max_tokens=96,
+        temperature=0, stream=stream, **kw,
+    )  # fmt: skip
+    if not stream:
+        m = out.choices[0].message
+        calls = [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
+        assert all(c.id.startswith("call_") and c.type == "function" for c in m.tool_calls or [])
+        return m.content, calls, out.choices[0].finish_reason
+    content, calls, finish = "", {}, None
+    for chunk in out:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                name, args = calls.get(call.index, ("", ""))
+                name += call.function.name or ""
+                calls[call.index] = (name, args + (call.function.arguments or ""))
+            finish = choice.finish_reason or finish
+    return content or None, [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_and_required_tool_choices_give_valid_arguments(client, stream):
+    jsonschema = pytest.importorskip("jsonschema")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in (named, "required"):
+        content, calls, finish = _calls(client, stream, tool_choice=choice)
+        assert content is None and calls and finish == "tool_calls"
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+        if choice is named:
+            assert [name for name, _ in calls] == ["get_weather"]
+    assert _calls(client, True, tool_choice=named)[1] == _calls(client, False, tool_choice=named)[1]
+
+
+def test_auto_parses_a_call_and_returns_plain_content_otherwise(client):
+    # The output is forced (a regex) to be a Hermes call, or plain text: auto's parser reads it.
+    call = r'<tool_call>\{"name": "get_weather", "arguments": '
+    call += r'\{"city": "Paris", "unit": "celsius"\}\}</tool_call>'
+    for stream in (False, True):
+        content, calls, finish = _calls(
+            client, stream, tool_choice="auto", extra_body={"guided_regex": call}
+        )
+        assert content is None and finish == "tool_calls"
+        assert calls == [("get_weather", ARGS_PARIS)]
+        content, calls, finish = _calls(
+            client, stream, tool_choice="auto", extra_body={"guided_regex": "It is sunny[.]"}
+        )
+        assert (content, calls, finish) == ("It is sunny.", [], "stop")
+
+
+def test_tool_results_go_back_as_tool_messages(client):
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": ARGS_PARIS},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 21, "sky": "clear"}'},
+    ]
+    content, calls, finish = _calls(client, False, messages=history, tool_choice="none")
+    assert calls == [] and content and finish in ("stop", "length")
