@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -68,6 +69,25 @@ class Matcher:
     def is_finished(self) -> bool:
         """The grammar is complete and allows nothing more than end of sequence."""
         return self._matcher.is_stopped()
+
+
+_executor: llguidance.LLExecutor | None = None
+
+
+def fill_masks(rows: list[tuple[int, Matcher]], mask: np.ndarray) -> None:
+    """Each (row, matcher)'s allowed next tokens into mask[row], the rows computed in
+    parallel on every core (llguidance's executor, outside the GIL) when there are several.
+    The step waits for them anyway: constrained steps run synchronously."""
+    global _executor
+    if len(rows) == 1:
+        row, matcher = rows[0]
+        matcher.fill(mask, row)
+        return
+    if _executor is None:
+        _executor = llguidance.LLExecutor(num_threads=os.cpu_count() or 1)
+    assert mask.dtype == np.int32 and mask.flags["C_CONTIGUOUS"]
+    pairs = [(matcher._matcher, row) for row, matcher in rows]
+    _executor.unsafe_compute_mask_ptr(pairs, mask.ctypes.data, mask.shape[1] * 4, mask.shape[0])
 
 
 class GrammarCompiler:

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jaxcb.engine.buckets import Bucket
+from jaxcb.engine.grammar import fill_masks
 from jaxcb.engine.schedule import ScheduledChunk, SchedulerOutput
 from pallas_kernels.ragged_paged_attention import PADDING_SLOT
 
@@ -214,8 +215,7 @@ def pack_step_input(
     if constrained:  # each constrained row's mask from its grammar; the others allow all
         inp.flags[FLAG_MASK] = 1
         inp.token_mask = all_tokens_allowed(bucket.num_seqs, vocab_size)
-        for s, grammar in constrained:
-            grammar.fill(inp.token_mask, s)
+        fill_masks(constrained, inp.token_mask)
     if any(r.prompt_logprobs is not None for r in reqs):
         _pack_prompt_logprob_rows(inp, chunks, cu - lens, num_top_logprobs)
     if inp.flags[FLAG_PENALTY]:

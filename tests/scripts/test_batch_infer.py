@@ -33,6 +33,12 @@ BAD_LINES = {  # line number -> (line, what the errors file says)
     17: (json.dumps({"id": "hot", "prompt": "x", "temperature": -1}), "temperature"),
     21: (json.dumps({"id": "long", "prompt": [5] * 600}), "longer than max_model_len"),
     25: ("[1, 2]", "must be a JSON object"),
+    27: (json.dumps({"id": "re", "prompt": "x", "structured_outputs": {"regex": "("}}), "regex"),
+}
+# Lines whose output is constrained (structured outputs, per line): id -> (constraint, check)
+STRUCTURED = {
+    "s3": ({"choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
+    "s4": ({"regex": "[0-9]{2}:[0-9]{2}"}, lambda t: len(t) == 5 and t[2] == ":"),
 }
 
 
@@ -43,6 +49,9 @@ def write_input(path: Path, num_lines: int) -> None:
             lines.append(BAD_LINES[n][0])
         elif n == 30:
             lines.append("")  # blank lines are skipped, not errors
+        elif f"s{n}" in STRUCTURED:
+            so = STRUCTURED[f"s{n}"][0]
+            lines.append(json.dumps({"id": f"s{n}", "prompt": "pick", "structured_outputs": so}))
         elif n % 11 == 0:  # chat, sampled without a seed (short: a long sampled sequence
             # may part ways after many tokens, as float sums differ between batch layouts)
             messages = [{"role": "user", "content": f"question {n}"}]
@@ -107,6 +116,8 @@ def test_killed_and_restarted_run_equals_an_uninterrupted_one(tmp_path: Path) ->
     assert len(expected) == 60 - len(BAD_LINES) - 1  # all but the bad and blank lines
     assert {7, 14} <= {r["id"] for r in expected}  # ids from line numbers
     assert all(r["outputs"][0]["token_ids"] for r in expected)
+    for ident, (_, check) in STRUCTURED.items():
+        assert check(by_id(expected)[json.dumps(ident)]["outputs"][0]["text"])
     errors = read(Path(f"{resumed}.errors.jsonl"))
     assert sorted(e["line"] for e in errors) == sorted(BAD_LINES)
     for e in errors:
