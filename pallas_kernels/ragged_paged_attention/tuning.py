@@ -138,9 +138,12 @@ def gpu_shared_memory_bytes(
     head_dim 64/96/128/256, rows 16..128, KV 32..256 tokens, bf16 and f32, 4 and 8 warps),
     with tiles q = query_rows x Dp, kv = kv_tokens x Dp and p = query_rows x kv_tokens:
     - rows >= 64: the dots are Hopper wgmma with q, K and V staged in shared memory (p stays
-      in registers): q + 2 kv; f32 (tf32) adds one more kv tile.
+      in registers): q + 2 kv.
     - rows < 64: mma.sync through one K/V buffer (K and V take turns) plus q and p:
-      q + kv + p; f32 keeps K and V apart: one more kv tile.
+      q + kv + p.
+    - f32 (full-precision dots, `reference.FULL`: no tensor-core path): q + 2 kv + p, and up
+      to a row vector of reduction scratch (rows x 4 bytes), counted: an upper bound by at
+      most that vector (measured on H100 at head_dim 64 and 128, rows 16-128, KV 32-128).
     `num_stages` changes nothing (measured; see the comment above the table).
     Quantized pages (`kv_scales`; `itemsize` is then q's, the dtype the tiles are converted
     to) add the two f32 scale vectors of a KV block: an upper bound (measured on H100, int8
@@ -151,10 +154,12 @@ def gpu_shared_memory_bytes(
     dim = padded_head_dim(head_dim)
     q = query_rows * dim * itemsize
     kv = kv_tokens * dim * itemsize
-    extra_kv = kv if itemsize >= 4 else 0
+    p = query_rows * kv_tokens * itemsize
+    if itemsize >= 4:
+        return q + 2 * kv + p + query_rows * 4 + scales
     if query_rows >= 64:
-        return q + 2 * kv + extra_kv + scales
-    return q + kv + query_rows * kv_tokens * itemsize + extra_kv + scales
+        return q + 2 * kv + scales
+    return q + kv + p + scales
 
 
 def gpu_block_sizes(

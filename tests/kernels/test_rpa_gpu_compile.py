@@ -125,9 +125,14 @@ def test_compiles_for_h100_with_the_estimated_shared_memory(h100, tmp_path, head
 
 
 def test_compiles_f32_with_window_and_soft_cap(h100, tmp_path):
+    """float32 dots at full precision (no tensor cores): the estimate is an upper bound by
+    at most the reduction scratch's row vector."""
     shape = bucket(128, "prefill", dtype="float32")
     _, smem, _ = compile_for(h100, shape, tmp_path, sliding_window=1024, soft_cap=30.0)
-    assert smem == estimate(shape, chosen_blocks(shape))
+    blocks = chosen_blocks(shape)
+    padded_group = 1 << (shape.num_q_heads // shape.num_kv_heads - 1).bit_length()
+    rows = max(16, blocks.num_queries_per_block * padded_group)
+    assert estimate(shape, blocks) - rows * 4 <= smem <= estimate(shape, blocks)
 
 
 def test_shared_memory_overflow_is_a_compile_error(h100, tmp_path):
