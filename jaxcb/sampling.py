@@ -334,9 +334,10 @@ def draw_all_rows(
 def apply_token_mask(logits: jax.Array, token_mask: jax.Array) -> jax.Array:
     """-inf where a row's packed mask (i32[S, ceil(V / 32)], bit i of word w = id 32 w + i)
     forbids the id."""
-    ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
-    words = jnp.take(token_mask, ids // 32, axis=1)  # [S, V]
-    allowed = (jax.lax.shift_right_logical(words, (ids % 32)[None, :]) & 1) == 1
+    rows, vocab = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.int32)[None, None, :]  # unpacked by broadcasting: no gather
+    bits = jax.lax.shift_right_logical(token_mask[:, :, None], shifts) & 1  # [S, W, 32]
+    allowed = bits.reshape(rows, -1)[:, :vocab] == 1
     return jnp.where(allowed, logits, -jnp.inf)
 
 
@@ -407,6 +408,9 @@ def sample(
     def general(x: jax.Array) -> jax.Array:
         if token_mask is not None:  # structured outputs: before penalties and the filters
             x = jax.lax.cond(masked, lambda y: apply_token_mask(y, token_mask), lambda y: y, x)
+        return unmasked(x)
+
+    def unmasked(x: jax.Array) -> jax.Array:
         x = jax.lax.cond(any_penalty, lambda y: apply_penalties(y, *penalty_args), lambda y: y, x)
         return jax.lax.cond(any_random, draw, argmax_last_axis, x)
 
@@ -415,8 +419,21 @@ def sample(
     # S=128), so the penalty cond sits inside the general branch only.
     # (The LM head's native CPU kernels take the argmax from their accumulators: no pass over
     # the [S, V] logits at all then.)
-    greedy = argmax_last_axis if greedy_ids is None else (lambda x: greedy_ids)
-    token_ids = jax.lax.cond(any_random | any_penalty | masked, general, greedy, logits)
+    plain_greedy = argmax_last_axis if greedy_ids is None else (lambda x: greedy_ids)
+
+    def greedy(x: jax.Array) -> jax.Array:
+        if token_mask is None:
+            return plain_greedy(x)
+        # greedy rows under a mask: the mask and the argmax in one fused pass
+        masked_argmax = lambda y: argmax_last_axis(apply_token_mask(y, token_mask))
+        return jax.lax.cond(masked, masked_argmax, plain_greedy, x)
+
+    token_ids = jax.lax.cond(
+        any_random | any_penalty,
+        general if token_mask is not None else unmasked,
+        greedy,
+        logits,
+    )
 
     k = num_top_logprobs
 

@@ -11,8 +11,13 @@ On the real model (default) with --num-seqs sequences running:
    of a step at once on every core) at every position of the constrained outputs, per row,
    times the rows of a step; on the device, the step's
    sampling with a mask against without one ([rows, vocab] logits, jitted, median);
-4. mask cost = (host + device) / the free step time. A step without constrained rows sends
-   no mask and skips the masking (`lax.cond` on a flag): its cost there is the flag.
+4. mask cost = (host + device) / the free step time;
+5. steady: the free run again with every request constrained by a regex no output of
+   --max-tokens tokens can complete (`[a-z ]{1000,}`), so all of them run every step as in
+   the free run: the whole cost of constraining a full batch, end to end (the mask, the
+   logits the LM head then writes instead of its argmax, and steps no longer overlapped
+   with the host's work: async scheduling waits for a constrained row's token).
+A step without constrained rows sends no mask and skips the masking (`lax.cond` on a flag).
 
     python scripts/bench_structured.py                       # SmolLM2, 64 sequences
     python scripts/bench_structured.py --num-seqs 16 --json out/structured.json
@@ -40,6 +45,9 @@ from jaxcb import LLM, SamplingParams
 from jaxcb.bench.structured_suite import MAX_TOKENS, cases, chat
 from jaxcb.engine.grammar import fill_masks, mask_words
 from jaxcb.sampling import sample
+
+#: A regex no output of a few hundred tokens completes: every constrained row runs every step.
+STEADY = "[a-z ]{1000,}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -137,6 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     cons_tokens = sum(len(s.token_ids) for s in samples)
     valid = sum(c.check(s.text) is None for c, s in zip(suite, samples, strict=True))
 
+    steady = SamplingParams(
+        max_tokens=args.max_tokens, temperature=0.0, structured_outputs={"regex": STEADY}
+    )
+    llm.generate(prompts, steady, use_tqdm=False)  # warm-up
+    steps0 = llm.stats()["steps"]
+    outs, steady_s = timed(lambda: llm.generate(prompts, steady, use_tqdm=False))
+    steady_steps = llm.stats()["steps"] - steps0
+    steady_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    steady_ms = steady_s / steady_steps * 1e3
+
     # the host part: the step's mask rows at every position of the constrained outputs,
     # filled as the packer fills them (all rows of a step at once, on every core)
     grammars = llm.engine.grammars
@@ -166,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                          valid=valid, total=n,
                          grammars_compiled=compiled["grammars_compiled"],
                          grammar_compile_seconds=compiled["grammar_compile_seconds"]),
+        steady=dict(seconds=steady_s, tokens=steady_tokens, steps=steady_steps,
+                    step_ms=steady_ms, overhead=steady_ms / step_ms - 1),
         mask=dict(host_ms_per_step=host_ms, host_us_per_row=fill_seconds / num_rows * 1e6,
                   device_ms_plain=plain_ms, device_ms_masked=masked_ms,
                   device_ms_per_step=device_ms, fraction_of_step=(host_ms + device_ms) / step_ms),
@@ -182,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mask: host {m['host_ms_per_step']:.3f} ms/step ({m['host_us_per_row']:.1f} us a row), "
           f"device {device_ms:.3f} ms/step ({plain_ms:.3f} -> {masked_ms:.3f}): "
           f"{100 * m['fraction_of_step']:.1f}% of a free step")  # fmt: skip
+    st = result["steady"]
+    print(f"steady:      {steady_tokens / steady_s:8.1f} out tok/s, {steady_steps} steps, "
+          f"{steady_ms:.2f} ms/step: +{100 * st['overhead']:.1f}% over a free step")  # fmt: skip
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
