@@ -72,6 +72,15 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
+def run_timed(llm: LLM, prompts: list[str], params) -> tuple[list, float, int, int]:
+    """(outputs, seconds, steps, output tokens) of a pass after an untimed warm-up pass."""
+    llm.generate(prompts, params, use_tqdm=False)
+    steps0 = llm.stats()["steps"]
+    outs, seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return outs, seconds, llm.stats()["steps"] - steps0, tokens
+
+
 def device_mask_ms(rows: int, vocab: int, iters: int) -> tuple[float, float]:
     """Median ms of the step's sampling over [rows, vocab] logits, greedy, without and with
     a token mask (one allowed id in eight)."""
@@ -125,11 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in suite
     ]
     free = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts, free, use_tqdm=False)  # warm-up
-    steps0 = llm.stats()["steps"]
-    outs, free_s = timed(lambda: llm.generate(prompts, free, use_tqdm=False))
-    free_steps = llm.stats()["steps"] - steps0
-    free_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    _, free_s, free_steps, free_tokens = run_timed(llm, prompts, free)
     step_ms = free_s / free_steps * 1e3
 
     params = [
@@ -148,11 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     steady = SamplingParams(
         max_tokens=args.max_tokens, temperature=0.0, structured_outputs={"regex": STEADY}
     )
-    llm.generate(prompts, steady, use_tqdm=False)  # warm-up
-    steps0 = llm.stats()["steps"]
-    outs, steady_s = timed(lambda: llm.generate(prompts, steady, use_tqdm=False))
-    steady_steps = llm.stats()["steps"] - steps0
-    steady_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    _, steady_s, steady_steps, steady_tokens = run_timed(llm, prompts, steady)
     steady_ms = steady_s / steady_steps * 1e3
 
     # the host part: the step's mask rows at every position of the constrained outputs,
