@@ -150,3 +150,41 @@ def test_json_object_and_compact_whitespace(llm):
     )[0].outputs[0]
     value = json.loads(out.text)
     assert json.dumps(value, separators=(",", ":")) == out.text  # no free whitespace
+
+
+def test_stop_strings_logprobs_aborts_and_no_recompile(llm):
+    """Constrained requests with a stop string (which ends them mid-grammar), with logprobs,
+    and aborted mid-output: each ends as asked, frees its pages, and no step is traced anew."""
+    from jaxcb.runtime import step as step_module
+
+    traces = step_module.TRACE_COUNT[0]
+    only = {"regex": "alpha beta gamma"}  # one possible output
+    stopped, logged = llm.generate(
+        ["Say it.", "Say it."],
+        [
+            SamplingParams(max_tokens=16, temperature=0.0, stop=[" beta"], structured_outputs=only),
+            SamplingParams(max_tokens=16, temperature=0.0, logprobs=2, structured_outputs=only),
+        ],
+        use_tqdm=False,
+    )
+    out = stopped.outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == ("alpha", "stop", " beta")
+    out = logged.outputs[0]
+    assert out.text == "alpha beta gamma" and out.finish_reason == "stop"
+    assert len(out.logprobs) == len(out.top_logprobs) == len(out.token_ids)
+    assert all(len(top) >= 2 for top in out.top_logprobs)
+
+    engine = llm.engine
+    so = SUITE[0].structured_outputs
+    engine.add_request(
+        "cut",
+        "Describe a person.",
+        SamplingParams(max_tokens=64, temperature=0.0, structured_outputs=so),
+    )
+    engine.step()
+    engine.step()
+    assert engine.abort_request("cut").outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished_requests() and llm.stats()["kv_pages_used"] == 0
+    again = llm.generate(["Describe a person."], constrained(SUITE[0]), use_tqdm=False)[0]
+    assert SUITE[0].check(again.outputs[0].text) is None
+    assert step_module.TRACE_COUNT[0] == traces, "a constrained step was compiled anew"

@@ -148,3 +148,47 @@ def test_tool_results_go_back_as_tool_messages(client):
     ]
     content, calls, finish = _calls(client, False, messages=history, tool_choice="none")
     assert calls == [] and content and finish in ("stop", "length")
+
+
+# ---- structured outputs: the whole suite through the server -----------------------------
+
+
+def test_the_structured_output_suite_through_the_server(client):
+    """Every case of jaxcb/bench/structured_suite.py (22 schemas, 5 regexes, 3 choices) as
+    the openai client sends it (a schema as response_format json_schema, the rest in
+    extra_body), streamed for every third: all parse and validate."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from jaxcb.bench.structured_suite import MAX_TOKENS, cases, chat
+
+    def ask(i_case):
+        i, case = i_case
+        so = case.structured_outputs
+        kw = (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": so["json"]},
+                }
+            }
+            if "json" in so
+            else {"extra_body": {"structured_outputs": so}}
+        )
+        stream = i % 3 == 0
+        out = client.chat.completions.create(
+            model=NAME, messages=chat(case.prompt), max_tokens=MAX_TOKENS, temperature=0,
+            stream=stream, **kw,
+        )  # fmt: skip
+        if not stream:
+            return case, out.choices[0].message.content, out.choices[0].finish_reason
+        text, finish = "", None
+        for chunk in out:
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+        return case, text, finish
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, enumerate(cases())))
+    bad = {c.name: (t, c.check(t), f) for c, t, f in answers if c.check(t) or f != "stop"}
+    assert len(answers) >= 30 and not bad
