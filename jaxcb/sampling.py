@@ -332,11 +332,10 @@ def draw_all_rows(
 
 
 def apply_token_mask(logits: jax.Array, token_mask: jax.Array) -> jax.Array:
-    """-inf where a row's packed mask (i32[S, ceil(V / 32)], bit i of word w = id 32 w + i)
-    forbids the id."""
-    rows, vocab = logits.shape
+    """-inf at the ids a row's packed mask forbids (i32[S, W]: id 32 w + i = bit i of word w)."""
     shifts = jnp.arange(32, dtype=jnp.int32)[None, None, :]  # unpacked by broadcasting: no gather
     bits = jax.lax.shift_right_logical(token_mask[:, :, None], shifts) & 1  # [S, W, 32]
+    rows, vocab = logits.shape
     allowed = bits.reshape(rows, -1)[:, :vocab] == 1
     return jnp.where(allowed, logits, -jnp.inf)
 
@@ -408,9 +407,6 @@ def sample(
     def general(x: jax.Array) -> jax.Array:
         if token_mask is not None:  # structured outputs: before penalties and the filters
             x = jax.lax.cond(masked, lambda y: apply_token_mask(y, token_mask), lambda y: y, x)
-        return unmasked(x)
-
-    def unmasked(x: jax.Array) -> jax.Array:
         x = jax.lax.cond(any_penalty, lambda y: apply_penalties(y, *penalty_args), lambda y: y, x)
         return jax.lax.cond(any_random, draw, argmax_last_axis, x)
 
@@ -418,22 +414,16 @@ def sample(
     # whose untaken branch returns its [S, V] operand unchanged still copies it (16 MB at
     # S=128), so the penalty cond sits inside the general branch only.
     # (The LM head's native CPU kernels take the argmax from their accumulators: no pass over
-    # the [S, V] logits at all then.)
+    # the [S, V] logits at all then.) Under a mask: the mask and the argmax in one fused pass.
     plain_greedy = argmax_last_axis if greedy_ids is None else (lambda x: greedy_ids)
 
     def greedy(x: jax.Array) -> jax.Array:
         if token_mask is None:
             return plain_greedy(x)
-        # greedy rows under a mask: the mask and the argmax in one fused pass
         masked_argmax = lambda y: argmax_last_axis(apply_token_mask(y, token_mask))
         return jax.lax.cond(masked, masked_argmax, plain_greedy, x)
 
-    token_ids = jax.lax.cond(
-        any_random | any_penalty,
-        general if token_mask is not None else unmasked,
-        greedy,
-        logits,
-    )
+    token_ids = jax.lax.cond(any_random | any_penalty, general, greedy, logits)
 
     k = num_top_logprobs
 
