@@ -290,7 +290,8 @@ class ChatCompletionRequest(_SamplingBody):
             else self.max_tokens
         )
         params = self._sampling_params(max_tokens, logprobs)
-        constraint = tool_constraint(self.tool_mode().choice, self.tool_mode().tools)
+        tools = self.tool_mode()
+        constraint = tool_constraint(tools.choice, tools.tools)
         if constraint is not None:  # required / a named function: the calls' schema
             if params.structured_outputs is not None:
                 raise bad_request(
