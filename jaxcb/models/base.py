@@ -22,6 +22,10 @@ rules work for all: the token embedding is params["embed"] [V, H] with axes ("vo
 when the embeddings are tied; a matmul weight (ParamInfo.matmul) is stored [in, ...] so that
 reshaping it to [shape[0], -1] gives its [in, out] matrix.
 
+A family whose forward needs facts beyond ModelSpec's subclasses it (a frozen dataclass with
+its own fields, e.g. soft caps or the number of experts) and returns that from
+spec_from_hf_config; the rest of jaxcb reads only ModelSpec's fields.
+
 Logical axis names (runtime/sharding.py's RULES map them to mesh axes): "vocab", "embed"
 (the hidden size), "q_heads", "kv_heads", "mlp" (the MLP's intermediate axis), "qkv" (a
 query group's G query heads, then K, then V), "gate_up", "head_dim".
@@ -80,15 +84,18 @@ class ParamInfo:
     """One parameter's declaration: its shape and the logical axis of each dimension.
 
     `matmul`: a weight the forward multiplies by (through packed.matmul), which the CPU path
-    may pack for a native kernel as its [shape[0], -1] matrix. `dtype`: its own dtype
-    (a quantized weight's int8 values and float32 scales, models/quant.py); None: the
-    model's.
+    may pack for a native kernel as its [shape[0], -1] matrix. `experts`: a stack of
+    per-expert matmul weights [E, in, ...] (a mixture of experts' FFN, multiplied through
+    packed.grouped_matmul); expert e's [in, out] matrix is w[e].reshape(shape[1], -1).
+    `dtype`: its own dtype (a quantized weight's int8 values and float32 scales,
+    models/quant.py); None: the model's.
     """
 
     shape: tuple[int, ...]
     axes: tuple[str, ...]
     matmul: bool = False
     dtype: str | None = None
+    experts: bool = False
 
     def __post_init__(self) -> None:
         if len(self.shape) != len(self.axes):

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxcb import native
 from jaxcb.models.base import ParamInfo, Params
-from jaxcb.models.layers import dense
+from jaxcb.models.layers import dense, precision
 from jaxcb.models.quant import is_quantized, quantized_matmul
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,20 @@ def matmul(x: jax.Array, w: Weight, rows: jax.Array | None = None) -> jax.Array:
         ((kernel, packed),) = w.items()
         return native.ALL_PACKED[kernel].kernel(x, packed, rows)
     return dense(x, w.reshape(w.shape[0], -1))
+
+
+def grouped_matmul(x: jax.Array, w: Weight, group_sizes: jax.Array) -> jax.Array:
+    """Rows of x sorted by group (a mixture of experts' tokens by expert) times their group's
+    matrix: x [M, in], w [G, in, ...] (expert g's [in, out] matrix is w[g] viewed as [in,
+    -1]), group_sizes i32[G] (rows past their sum come out zero). float32 result [M, out]."""
+    groups, rows_in = w.shape[0], w.shape[1]
+    return jax.lax.ragged_dot(
+        x.astype(w.dtype),
+        w.reshape(groups, rows_in, -1),
+        group_sizes,
+        precision=precision(w.dtype),
+        preferred_element_type=jnp.float32,
+    )
 
 
 def matmul_and_argmax(

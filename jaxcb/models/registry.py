@@ -32,7 +32,7 @@ def _table(attribute: str) -> dict[str, tuple[ModuleType, str]]:
     """key -> (family, Hugging Face architecture), from each family's own tables."""
     out: dict[str, tuple[ModuleType, str]] = {}
     for family in FAMILIES.values():
-        table = getattr(family, attribute)
+        table = getattr(family, attribute, ())  # (a family may read no GGUF files)
         pairs = table.items() if isinstance(table, dict) else ((a, a) for a in table)
         for key, architecture in pairs:
             out[key] = (family, architecture)
