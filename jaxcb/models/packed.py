@@ -56,6 +56,16 @@ def grouped_matmul(x: jax.Array, w: Weight, group_sizes: jax.Array) -> jax.Array
     )
 
 
+def grouped_swiglu(x: jax.Array, w: Weight, group_sizes: jax.Array) -> jax.Array:
+    """silu(gate) * up of x's rows (sorted by group, as for grouped_matmul) through their
+    group's gate_up weight, w [G, in, 2, I]: float32 [M, I]. Gate and up are two grouped
+    matmuls over w's halves, never one over a merged 2 * I axis: tensor parallelism shards
+    I, and a merged axis would not split evenly."""
+    gate = grouped_matmul(x, w[:, :, 0], group_sizes)
+    up = grouped_matmul(x, w[:, :, 1], group_sizes)
+    return jax.nn.silu(gate) * up
+
+
 def matmul_and_argmax(
     x: jax.Array, w: Weight, rows: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array | None]:
