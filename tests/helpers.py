@@ -30,6 +30,17 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 
+_factors = np.random.default_rng(0).uniform(1.0, 8.0, size=(2, 8)).round(3)  # head_dim 16
+PHI3_LONGROPE = {
+    "rope_scaling": {
+        "rope_type": "longrope",
+        "short_factor": (_factors[0] / 4 + 0.75).tolist(),  # in [1, 2.75]
+        "long_factor": _factors[1].tolist(),
+    },
+    "original_max_position_embeddings": 1024,
+    "max_position_embeddings": 4096,  # attention factor sqrt(1 + ln 4 / ln 1024)
+}
+
 FAMILIES = {
     # name: (transformers config class name, extra config)
     "llama3": ("LlamaConfig", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}),
@@ -37,6 +48,54 @@ FAMILIES = {
     "mistral": ("MistralConfig", {"sliding_window": 48}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": True}),
+    # Phi3Config's default pad id (32000) is outside the tiny vocabulary
+    "phi3": ("Phi3Config", {"pad_token_id": 0, "sliding_window": 48}),
+    # sequences stay under original_max_position_embeddings, where jaxcb's per-token choice
+    # of LongRoPE factors and transformers' per-call one agree (models/phi3.py)
+    "phi3-longrope": ("Phi3Config", {"pad_token_id": 0, **PHI3_LONGROPE}),
+    # Soft caps low enough to bite, windows the prompts exceed. Untied: with Gemma's
+    # sqrt(hidden) embedding scale a tiny random tied model repeats its last prompt token.
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "head_dim": 32,
+            "sliding_window": 48,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+            "query_pre_attn_scalar": 24,
+            "num_hidden_layers": 3,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 32,
+            "sliding_window": 40,
+            "num_hidden_layers": 3,
+            "sliding_window_pattern": 2,
+            "tie_word_embeddings": False,
+            "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+        },
+    ),
+    # Mixtures of experts (models/moe.py): a few experts, so some get no tokens in a step
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "intermediate_size": 64}),
+    "qwen2-moe": (
+        "Qwen2MoeConfig",
+        {"num_experts": 8, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64},
+    ),
+    # top-3 (the sum over k in transformers' order), renormalised; layer 0 a dense MLP
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        {
+            "head_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [0],
+        },
+    ),
 }
 
 

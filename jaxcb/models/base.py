@@ -23,7 +23,8 @@ when the embeddings are tied; a matmul weight (ParamInfo.matmul) is stored [in, 
 reshaping it to [shape[0], -1] gives its [in, out] matrix.
 
 A family whose forward needs facts beyond ModelSpec's subclasses it (a frozen dataclass with
-its own fields, e.g. soft caps or the number of experts) and returns that from
+its own fields, each with a default as ModelSpec's last field has one: e.g. the attention
+soft cap or the number of experts) and returns that from
 spec_from_hf_config; the rest of jaxcb reads only ModelSpec's fields.
 
 Logical axis names (runtime/sharding.py's RULES map them to mesh axes): "vocab", "embed"
@@ -69,6 +70,8 @@ class ModelSpec:
     max_position_embeddings: int
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # logits become cap * tanh(logits / cap) (Gemma 2); the greedy token is the same
+    final_logit_soft_cap: float | None = None
 
     @property
     def group_size(self) -> int:

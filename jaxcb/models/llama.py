@@ -13,6 +13,7 @@ three and tensor parallelism shards the KV-head axis without splitting a group.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -27,7 +28,7 @@ from jaxcb.models.base import (
     ParamInfo,
     Params,
 )
-from jaxcb.models.layers import apply_rope, precision, rms_norm, rope_inv_freq, rope_tables
+from jaxcb.models.layers import apply_rope, precision, rms_norm, rope_for
 from jaxcb.models.packed import embed_lookup, lm_head, matmul, packed_swiglu
 from jaxcb.models.weights import CheckpointTensors, ConfigFields, ModelLoadError, cast
 
@@ -41,7 +42,7 @@ VARIANTS = {
 ARCHITECTURES = tuple(VARIANTS)
 MODEL_TYPES = {variant: arch for arch, variant in VARIANTS.items()}
 GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 # ---- config -----------------------------------------------------------------------------
@@ -107,7 +108,18 @@ def _rope(cfg: dict[str, Any], f: ConfigFields) -> tuple[float, tuple | None]:
         raise ModelLoadError(
             f"unsupported rope scaling {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
         )
-    return theta, tuple(sorted(scaling.items()))
+    if rope_type == "longrope":  # (Phi-3) layers.rope_for reads these two; older configs
+        # keep original_max_position_embeddings beside rope_scaling, not in it
+        if scaling.get("original_max_position_embeddings") is None:
+            scaling["original_max_position_embeddings"] = f.integer(
+                "original_max_position_embeddings"
+            )
+        if scaling.get("factor") is None:
+            extended = f.integer("max_position_embeddings", 2048)
+            scaling["factor"] = extended / scaling["original_max_position_embeddings"]
+    # lists (LongRoPE's factors) as tuples: the spec is hashable, a static argument of jit
+    items = ((k, tuple(v) if isinstance(v, list) else v) for k, v in scaling.items())
+    return theta, tuple(sorted(items))
 
 
 def _sliding_windows(f: ConfigFields, variant: str, num_layers: int) -> tuple[int | None, ...]:
@@ -154,27 +166,35 @@ def param_infos(spec: ModelSpec) -> Params:
     return params
 
 
-def params_from_hf(tensors: CheckpointTensors, spec: ModelSpec, dtype: Any) -> Params:
+def params_from_hf(
+    tensors: CheckpointTensors,
+    spec: ModelSpec,
+    dtype: Any,
+    mlp_from_hf: Callable[[int], Params] | None = None,
+) -> Params:
     """The params pytree (host arrays of `dtype`) from a Hugging Face checkpoint's tensors:
-    q/k/v fused per KV head, gate/up stacked, projections transposed to [in, out]."""
+    q/k/v fused per KV head, gate/up stacked, projections transposed to [in, out].
+    `mlp_from_hf(n)`: layer n's feed-forward params, already of `dtype` (a family that reuses
+    this attention with its own FFN: moe.py); default the dense MLP under "mlp."."""
     h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
     hq, hkv, g = spec.num_q_heads, spec.num_kv_heads, spec.group_size
     take = tensors.take
+    if mlp_from_hf is None:
+
+        def mlp_from_hf(n: int) -> Params:
+            return dense_mlp_from_hf(tensors, f"model.layers.{n}.mlp.", (h, i), dtype)
+
     layers = []
     for n in range(spec.num_layers):
         p = f"model.layers.{n}."
         wq = take(p + "self_attn.q_proj.weight", (hq * d, h)).T.reshape(h, hkv, g, d)
         wk = take(p + "self_attn.k_proj.weight", (hkv * d, h)).T.reshape(h, hkv, 1, d)
         wv = take(p + "self_attn.v_proj.weight", (hkv * d, h)).T.reshape(h, hkv, 1, d)
-        gate = take(p + "mlp.gate_proj.weight", (i, h)).T
-        up = take(p + "mlp.up_proj.weight", (i, h)).T
         layer = {
             "attn_norm": take(p + "input_layernorm.weight", (h,)),
             "wqkv": np.concatenate([wq, wk, wv], axis=2),  # [H, Hkv, G + 2, D]
             "wo": take(p + "self_attn.o_proj.weight", (h, hq * d)).T,
             "mlp_norm": take(p + "post_attention_layernorm.weight", (h,)),
-            "w_gate_up": np.stack([gate, up], axis=1),  # [H, 2, I]
-            "w_down": take(p + "mlp.down_proj.weight", (h, i)).T,
         }
         if spec.qkv_bias:
             bq = take(p + "self_attn.q_proj.bias", (hq * d,)).reshape(hkv, g, d)
@@ -184,7 +204,7 @@ def params_from_hf(tensors: CheckpointTensors, spec: ModelSpec, dtype: Any) -> P
         if spec.qk_norm:
             layer["q_norm"] = take(p + "self_attn.q_norm.weight", (d,))
             layer["k_norm"] = take(p + "self_attn.k_norm.weight", (d,))
-        layers.append({k: cast(x, dtype) for k, x in layer.items()})
+        layers.append({k: cast(x, dtype) for k, x in layer.items()} | mlp_from_hf(n))
 
     params: Params = {
         "embed": cast(take("model.embed_tokens.weight", (spec.vocab_size, h)), dtype),
@@ -196,6 +216,20 @@ def params_from_hf(tensors: CheckpointTensors, spec: ModelSpec, dtype: Any) -> P
     else:
         tensors.skip("lm_head.weight")  # some tied checkpoints store a copy anyway
     return params
+
+
+def dense_mlp_from_hf(
+    tensors: CheckpointTensors, prefix: str, size: tuple[int, int], dtype: Any
+) -> Params:
+    """A SwiGLU MLP's w_gate_up [H, 2, I] and w_down [I, H] (of `dtype`) from its
+    gate_proj / up_proj / down_proj under `prefix`; `size` is (H, I)."""
+    h, i = size
+    gate = tensors.take(prefix + "gate_proj.weight", (i, h)).T
+    up = tensors.take(prefix + "up_proj.weight", (i, h)).T
+    return {
+        "w_gate_up": cast(np.stack([gate, up], axis=1), dtype),  # [H, 2, I]
+        "w_down": cast(tensors.take(prefix + "down_proj.weight", (h, i)).T, dtype),
+    }
 
 
 # ---- GGUF -------------------------------------------------------------------------------
@@ -238,12 +272,16 @@ GGUF_CONFIG = {
 }
 
 
-def config_from_gguf(metadata: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+def config_from_gguf(
+    metadata: Any, shapes: dict[str, tuple[int, ...]], architecture: str | None = None
+) -> dict[str, Any]:
     """A Hugging Face config for a GGUF file of this family, from its metadata (a
-    gguf.GGUFMetadata) and tensor shapes; spec_from_hf_config maps it."""
+    gguf.GGUFMetadata) and tensor shapes; spec_from_hf_config maps it. `architecture`: that
+    of a family reusing this mapping (phi3), else this family's for the file's arch."""
     arch = metadata.require("general.architecture")
-    architecture = GGUF_ARCHS[arch]  # Mistral's files say "llama": the same forward
-    cfg: dict[str, Any] = {"architectures": [architecture], "model_type": VARIANTS[architecture]}
+    architecture = architecture or GGUF_ARCHS[arch]  # Mistral's files say "llama"
+    model_type = VARIANTS.get(architecture, arch)
+    cfg: dict[str, Any] = {"architectures": [architecture], "model_type": model_type}
     for i, (key, field) in enumerate(GGUF_CONFIG.items()):
         value = metadata.require(f"{arch}.{key}") if i < 4 else metadata.get(f"{arch}.{key}")
         if value is not None:
@@ -312,27 +350,25 @@ def forward(
     sampled rows; the rest of the bucket is padding and comes out zero (a 150-token step in a
     192 bucket, 5 sequences of a prefill step in 128 LM-head rows)."""
     real_tokens = num_compute_tokens[0]
-    scaling = dict(spec.rope_scaling) if spec.rope_scaling else None
-    inv_freq = jnp.asarray(rope_inv_freq(spec.head_dim, spec.rope_theta, scaling))
-    rope = rope_tables(positions, inv_freq)
+    rope = rope_for(spec, positions)
     # The residual stream stays float32 whatever the weights' dtype; only matmul inputs and
     # the KV pages take the narrow dtype.
     x = embed_lookup(params["embed"], input_ids)  # [T, H]
     new_caches: KVCache = []
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
-        attn, caches = _attention(
+        attn, caches = attention_block(
             layer, h, rope, kv_caches[i], meta, spec, attention, i, real_tokens
         )
         new_caches.append(caches)
         x = x + matmul(attn, layer["wo"], real_tokens)
-        x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps), real_tokens)
+        x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps), real_tokens)
     hidden = rms_norm(x, params["final_norm"], spec.rms_norm_eps)  # [T, H]
     logits, greedy = lm_head(params, hidden[logits_indices], meta.num_seqs[0], need_logits)
     return logits, greedy, new_caches, hidden
 
 
-def _attention(
+def attention_block(
     layer: Params,
     h: jax.Array,  # f32[T, H]: the normed residual
     rope: tuple[jax.Array, jax.Array],
@@ -342,9 +378,12 @@ def _attention(
     attention: AttentionBackend,
     index: int,
     real_tokens: jax.Array,
+    *,
+    soft_cap: float | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """The layer's attention output [T, Hq * D] (before wo) and its updated KV pages (and
-    their scales, for quantized pages: `caches` is then (k, v, k_scales, v_scales))."""
+    their scales, for quantized pages: `caches` is then (k, v, k_scales, v_scales)).
+    `soft_cap`: attention scores become soft_cap * tanh(score / soft_cap) (Gemma 2)."""
     num_tokens, g, d = h.shape[0], spec.group_size, spec.head_dim
     qkv = matmul(h, layer["wqkv"], real_tokens)  # [T, Hkv * (G + 2) * D]
     qkv = qkv.reshape(num_tokens, spec.num_kv_heads, g + 2, d)  # [T, Hkv, G + 2, D]
@@ -372,20 +411,27 @@ def _attention(
         meta.num_seqs,
         sm_scale=spec.sm_scale,
         sliding_window=spec.sliding_windows[index],
+        soft_cap=soft_cap,
         **dict(zip(("k_scales", "v_scales"), scales, strict=False)),
     )  # [T, Hq, D]
     return out.reshape(num_tokens, -1), (k_pages, v_pages, *scales)
 
 
-def _mlp(layer: Params, h: jax.Array, real_tokens: jax.Array) -> jax.Array:
-    """down(silu(gate(h)) * up(h)) for the normed residual h [T, H]."""
+def mlp(
+    layer: Params,
+    h: jax.Array,
+    real_tokens: jax.Array,
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+) -> jax.Array:
+    """down(activation(gate(h)) * up(h)) for the normed residual h [T, H]: SwiGLU, or GeGLU
+    with a gelu `activation` (Gemma)."""
     w = layer["w_gate_up"]  # [H, 2, I]
-    swiglu = packed_swiglu(w)
+    swiglu = packed_swiglu(w) if activation is jax.nn.silu else None
     if swiglu is not None:  # the activation in the matmul's epilogue
         act = swiglu(h, *w.values(), real_tokens)
     elif isinstance(w, dict):  # packed as [H, 2 * I]
         gate_up = matmul(h, w, real_tokens).reshape(h.shape[0], 2, -1)
-        act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
+        act = activation(gate_up[:, 0]) * gate_up[:, 1]
     else:
         # Gate and up in one matmul, without merging (2, I) into one axis: tensor parallelism
         # shards I, and a merged 2 * I axis would not be sharded evenly (XLA would gather w).
@@ -396,5 +442,5 @@ def _mlp(layer: Params, h: jax.Array, real_tokens: jax.Array) -> jax.Array:
             preferred_element_type=jnp.float32,
             precision=precision(w.dtype),
         )  # [T, 2, I]
-        act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
+        act = activation(gate_up[:, 0]) * gate_up[:, 1]
     return matmul(act, layer["w_down"], real_tokens)

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from jaxcb.models import llama
+from jaxcb.models import gemma, llama, moe, phi3
 from jaxcb.models.base import ModelSpec, Params, abstract_from_infos, is_param_info
 from jaxcb.models.gguf import GGUFFile
 from jaxcb.models.weights import ModelLoadError
@@ -25,6 +25,9 @@ from jaxcb.models.weights import ModelLoadError
 #: family name (ModelSpec.family) -> its module
 FAMILIES: dict[str, ModuleType] = {
     "llama": llama,
+    "phi3": phi3,
+    "gemma": gemma,
+    "moe": moe,
 }
 
 

@@ -423,12 +423,21 @@ void SoftmaxLanes(float* st, int64_t lanes, int64_t rows, int64_t n, int64_t hea
 
 // acc[row] += sum over the chunk's keys t of w(row, t) x V[t], w(row, t) at
 // w[row * row_stride + t * key_stride]; rows a multiple of kRowGroup.
+// The V16s of a V row per pass: the most, up to kPvSlice, that divide the row's `vecs`
+// (head_dim 96 is 6 V16s: 3 per pass where kPvSlice is 4).
+constexpr int PvSlice(int vecs) {
+  for (int s = kPvSlice; s > 1; --s) {
+    if (vecs % s == 0) return s;
+  }
+  return 1;
+}
+
 template <int D, Kv kKv>
 void AccumulatePv(const Problem& P, const int64_t* key_offset, int64_t n, const float* w,
                   int64_t row_stride, int64_t key_stride, int64_t rows, float* acc) {
   constexpr int kVecs = D / 16;
-  constexpr int kSlice = kVecs >= kPvSlice ? kPvSlice : kVecs;
-  static_assert(kVecs % kSlice == 0, "head_dim must be a multiple of 16 x kSlice");
+  constexpr int kSlice = PvSlice(kVecs);
+  static_assert(D % 16 == 0 && kVecs % kSlice == 0, "head_dim must be a multiple of 16");
   for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
     for (int d0 = 0; d0 < kVecs; d0 += kSlice) {
       V16 a[kRowGroup][kSlice];
@@ -901,12 +910,18 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q,
                         sm_scale,
                         soft_cap,
                         sliding_window};
+  // The head sizes of the supported families take the vector routines, compiled for each:
+  // 64 and 128 (Llama, Qwen, Mistral), 96 (Phi-3), 256 (Gemma). Any other: the scalar one.
   auto run = [&](int64_t index) {
     switch (head_dim) {
       case 64:
         return JAXCB_RUN_ITEM<64>(problem, items[index]);
+      case 96:
+        return JAXCB_RUN_ITEM<96>(problem, items[index]);
       case 128:
         return JAXCB_RUN_ITEM<128>(problem, items[index]);
+      case 256:
+        return JAXCB_RUN_ITEM<256>(problem, items[index]);
       default:
         return RunItem<0>(problem, items[index]);
     }

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcb.models.base import Params
+from jaxcb.models.layers import soft_cap
 from jaxcb.models.packed import lm_head_weight, matmul
 from jaxcb.runtime.step_input import FLAG_PROMPT_TOP_LOGPROBS, StepInput
 from jaxcb.sampling import largest_k
@@ -57,9 +58,11 @@ def prompt_logprobs(
     *,
     num_top_logprobs: int,
     logits_shardings: tuple[jax.sharding.Sharding, ...] = (),
+    logit_soft_cap: float | None = None,
 ) -> PromptLogprobsOutput:
     """The logprobs of the step's prompt logprob targets (and the top-k, if flagged) at their
-    rows; zeros unless the step has such rows. `logits_shardings` as for sampling (step.py)."""
+    rows; zeros unless the step has such rows. `logits_shardings` as for sampling (step.py);
+    `logit_soft_cap`: the model's final soft cap (ModelSpec.final_logit_soft_cap)."""
     num_tokens, k = hidden.shape[0], num_top_logprobs
     block = min(num_tokens, BLOCK_ROWS)
     padded = -(-num_tokens // block) * block
@@ -81,6 +84,8 @@ def prompt_logprobs(
             logits = matmul(x, weight, jnp.clip(n - start, 0, block))  # [B, V]
             for sharding in logits_shardings:
                 logits = jax.lax.with_sharding_constraint(logits, sharding)
+            if logit_soft_cap is not None:
+                logits = soft_cap(logits, logit_soft_cap)
             lse = jax.nn.logsumexp(logits, axis=-1)  # [B]
             target = jax.lax.dynamic_slice_in_dim(tg, start, block)
             chosen = jnp.take_along_axis(logits, target[:, None], axis=-1)[:, 0] - lse

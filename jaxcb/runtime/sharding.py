@@ -9,7 +9,9 @@ the layout is Megatron's:
 
 - q/k/v by KV head (`wqkv [H, Hkv, G + 2, D]` keeps each KV head with its G query heads, so
   a device holds whole GQA groups), the o-projection by query head: one all-reduce;
-- the MLP by its intermediate axis (gate/up by column, down by row): one all-reduce;
+- the MLP by its intermediate axis (gate/up by column, down by row): one all-reduce; a
+  mixture of experts' FFN alike, each expert split by its own intermediate axis and every
+  device holding a slice of every expert (models/moe.py says why);
 - the embedding table and lm_head by vocabulary entry;
 - the KV page pool by KV head: each device holds a dense `[Hkv / N, P, page_size, D]`
   slice of every page, and the attention kernels and the KV write run per shard under
@@ -49,7 +51,8 @@ RULES: dict[str, str | None] = {
     "embed": None,  # the hidden size: the residual stream is whole on every device
     "q_heads": TENSOR_AXIS,  # query heads (o-projection rows are heads x head_dim)
     "kv_heads": TENSOR_AXIS,  # KV heads: the q/k/v groups and the KV page pool
-    "mlp": TENSOR_AXIS,  # the MLP's intermediate axis
+    "mlp": TENSOR_AXIS,  # the MLP's intermediate axis (each expert's too)
+    "experts": None,  # a mixture of experts: every device holds a slice of every expert
     "qkv": None,  # a group's G query heads, then K, then V
     "gate_up": None,
     "head_dim": None,
@@ -85,11 +88,13 @@ def check_tensor_parallel(spec: ModelSpec, tensor_parallel_size: int) -> None:
             f"{spec.num_kv_heads} (q/k/v and the KV pages are sharded by KV head); "
             f"valid sizes: {divisors}"
         )
-    if spec.intermediate_size % tp:
-        raise ValueError(
-            f"tensor_parallel_size={tp} does not divide the model's intermediate_size="
-            f"{spec.intermediate_size} (the MLP is sharded along it)"
-        )
+    # a mixture of experts' spec (models/moe.py) adds its experts' and shared expert's sizes
+    for field in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(spec, field, 0) % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide the model's {field}="
+                f"{getattr(spec, field)} (the MLP is sharded along it)"
+            )
 
 
 def rules_for(spec: ModelSpec, tensor_parallel_size: int) -> dict[str, str | None]:

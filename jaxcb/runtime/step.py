@@ -115,7 +115,12 @@ def step(
         any_mask=inp.flags[FLAG_MASK] > 0,
     )
     prompt_out = prompt_logprobs(
-        params, hidden, inp, num_top_logprobs=num_top_logprobs, logits_shardings=logits_shardings
+        params,
+        hidden,
+        inp,
+        num_top_logprobs=num_top_logprobs,
+        logits_shardings=logits_shardings,
+        logit_soft_cap=spec.final_logit_soft_cap,
     )
     sampled = jax.lax.dynamic_update_slice(inp.prev_token_ids, out.token_ids, (0,))
     return out, prompt_out, logits, DeviceState(kv_caches), sampled

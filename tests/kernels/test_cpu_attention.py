@@ -72,6 +72,20 @@ def test_gqa_and_head_dims(backend, num_q_heads, num_kv_heads, head_dim, dtype):
 
 
 @backends
+@pytest.mark.parametrize(
+    "head_dim, dtype, sliding_window, soft_cap",
+    [(96, "float32", None, None), (96, "bfloat16", 17, None), (256, "bfloat16", 17, 2.0)],
+)
+def test_phi3_and_gemma_head_dims(backend, head_dim, dtype, sliding_window, soft_cap):
+    """Phi-3's 96 (six 16-lane vectors: not a multiple of AVX-512's 4-vector V slice) and
+    Gemma's 256 (with its window and soft cap) take the native vector routines too: decode
+    rows, a prefill block (16+ query rows: rows in the lanes) and a decode over two chunks."""
+    shape = Shape(head_dim=head_dim, dtype=dtype, num_tokens=24, num_pages=40, pages_per_seq=20)
+    for seqs in (BATCHES["mixed"], BATCHES["chunked_prefill"], [(20, 300), (1, 280)]):
+        check(backend, shape, seqs, sliding_window=sliding_window, soft_cap=soft_cap)
+
+
+@backends
 @pytest.mark.parametrize("sliding_window, soft_cap", [(5, None), (None, 3.0), (17, 2.0)])
 def test_window_and_soft_cap(backend, sliding_window, soft_cap):
     for kind in ("mixed", "chunked_prefill", "decode_long"):

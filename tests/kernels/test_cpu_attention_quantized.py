@@ -1,7 +1,7 @@
 """The native CPU kernels over quantized KV pages (int8, float8_e4m3fn, float8_e5m2 codes with a
 float32 scale per head, page and slot): attention against the plain-jnp reference at every ISA
-level this CPU runs (head_dim 64 and 128 take the vector routines, 32 the scalar one), the
-quantized KV write against the jnp write, and the bit-for-bit row copy a swap-in uses.
+level this CPU runs (head_dim 64, 96, 128 and 256 take the vector routines, 32 the scalar
+one), the quantized KV write against the jnp write, and the bit-for-bit row copy a swap-in uses.
 
 The batches are rpa_cases' with their pages quantized (`quantize_batch`): slots no sequence
 uses hold a NaN scale, so a kernel that reads one poisons its output."""
@@ -58,6 +58,18 @@ def check(level: str, kv_dtype: str, shape: Shape, seqs, seed: int = 0, **kwargs
 @pytest.mark.parametrize("head_dim", [64, 128, 32])
 def test_batches(level, kv_dtype, kind, head_dim):
     check(level, kv_dtype, Shape(head_dim=head_dim), BATCHES[kind])
+
+
+@levels
+@kv_dtypes
+@pytest.mark.parametrize("head_dim", [96, 256])
+def test_phi3_and_gemma_head_dims(level, kv_dtype, head_dim):
+    """Phi-3's 96 and Gemma's 256 (with its window and soft cap): decode rows, a prefill
+    block (query rows in the lanes) and a decode over two chunks."""
+    shape = Shape(head_dim=head_dim, num_tokens=24, num_pages=40, pages_per_seq=20)
+    options = dict(sliding_window=17, soft_cap=2.0) if head_dim == 256 else {}
+    for seqs in (BATCHES["mixed"], [(20, 300), (1, 280)]):
+        check(level, kv_dtype, shape, seqs, **options)
 
 
 @levels

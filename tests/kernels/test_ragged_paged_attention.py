@@ -74,6 +74,20 @@ def test_head_dim_128(backend, dtype, kind):
     check(backend, shape, BATCHES[kind], **SMALL_BLOCKS)
 
 
+@pytest.mark.parametrize(
+    ("head_dim", "dtype", "sliding_window", "soft_cap"),
+    [(96, "float32", None, None), (96, "bfloat16", 20, None), (256, "bfloat16", 20, 3.0)],
+    ids=str,
+)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_phi3_and_gemma_head_dims(backend, head_dim, dtype, sliding_window, soft_cap):
+    """Phi-3's 96 (no power of two: the GPU kernel pads it to 128) and Gemma's 256, with its
+    window and soft cap."""
+    shape = Shape(num_q_heads=4, num_kv_heads=2, head_dim=head_dim, dtype=dtype)
+    options = dict(sliding_window=sliding_window, soft_cap=soft_cap, **SMALL_BLOCKS)
+    check(backend, shape, BATCHES["mixed"], **options)
+
+
 @pytest.mark.parametrize("kind", ["decode_long", "chunked_prefill", "mixed"])
 @pytest.mark.parametrize(
     ("sliding_window", "soft_cap"), [(5, None), (None, 2.0), (20, 3.0)], ids=str

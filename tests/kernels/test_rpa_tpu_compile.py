@@ -143,6 +143,21 @@ def test_kernel_compiles_with_a_table_larger_than_smem(mesh, options):
     assert cost["transcendentals"] > 0
 
 
+@pytest.mark.parametrize(
+    "head_dim, options", [(96, {}), (256, dict(sliding_window=1024, soft_cap=30.0))], ids=str
+)
+def test_kernel_compiles_for_phi3_and_gemma_head_dims(mesh, head_dim, options):
+    """head_dim 96 (Phi-3: less than one 128-lane tile) and 256 (Gemma, with its window and
+    soft cap) compile for v5e too, with no temporaries (small pool and table)."""
+    q = abstract(mesh, (64, NUM_Q_HEADS, head_dim), jnp.bfloat16)
+    pool = abstract(mesh, (NUM_KV_HEADS, 512, PAGE_SIZE, head_dim), jnp.bfloat16)
+    lens = [abstract(mesh, (n,), jnp.int32) for n in (16, 17, 1)]
+    table = abstract(mesh, (16, 64), jnp.int32)
+    kernel = functools.partial(ragged_paged_attention_tpu, sm_scale=head_dim**-0.5, **options)
+    compiled = compile_on(mesh, per_chip(mesh, kernel), q, pool, pool, lens[0], table, *lens[1:])
+    assert compiled.memory_analysis().temp_size_in_bytes == 0
+
+
 def test_layer_write_and_attention_never_copy_the_pool(mesh):
     """One layer's write_kv + attention, pool donated: the write is in place (the pool is
     aliased, no pool-shaped copy or temporary: ACCELERATORS.md finding 1) and the counted

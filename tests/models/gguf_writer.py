@@ -26,6 +26,7 @@ ARCHS = {
     "llama": gguf.MODEL_ARCH.LLAMA,
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
+    "phi3": gguf.MODEL_ARCH.PHI3,  # fused attn_qkv, and ffn_up holding gate and up
 }
 
 
@@ -89,6 +90,8 @@ def write_gguf(
     }
     if cfg.get("head_dim"):
         keys["attention.key_length"] = keys["attention.value_length"] = cfg["head_dim"]
+    if arch == "phi3" and cfg.get("sliding_window"):
+        keys["attention.sliding_window"] = cfg["sliding_window"]
     for key, value in keys.items():
         if key not in drop_keys:
             writer.add_uint32(f"{arch}.{key}", value)

@@ -28,7 +28,6 @@ from jaxcb.models import registry
 from jaxcb.models.checkpoint import MARKER, convert_checkpoint
 from jaxcb.models.default_model import smollm2_gguf
 from jaxcb.models.gguf import GGUFFile
-from jaxcb.models.llama import params_from_hf
 from jaxcb.models.loader import load_gguf_block_grids, load_model, load_tokenizer
 from jaxcb.models.quant import dequantize_np, quantize_params
 from jaxcb.models.weights import CheckpointTensors, ModelLoadError, read_safetensors
@@ -135,12 +134,13 @@ def test_own_tokenizer_of_a_gguf_engine(smollm2: Path, tokenizers) -> None:
 
 
 def _expected_params(hf_dir: Path, spec, qtype: str):
-    """params_from_hf on the model's tensors as a `qtype` file stores them."""
+    """The family's params_from_hf on the model's tensors as a `qtype` file stores them."""
     tensors = {
         k: stored(np.asarray(x, np.float32), qtype) if x.ndim > 1 else x
         for k, x in read_safetensors(hf_dir).items()
     }
-    return params_from_hf(CheckpointTensors(tensors, hf_dir), spec, np.float32)
+    family = registry.family(spec)
+    return family.params_from_hf(CheckpointTensors(tensors, hf_dir), spec, np.float32)
 
 
 @pytest.mark.parametrize(
@@ -153,6 +153,7 @@ def _expected_params(hf_dir: Path, spec, qtype: str):
         ("llama", "llama3", "Q4_0"),
         ("qwen2", "qwen2", "F32"),  # q/k/v biases, no row permutation
         ("qwen3", "qwen3", "Q8_0"),  # q/k norms, head_dim from key_length, tied embeddings
+        ("phi3", "phi3", "Q8_0"),  # fused q/k/v and gate/up, a sliding window
     ],
 )
 def test_tensor_types_and_archs_load(arch, family, qtype, llama_dir, tmp_path) -> None:
@@ -450,7 +451,7 @@ def test_unknown_architecture(tmp_path) -> None:
     writer.close()
     message = _load_error(path)
     assert "unsupported GGUF architecture 'mamba'" in message
-    assert "['llama', 'qwen2', 'qwen3']" in message
+    assert str(sorted(registry.GGUF_ARCHS)) in message and "'phi3'" in message
 
 
 def test_unsupported_tensor_type(llama_dir, tmp_path) -> None:
@@ -475,6 +476,14 @@ def test_missing_metadata_and_unsupported_features(llama_dir, tmp_path) -> None:
     assert "rope_freqs" in _load_error(path)
     path = write_gguf(tmp_path / "split.gguf", llama_dir, extra_keys={"split.count": 3})
     assert "one of 3 split GGUF files" in _load_error(path)
+
+
+def test_phi3_longrope_factors_as_tensors_are_refused(tmp_path) -> None:
+    """llama.cpp keeps LongRoPE's factors as tensors, which the config mapping cannot read."""
+    make_hf_model("phi3-longrope", tmp_path / "hf")
+    factors = {f"rope_factors_{x}.weight": np.ones(8, np.float32) for x in ("long", "short")}
+    path = write_gguf(tmp_path / "phi3.gguf", tmp_path / "hf", arch="phi3", tensors=factors)
+    assert "LongRoPE factors as tensors" in _load_error(path)
 
 
 def test_rope_scaling_and_config_errors(llama_dir, tmp_path) -> None:

@@ -1,0 +1,342 @@
+"""Mixtures of experts: Mixtral, Qwen2-MoE and Qwen3-MoE, over a paged KV cache.
+
+Attention, norms and the dense MLP are the Llama family's (llama.py): Mixtral's attention is
+Mistral's, Qwen2-MoE's Qwen2's (q/k/v biases), Qwen3-MoE's Qwen3's (q/k norms). What differs
+is the feed-forward block of the sparse layers: a router picks each token's top-k experts,
+each a SwiGLU MLP of moe_intermediate_size, and their outputs are summed weighted by the
+router's probabilities (renormalised over the k for Mixtral and where norm_topk_prob says);
+Qwen2-MoE adds a shared expert gated by sigmoid(shared_expert_gate(x)). Layers listed in
+mlp_only_layers, or off the decoder_sparse_step, keep a dense MLP of intermediate_size.
+
+Routing runs on the device with static shapes and no per-expert loop: the T x k (token,
+expert) assignments are sorted by expert (stable), the tokens' rows gathered in that order,
+and each expert's contiguous run goes through its weights in one grouped matmul
+(packed.grouped_swiglu, packed.grouped_matmul: ragged_dot, or a native kernel behind them)
+with the per-expert counts as group sizes. No capacity limit, so no token is ever dropped,
+and a bucket's padding rows are sorted last and left out of the group sizes: they cost
+nothing and come out zero.
+
+Tensor parallelism splits every expert along its own intermediate axis, like the dense MLP
+(gate/up by column, down by row; `"experts"` is replicated in sharding.RULES): each device
+holds a 1/N slice of all E experts, runs the same routing on its replicated residual, and
+one all-reduce after the down projection finishes the layer, as for a dense layer. Expert
+parallelism (whole experts per device) would instead need two all-to-all exchanges of token
+rows per layer, and its load follows the routing: a batch whose tokens favour one expert
+waits on that expert's device. Slicing every expert costs nothing in balance whatever the
+router does, needs no token exchange, and keeps one code path for every TP size; its limit
+is moe_intermediate_size / N (each device's slice must stay wide enough for an efficient
+matmul), which is ample for the models here at the TP sizes one host offers.
+
+Parameters of a sparse layer (besides llama.py's attention ones): `router [H, E]` (plain, so
+the logits stay float32-exact), `w_experts_gate_up [E, H, 2, I]`, `w_experts_down [E, I, H]`
+(ParamInfo.experts), and for a shared expert `w_shared_gate_up [H, 2, Is]`,
+`w_shared_down [Is, H]` (ordinary matmul weights, run by llama.mlp) and `shared_gate [H]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcb.models import llama
+from jaxcb.models.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    KVCache,
+    ModelSpec,
+    ParamInfo,
+    Params,
+)
+from jaxcb.models.layers import dense, rms_norm, rope_for
+from jaxcb.models.packed import embed_lookup, grouped_matmul, grouped_swiglu, lm_head, matmul
+from jaxcb.models.weights import CheckpointTensors, ConfigFields, ModelLoadError, cast
+
+#: Hugging Face class -> variant (its config.json model_type)
+VARIANTS = {
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+ARCHITECTURES = tuple(VARIANTS)
+MODEL_TYPES = {variant: arch for arch, variant in VARIANTS.items()}
+#: the Llama-family architecture whose attention (and config mapping) each variant shares
+ATTENTION_OF = {
+    "mixtral": "MistralForCausalLM",
+    "qwen2_moe": "Qwen2ForCausalLM",
+    "qwen3_moe": "Qwen3ForCausalLM",
+}
+#: checkpoint names of a sparse layer's block, its router and its experts' gate, up, down
+EXPERT_NAMES = {
+    "mixtral": ("block_sparse_moe.", "w1", "w3", "w2"),
+    "qwen2_moe": ("mlp.", "gate_proj", "up_proj", "down_proj"),
+    "qwen3_moe": ("mlp.", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+@dataclass(frozen=True)
+class MoESpec(ModelSpec):
+    """ModelSpec plus the mixture's facts. intermediate_size is the dense layers' MLP (for
+    Mixtral, whose layers are all sparse, the experts' size as in its config)."""
+
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # k: experts per token
+    moe_intermediate_size: int = 0  # each expert's intermediate size
+    norm_topk_prob: bool = False  # renormalise the k chosen probabilities to sum to 1
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    sparse_layers: tuple[bool, ...] = ()  # per layer: a mixture of experts, else a dense MLP
+
+    @property
+    def routing_weights_in_model_dtype(self) -> bool:
+        """Qwen's routers round the k weights to the model's dtype; Mixtral's keep float32."""
+        return self.architecture != "MixtralForCausalLM"
+
+
+# ---- config -----------------------------------------------------------------------------
+
+
+def spec_from_hf_config(cfg: dict[str, Any], architecture: str) -> MoESpec:
+    """Map a Hugging Face config.json of `architecture` onto the facts the forward needs:
+    the attention's through llama.py's mapping, then the mixture's."""
+    variant = VARIANTS[architecture]
+    f = ConfigFields(cfg)
+    num_layers = f.integer("num_hidden_layers")
+    window = f.integer("sliding_window", 0)
+    sliding = f.get("use_sliding_window", False) and window
+    if variant == "qwen2_moe" and sliding and not f.get("layer_types"):
+        # transformers' default for this model: every other layer below max_window_layers
+        first_full = f.integer("max_window_layers", num_layers)
+        types = ["sliding" if i % 2 == 0 and i < first_full else "full" for i in range(num_layers)]
+        cfg = {**cfg, "layer_types": [t + "_attention" for t in types]}
+    if variant == "qwen3_moe" and f.flag("attention_bias", False):
+        raise ModelLoadError("Qwen3-MoE with attention_bias (an o_proj bias) is not supported")
+    base = llama.spec_from_hf_config(cfg, ATTENTION_OF[variant])
+    fields = {field.name: getattr(base, field.name) for field in dataclasses.fields(base)}
+    fields.update(family="moe", architecture=architecture)
+    if variant == "qwen2_moe":
+        fields["qkv_bias"] = f.flag("qkv_bias", True)
+    if variant == "qwen3_moe":  # one window for every layer, when enabled
+        fields["sliding_windows"] = (window if sliding else None,) * num_layers
+
+    num_experts = f.integer("num_local_experts", None)  # Mixtral's; Qwen3-MoE's saved name
+    if num_experts is None:
+        num_experts = f.integer("num_experts")
+    top_k = f.integer("num_experts_per_tok")
+    if variant == "mixtral":
+        moe_size, norm_topk, shared, sparse = base.intermediate_size, True, 0, [True] * num_layers
+    else:
+        moe_size = f.integer("moe_intermediate_size")
+        norm_topk = f.flag("norm_topk_prob", False)
+        shared = f.integer("shared_expert_intermediate_size") if variant == "qwen2_moe" else 0
+        step = f.integer("decoder_sparse_step", 1)
+        dense_layers = f.get("mlp_only_layers", [])
+        if step < 1 or not isinstance(dense_layers, list):
+            raise ModelLoadError(
+                f"config.json: decoder_sparse_step must be >= 1 and mlp_only_layers a list, "
+                f"got {step!r} and {dense_layers!r}"
+            )
+        sparse = [
+            i not in dense_layers and num_experts > 0 and (i + 1) % step == 0
+            for i in range(num_layers)
+        ]
+    if any(sparse) and not (1 <= top_k <= num_experts and moe_size >= 1):
+        raise ModelLoadError(
+            f"config.json: num_experts_per_tok={top_k} must be between 1 and the number of "
+            f"experts ({num_experts}), and the experts' intermediate size ({moe_size}) >= 1"
+        )
+    return MoESpec(
+        **fields,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=moe_size,
+        norm_topk_prob=norm_topk,
+        shared_expert_intermediate_size=shared,
+        sparse_layers=tuple(sparse),
+    )
+
+
+# ---- parameters -------------------------------------------------------------------------
+
+
+def param_infos(spec: MoESpec) -> Params:
+    """llama.py's parameters, with each sparse layer's dense MLP replaced by its router and
+    experts (and shared expert)."""
+    params = llama.param_infos(spec)
+    for layer, sparse in zip(params["layers"], spec.sparse_layers, strict=True):
+        if sparse:
+            del layer["w_gate_up"], layer["w_down"]
+            layer.update(_sparse_infos(spec))
+    return params
+
+
+def _sparse_infos(spec: MoESpec) -> Params:
+    h, e, i = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
+    infos = {
+        "router": ParamInfo((h, e), ("embed", "experts")),
+        "w_experts_gate_up": ParamInfo(
+            (e, h, 2, i), ("experts", "embed", "gate_up", "mlp"), experts=True
+        ),
+        "w_experts_down": ParamInfo((e, i, h), ("experts", "mlp", "embed"), experts=True),
+    }
+    if s := spec.shared_expert_intermediate_size:
+        infos["w_shared_gate_up"] = ParamInfo((h, 2, s), ("embed", "gate_up", "mlp"), True)
+        infos["w_shared_down"] = ParamInfo((s, h), ("mlp", "embed"), True)
+        infos["shared_gate"] = ParamInfo((h,), ("embed",))
+    return infos
+
+
+def params_from_hf(tensors: CheckpointTensors, spec: MoESpec, dtype: Any) -> Params:
+    """The params pytree (host arrays of `dtype`) from a Hugging Face checkpoint: llama.py's
+    for attention, norms, embeddings and dense layers; the experts stacked per layer."""
+    h, i = spec.hidden_size, spec.intermediate_size
+
+    def ffn(n: int) -> Params:
+        if spec.sparse_layers[n]:
+            return _sparse_from_hf(tensors, spec, n, dtype)
+        return llama.dense_mlp_from_hf(tensors, f"model.layers.{n}.mlp.", (h, i), dtype)
+
+    return llama.params_from_hf(tensors, spec, dtype, mlp_from_hf=ffn)
+
+
+def _sparse_from_hf(tensors: CheckpointTensors, spec: MoESpec, n: int, dtype: Any) -> Params:
+    h, e, i = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
+    block, gate_name, up_name, down_name = EXPERT_NAMES[VARIANTS[spec.architecture]]
+    p = f"model.layers.{n}.{block}"
+    take = tensors.take
+    # filled expert by expert in `dtype`: never a float32 copy of a whole layer's experts
+    gate_up = np.empty((e, h, 2, i), dtype)
+    down = np.empty((e, i, h), dtype)
+    for x in range(e):
+        q = f"{p}experts.{x}."
+        gate_up[x, :, 0] = cast(take(q + gate_name + ".weight", (i, h)).T, dtype)
+        gate_up[x, :, 1] = cast(take(q + up_name + ".weight", (i, h)).T, dtype)
+        down[x] = cast(take(q + down_name + ".weight", (h, i)).T, dtype)
+    out = {
+        "router": cast(take(p + "gate.weight", (e, h)).T, dtype),
+        "w_experts_gate_up": gate_up,
+        "w_experts_down": down,
+    }
+    if s := spec.shared_expert_intermediate_size:
+        shared = llama.dense_mlp_from_hf(tensors, p + "shared_expert.", (h, s), dtype)
+        out["w_shared_gate_up"], out["w_shared_down"] = shared["w_gate_up"], shared["w_down"]
+        out["shared_gate"] = cast(take(p + "shared_expert_gate.weight", (1, h))[0], dtype)
+    return out
+
+
+# ---- forward ----------------------------------------------------------------------------
+
+
+def forward(
+    params: Params,
+    kv_caches: KVCache,
+    input_ids: jax.Array,  # i32[T]
+    positions: jax.Array,  # i32[T]
+    logits_indices: jax.Array,  # i32[S]: rows whose next token is sampled
+    meta: AttentionMetadata,
+    *,
+    spec: MoESpec,
+    attention: AttentionBackend,
+    num_compute_tokens: jax.Array,  # i32[1]
+    need_logits: jax.Array,  # bool[]: whether anything but the greedy tokens is read
+) -> tuple[jax.Array, jax.Array | None, KVCache, jax.Array]:
+    """One forward pass over a packed ragged batch; the contract of llama.forward."""
+    real_tokens = num_compute_tokens[0]
+    rope = rope_for(spec, positions)
+    x = embed_lookup(params["embed"], input_ids)  # [T, H], float32 throughout
+    new_caches: KVCache = []
+    for i, layer in enumerate(params["layers"]):
+        h = rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
+        attn, caches = llama.attention_block(
+            layer, h, rope, kv_caches[i], meta, spec, attention, i, real_tokens
+        )
+        new_caches.append(caches)
+        x = x + matmul(attn, layer["wo"], real_tokens)
+        h = rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
+        if spec.sparse_layers[i]:
+            x = x + sparse_mlp(layer, h, spec, real_tokens)
+        else:
+            x = x + llama.mlp(layer, h, real_tokens)
+    hidden = rms_norm(x, params["final_norm"], spec.rms_norm_eps)  # [T, H]
+    logits, greedy = lm_head(params, hidden[logits_indices], meta.num_seqs[0], need_logits)
+    return logits, greedy, new_caches, hidden
+
+
+def sparse_mlp(layer: Params, h: jax.Array, spec: MoESpec, real_tokens: jax.Array) -> jax.Array:
+    """A sparse layer's feed-forward output [T, H] for the normed residual h [T, H]: the
+    routed experts, plus the gated shared expert where the model has one."""
+    weights, experts = route(h, layer["router"], spec)
+    out = experts_ffn(
+        h,
+        weights,
+        experts,
+        layer["w_experts_gate_up"],
+        layer["w_experts_down"],
+        spec.num_experts,
+        real_tokens,
+    )
+    if spec.shared_expert_intermediate_size:
+        shared = {"w_gate_up": layer["w_shared_gate_up"], "w_down": layer["w_shared_down"]}
+        gate = jax.nn.sigmoid(dense(h, layer["shared_gate"][:, None]))  # [T, 1]
+        out = out + gate * llama.mlp(shared, h, real_tokens)
+    return out
+
+
+def route(h: jax.Array, router: jax.Array, spec: MoESpec) -> tuple[jax.Array, jax.Array]:
+    """Each token's k experts (i32[T, k], most probable first) and their weights (f32[T, k]),
+    as transformers computes them: logits in the model's dtype, softmax in float32 over all
+    experts, top-k (ties to the lower index), then the optional renormalisation over the k."""
+    logits = dense(h, router).astype(router.dtype).astype(jnp.float32)  # [T, E]
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, spec.num_experts_per_tok)
+    if spec.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if spec.routing_weights_in_model_dtype:
+        weights = weights.astype(router.dtype).astype(jnp.float32)
+    return weights, experts
+
+
+def sort_by_expert(
+    experts: jax.Array, num_experts: int, real_tokens: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The order that groups the flattened (token, slot) assignments (i32[T, k] experts,
+    row t * k + j) by expert, i32[T * k], and each expert's count, i32[E]. The assignments
+    of padding tokens (rows >= real_tokens) sort after every real one and are in no group,
+    so the grouped matmuls skip them."""
+    num_tokens, k = experts.shape
+    token = jnp.arange(num_tokens * k) // k
+    key = jnp.where(token < real_tokens, experts.reshape(-1), num_experts)  # E: padding
+    order = jnp.argsort(key, stable=True)
+    group_sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts]
+    return order, group_sizes.astype(jnp.int32)
+
+
+def experts_ffn(
+    h: jax.Array,  # f32[T, H]
+    weights: jax.Array,  # f32[T, k]
+    experts: jax.Array,  # i32[T, k]
+    w_gate_up: Any,  # [E, H, 2, I] (or packed for a native kernel)
+    w_down: Any,  # [E, I, H]
+    num_experts: int,
+    real_tokens: jax.Array,
+) -> jax.Array:
+    """sum over j of weights[t, j] * expert_{experts[t, j]}(h[t]): f32[T, H], zero on
+    padding rows. One grouped SwiGLU and one grouped down projection over the T * k rows
+    sorted by expert; then each row back to its (token, slot) and the k slots summed in
+    slot order, as transformers' grouped path sums them."""
+    num_tokens, k = experts.shape
+    order, group_sizes = sort_by_expert(experts, num_experts, real_tokens)
+    rows = h[order // k]  # [T * k, H]: each assignment's token, grouped by expert
+    act = grouped_swiglu(rows, w_gate_up, group_sizes)  # [T * k, I]
+    out = grouped_matmul(act, w_down, group_sizes)  # [T * k, H]
+    out = out * weights.reshape(-1)[order][:, None]
+    # the inverse permutation: a gather back to (token, slot) order
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    per_slot = out[inverse].reshape(num_tokens, k, -1)  # [T, k, H]
+    total = per_slot[:, 0]
+    for j in range(1, k):  # a fixed order of the k additions
+        total = total + per_slot[:, j]
+    return total
