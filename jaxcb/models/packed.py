@@ -45,7 +45,17 @@ def matmul(x: jax.Array, w: Weight, rows: jax.Array | None = None) -> jax.Array:
 def grouped_matmul(x: jax.Array, w: Weight, group_sizes: jax.Array) -> jax.Array:
     """Rows of x sorted by group (a mixture of experts' tokens by expert) times their group's
     matrix: x [M, in], w [G, in, ...] (expert g's [in, out] matrix is w[g] viewed as [in,
-    -1]), group_sizes i32[G] (rows past their sum come out zero). float32 result [M, out]."""
+    -1]), group_sizes i32[G] (rows past their sum come out zero). float32 result [M, out].
+
+    A stack packed for a native kernel ({kernel: packed}, `prepare_cpu_params`) runs each
+    group's rows through its own expert only (native.packed_grouped_matmul); a plain array goes
+    to jax.lax.ragged_dot, which XLA's CPU backend computes densely (every row times every
+    expert, masked). Quantized (int8) expert weights are not supported."""
+    if is_quantized(w):
+        raise NotImplementedError("quantized expert weights: grouped_matmul takes float ones")
+    if isinstance(w, dict):
+        ((kernel, packed),) = w.items()
+        return native.packed_grouped_matmul(kernel, x, packed, group_sizes)
     groups, rows_in = w.shape[0], w.shape[1]
     return jax.lax.ragged_dot(
         x.astype(w.dtype),
@@ -58,9 +68,20 @@ def grouped_matmul(x: jax.Array, w: Weight, group_sizes: jax.Array) -> jax.Array
 
 def grouped_swiglu(x: jax.Array, w: Weight, group_sizes: jax.Array) -> jax.Array:
     """silu(gate) * up of x's rows (sorted by group, as for grouped_matmul) through their
-    group's gate_up weight, w [G, in, 2, I]: float32 [M, I]. Gate and up are two grouped
+    group's gate_up weight, w [G, in, 2, I]: [M, I], float32 (or bf16 from a native kernel
+    that writes it so, as its dense fused SwiGLU: the next matmul's input as it is).
+
+    Packed (as [in, 2 * I] per expert: gate columns, then up), the native kernel fuses the
+    activation into its epilogue when it can (I a multiple of 16; not on AMX, as the dense
+    path), else one grouped matmul gives both halves. Plain, gate and up are two grouped
     matmuls over w's halves, never one over a merged 2 * I axis: tensor parallelism shards
     I, and a merged axis would not split evenly."""
+    if isinstance(w, dict) and not is_quantized(w):
+        ((kernel, packed),) = w.items()
+        if native.GROUPED_TARGETS[kernel].swiglu and packed.shape[1] % 2 == 0:
+            return native.packed_grouped_swiglu(kernel, x, packed, group_sizes)
+        gate_up = grouped_matmul(x, w, group_sizes).reshape(x.shape[0], 2, -1)
+        return jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
     gate = grouped_matmul(x, w[:, :, 0], group_sizes)
     up = grouped_matmul(x, w[:, :, 1], group_sizes)
     return jax.nn.silu(gate) * up
@@ -218,7 +239,9 @@ def prepare_cpu_params(
       nothing. Tied embeddings then keep a bf16 copy as lm_head.
     - `pack`: a native matmul kernel (see `matmul_backend`); every matmul weight of its dtype
       that fits its layout becomes {pack: packed}, and a float32 lm_head packed for a float32
-      kernel gains its bf16 screen (`greedy_screen`). Quantized weights (models/quant.py)
+      kernel gains its bf16 screen (`greedy_screen`). A stack of expert weights
+      (ParamInfo.experts, [E, in, ...]) of its dtype becomes {pack: E packed matrices} for
+      the grouped kernel (native.pack_experts). Quantized weights (models/quant.py)
       become {"int8": packed} where the int8 kernel runs (else XLA dequantizes them).
     """
     if (platform or jax.default_backend()) != "cpu":
@@ -266,6 +289,11 @@ def _pack_weights(params: Params, infos: Params, kernel: str, *, greedy_screen: 
                 codes = native.INT4_MATMUL if native.fits_int4(w) else int8  # Q4 blocks: 4 bits
                 return {codes.name: codes.pack(w)}
             return w
+        if info.experts:  # [E, in, ...]: a stack of matrices for the grouped kernel
+            w3 = np.asarray(w)
+            if w3.dtype != jnp.dtype(spec.dtype) or not native.can_pack_experts(kernel, w3.shape):
+                return w
+            return {kernel: native.pack_experts(kernel, w3)}
         if not info.matmul:
             return w
         w2 = np.asarray(w)

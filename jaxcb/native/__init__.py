@@ -7,6 +7,7 @@ float32, bfloat16 and int8), compiled per ISA level and chosen by what the CPU h
                jaxcb cache directory, loading a level's library and registering its FFI targets
     packing.py the weight layouts the matmul kernels read (numpy, at load time)
     ops.py     the kernels as jax functions, the PACKED_MATMULS table
+    grouped.py the grouped matmuls of a mixture of experts over stacks of packed weights
 
 This package imports nothing from jaxcb but the cache directory (jaxcb.paths): the attention
 choice and the model code call into it, never the other way round.
@@ -22,6 +23,13 @@ from jaxcb.native.build import (
     cpu_model,
     cpu_summary,
     supported_levels,
+)
+from jaxcb.native.grouped import (
+    GROUPED_TARGETS,
+    can_pack_experts,
+    pack_experts,
+    packed_grouped_matmul,
+    packed_grouped_swiglu,
 )
 from jaxcb.native.ops import (
     ALL_PACKED,
@@ -53,6 +61,7 @@ from jaxcb.native.packing import (
 __all__ = [
     "ALL_PACKED",
     "ARGMAX_SLOTS",
+    "GROUPED_TARGETS",
     "INT4_MATMUL",
     "INT8_MATMUL",
     "ISA_ENV",
@@ -63,6 +72,7 @@ __all__ = [
     "active_level",
     "available",
     "can_pack_bf16",
+    "can_pack_experts",
     "can_pack_f32",
     "can_pack_int8",
     "copy_kv_native",
@@ -73,9 +83,12 @@ __all__ = [
     "matmul_argmax_screened_f32",
     "pack_argmax_screen",
     "pack_bf16",
+    "pack_experts",
     "pack_f32",
     "pack_int4",
     "pack_int8",
+    "packed_grouped_matmul",
+    "packed_grouped_swiglu",
     "packed_matmul",
     "packed_matmul_argmax",
     "packed_swiglu",

@@ -72,6 +72,13 @@ MATMUL_INT8_TARGET = "jaxcb_matmul_int8"
 SWIGLU_INT8_TARGET = "jaxcb_swiglu_int8"
 MATMUL_INT4_TARGET = "jaxcb_matmul_int4"
 SWIGLU_INT4_TARGET = "jaxcb_swiglu_int4"
+GROUPED_MATMUL_AMX_TARGET = "jaxcb_grouped_matmul_amx"
+GROUPED_MATMUL_F32_TARGET = "jaxcb_grouped_matmul_f32"
+GROUPED_SWIGLU_F32_TARGET = "jaxcb_grouped_swiglu_f32"
+GROUPED_MATMUL_BF16_WIDE_TARGET = "jaxcb_grouped_matmul_bf16_wide"
+GROUPED_SWIGLU_BF16_WIDE_TARGET = "jaxcb_grouped_swiglu_bf16_wide"
+GROUPED_MATMUL_BF16_DOT_TARGET = "jaxcb_grouped_matmul_bf16_dot"
+GROUPED_SWIGLU_BF16_DOT_TARGET = "jaxcb_grouped_swiglu_bf16_dot"
 
 
 class NativeBuildError(RuntimeError):
@@ -260,15 +267,24 @@ def _load_level(name: str) -> Features:
             (SWIGLU_INT8_TARGET, "JaxcbSwigluInt8"),
             (MATMUL_INT4_TARGET, "JaxcbMatmulInt4"),
             (SWIGLU_INT4_TARGET, "JaxcbSwigluInt4"),
+            (GROUPED_MATMUL_F32_TARGET, "JaxcbGroupedMatmulF32"),
+            (GROUPED_SWIGLU_F32_TARGET, "JaxcbGroupedSwigluF32"),
+            (GROUPED_MATMUL_BF16_WIDE_TARGET, "JaxcbGroupedMatmulBf16Wide"),
+            (GROUPED_SWIGLU_BF16_WIDE_TARGET, "JaxcbGroupedSwigluBf16Wide"),
         ]
     if features.bf16_dot:
         symbols += [
             (MATMUL_BF16_DOT_TARGET, "JaxcbMatmulBf16Dot"),
             (SWIGLU_BF16_DOT_TARGET, "JaxcbSwigluBf16Dot"),
             (MATMUL_ARGMAX_BF16_DOT_TARGET, "JaxcbMatmulArgmaxBf16Dot"),
+            (GROUPED_MATMUL_BF16_DOT_TARGET, "JaxcbGroupedMatmulBf16Dot"),
+            (GROUPED_SWIGLU_BF16_DOT_TARGET, "JaxcbGroupedSwigluBf16Dot"),
         ]
     if features.amx:
-        symbols.append((MATMUL_AMX_TARGET, "JaxcbMatmulAmx"))
+        symbols += [
+            (MATMUL_AMX_TARGET, "JaxcbMatmulAmx"),
+            (GROUPED_MATMUL_AMX_TARGET, "JaxcbGroupedMatmulAmx"),
+        ]
     for base, symbol in symbols:
         capsule = jax.ffi.pycapsule(getattr(lib, symbol))
         jax.ffi.register_ffi_target(target(base, name), capsule, platform="cpu")

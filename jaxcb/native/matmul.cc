@@ -1,10 +1,12 @@
 // Matmuls over weights packed once at load time, as XLA FFI handlers for XLA's CPU backend:
 // bf16 on AMX tiles; bf16 with AVX512-BF16 dot products, or widened to f32 in registers
 // (AVX2 / AVX-512 without BF16); f32 with FMAs (SiLU * up fused into the gate/up matmul's
-// epilogue, an LM head's greedy argmax taken from its accumulators); and the screened greedy
-// argmax of a float32 LM head. The weight layouts are written by pack_bf16 / pack_f32 /
-// pack_argmax_screen in ops.py. build.py compiles this file once per ISA level: what a level
-// defines is reported by JaxcbIsaFeatures().
+// epilogue, an LM head's greedy argmax taken from its accumulators); the screened greedy
+// argmax of a float32 LM head; and grouped forms of the AMX and vector matmuls for a mixture
+// of experts (rows sorted by expert, each through its own expert's slice of a stack of packed
+// weights). The weight layouts are written by pack_bf16 / pack_f32 / pack_argmax_screen in
+// packing.py. build.py compiles this file once per ISA level: what a level defines is reported
+// by JaxcbIsaFeatures().
 
 #include "simd.h"
 
@@ -24,6 +26,41 @@ int64_t RealRows(const Dims& ad, ffi::Buffer<ffi::S32>& rows) {
 inline void ZeroRowsFrom(ffi::AnyBuffer& out, int64_t rows, int64_t m) {
   const int64_t row_bytes = out.size_bytes() / std::max<int64_t>(rows, 1);
   std::memset(static_cast<char*>(out.untyped_data()) + m * row_bytes, 0, (rows - m) * row_bytes);
+}
+
+// The rows of each group of a grouped matmul's a [m, K] (sorted by group): group g holds rows
+// [first[g], first[g + 1]). Negative sizes count as 0 and groups past m rows are cut at m (as
+// ragged_dot reads them); rows from first[G] on are padding.
+inline std::vector<int64_t> GroupRows(ffi::Buffer<ffi::S32>& group_sizes, int64_t m) {
+  const int64_t groups = group_sizes.element_count();
+  const int32_t* sizes = group_sizes.typed_data();
+  std::vector<int64_t> first(groups + 1, 0);
+  for (int64_t g = 0; g < groups; ++g) {
+    first[g + 1] = std::min<int64_t>(m, first[g] + std::max<int32_t>(sizes[g], 0));
+  }
+  return first;
+}
+
+// Work items of a grouped matmul: each group that has rows splits its columns as one matmul
+// of its rows would (split(rows) -> {units of its columns, runs of them}), and all groups'
+// items go into one ParallelFor. Decode gives each expert a row or two: one ParallelFor per
+// group waited for its slowest run before the next group began, G times a call (8 experts,
+// top-2, K=512, I=1024 float32, a 16-thread Xeon: T=16 0.30 -> 0.11 ms, T=512 1.37 -> 0.80).
+struct GroupItem {
+  int64_t group, u0, u1;  // units [u0, u1) of the group's columns
+};
+
+template <typename Split>
+std::vector<GroupItem> GroupItems(const std::vector<int64_t>& first, Split split) {
+  std::vector<GroupItem> items;
+  for (int64_t g = 0; g + 1 < static_cast<int64_t>(first.size()); ++g) {
+    if (first[g + 1] == first[g]) continue;  // an expert no row chose: its weights unread
+    const auto [units, runs] = split(first[g + 1] - first[g]);
+    for (int64_t i = 0; i < runs; ++i) {
+      items.push_back({g, units * i / runs, units * (i + 1) / runs});
+    }
+  }
+  return items;
 }
 
 // ---- bf16 matmul on AMX tiles ----------------------------------------------------------
@@ -124,6 +161,30 @@ void MatmulColumns(const uint16_t* a, int64_t m, int64_t m_begin, int64_t m_end,
   }
 }
 
+// Pairs [p0, p1) of 16-column blocks of out (row stride 16 n_blocks) for the m rows of a:
+// one work item. a must be readable up to whole 32-row blocks (the products of rows past m
+// are dropped).
+void AmxColumnRun(const uint16_t* a, int64_t m, int64_t k, const uint16_t* w, int64_t n_blocks,
+                  int64_t p0, int64_t p1, float* out) {
+  LoadTileConfig();
+  const int64_t m_pad = (m + 31) / 32 * 32;
+  // Rows in chunks whose slice of `a` stays in L2 while the columns stream past it.
+  const int64_t chunk = std::max<int64_t>(32, (256 * 1024 / (k * 2)) / 32 * 32);
+  for (int64_t mc = 0; mc < m_pad; mc += chunk) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t nb0 = 2 * p;
+      MatmulColumns(a, m, mc, std::min(mc + chunk, m_pad), k, w, n_blocks * 16, nb0,
+                    std::min<int64_t>(2, n_blocks - nb0), out);
+    }
+  }
+  _tile_release();
+}
+
+// Work items of one AMX matmul: pairs of 16-column blocks, in a few contiguous runs per thread.
+inline int64_t AmxItems(ffi::ThreadPool& pool, int64_t pairs) {
+  return std::min<int64_t>(pairs, 8 * (pool.num_threads() + 1));
+}
+
 ffi::Error MatmulAmxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a,
                          ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::S32> rows,
                          ffi::Result<ffi::AnyBuffer> out) {
@@ -133,7 +194,7 @@ ffi::Error MatmulAmxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a,
     return ffi::Error::InvalidArgument("a must be [M, K] and w [N/16, K/32, 16, 32]");
   }
   if (!AmxEnabled()) return ffi::Error::Internal("the kernel refused AMX state (arch_prctl)");
-  const int64_t m = RealRows(ad, rows), k = ad[1], n = wd[0] * 16, n_blocks = wd[0];
+  const int64_t m = RealRows(ad, rows), k = ad[1], n_blocks = wd[0];
   ZeroRowsFrom(*out, ad[0], m);
   if (m == 0) return ffi::Error::Success();
   const int64_t m_pad = (m + 31) / 32 * 32;
@@ -146,25 +207,14 @@ ffi::Error MatmulAmxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a,
   }
   const uint16_t* w_data = reinterpret_cast<const uint16_t*>(w.typed_data());
   float* out_data = static_cast<float*>(out->untyped_data());
-  // Work items: pairs of 16-column blocks, in a few contiguous runs per thread.
-  const int64_t pairs = (n_blocks + 1) / 2;
-  const int64_t items = std::min<int64_t>(pairs, 8 * (pool.num_threads() + 1));
+  const int64_t pairs = (n_blocks + 1) / 2, items = AmxItems(pool, pairs);
   ParallelFor(pool, items, [&](int64_t item) {
-    const int64_t p0 = pairs * item / items, p1 = pairs * (item + 1) / items;
-    LoadTileConfig();
-    // Rows in chunks whose slice of `a` stays in L2 while the columns stream past it.
-    const int64_t chunk = std::max<int64_t>(32, (256 * 1024 / (k * 2)) / 32 * 32);
-    for (int64_t mc = 0; mc < m_pad; mc += chunk) {
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t nb0 = 2 * p;
-        MatmulColumns(a_data, m, mc, std::min(mc + chunk, m_pad), k, w_data, n, nb0,
-                      std::min<int64_t>(2, n_blocks - nb0), out_data);
-      }
-    }
-    _tile_release();
+    AmxColumnRun(a_data, m, k, w_data, n_blocks, pairs * item / items,
+                 pairs * (item + 1) / items, out_data);
   });
   return ffi::Error::Success();
 }
+
 #endif  // AMX
 
 
@@ -346,6 +396,89 @@ void SplitSwigluTile(int64_t rows, int64_t blocks, const char* a, int64_t a_stri
   }
 }
 
+// The geometry of a packed matmul of kKind: bytes per element of a and of out, the strides,
+// and its output blocks grouped the way a work item takes them.
+template <Kind kKind, bool kSwiglu>
+struct PackedPlan {
+  using Shape = TileShape<kKind, kSwiglu>;
+  static constexpr int64_t kMr = Shape::kMr, kNr = Shape::kNr;
+  static constexpr int64_t kElem = kKind == Kind::kBf16Dot ? 2 : 4;
+  static constexpr int64_t kOutElem = kSwiglu ? kElem : 4;
+  static constexpr int64_t kGroup = kSwiglu ? kNr / 2 : kNr;  // output blocks per tile
+
+  int64_t a_stride, steps, w_stride, out_blocks, n, up_offset, col_groups;
+
+  PackedPlan(int64_t k, int64_t n_blocks)
+      : a_stride(k * kElem),
+        steps(kKind == Kind::kF32 ? k : k / 2),
+        w_stride(steps * 64),  // bytes of one 16-column block of w
+        // Output blocks: with kSwiglu, each pairs a gate block with its up block.
+        out_blocks(kSwiglu ? n_blocks / 2 : n_blocks),
+        n(out_blocks * 16),
+        up_offset(kSwiglu ? out_blocks * w_stride : 0),
+        col_groups((out_blocks + kGroup - 1) / kGroup) {}
+
+  // Work items of one matmul: runs of column groups, a few per thread; a group's slice of w
+  // (K x 16 * kGroup columns) stays in L2 while the rows of a pass over it.
+  static int64_t Items(ffi::ThreadPool& pool, int64_t col_groups) {
+    return std::min<int64_t>(col_groups, 8 * (pool.num_threads() + 1));
+  }
+  // Rows in chunks whose slice of a stays in L2 too (prefill's long batches).
+  int64_t RowChunk() const { return std::max<int64_t>(kMr, (256 * 1024 / a_stride) / kMr * kMr); }
+  // An output of several MB (the LM head's logits: 16 MB at 128 rows) is written with
+  // non-temporal stores: it leaves the cache by the time it is read anyway, and ordinary
+  // stores would first read every line from DRAM (LM head + argmax 12.3-12.7 -> 11.2-11.4 ms).
+  bool Stream(int64_t m, const void* out) const {
+    return !kSwiglu && m * n * 4 >= (8 << 20) && reinterpret_cast<uintptr_t>(out) % 64 == 0;
+  }
+};
+
+// One work item of a packed matmul: column groups [g0, g1) of out for the m rows of a,
+// folding each row's (max, first column) into row_val / row_idx if given.
+template <Kind kKind, bool kSwiglu>
+void PackedColumnRun(const PackedPlan<kKind, kSwiglu>& plan, const char* a, const char* w,
+                     void* out, int64_t m, int64_t g0, int64_t g1, bool stream, float* row_val,
+                     int32_t* row_idx) {
+  using Plan = PackedPlan<kKind, kSwiglu>;
+  constexpr int64_t kMr = Plan::kMr, kNr = Plan::kNr, kGroup = Plan::kGroup;
+  const int64_t a_stride = plan.a_stride, w_stride = plan.w_stride, n = plan.n;
+  const int64_t out_blocks = plan.out_blocks;
+  char* out_bytes = static_cast<char*>(out);
+  const int64_t chunk = plan.RowChunk();
+  for (int64_t mc = 0; mc < m; mc += chunk) {
+    const int64_t mc_end = std::min(mc + chunk, m);
+    const int64_t tiles = (mc_end - mc + kMr - 1) / kMr;
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t ob0 = g * kGroup, blocks = std::min<int64_t>(kGroup, out_blocks - ob0);
+      // The next group's slice of w is requested into L2 in equal parts by this group's
+      // row tiles (it streams from DRAM: the weights of a whole model do not fit in L3).
+      const int64_t next_bytes =
+          g + 1 < g1 ? std::min<int64_t>(kGroup, out_blocks - ob0 - kGroup) * w_stride : 0;
+      const int64_t part = (next_bytes / tiles + 63) / 64 * 64;
+      const char* next = w + (ob0 + kGroup) * w_stride;
+      for (int64_t m0 = mc, t = 0; m0 < mc_end; m0 += kMr, ++t) {
+        const int64_t from = std::min(t * part, next_bytes);
+        void* o = static_cast<void*>(out_bytes + (m0 * n + ob0 * 16) * Plan::kOutElem);
+        if constexpr (Plan::Shape::kSplitSwiglu) {
+          SplitSwigluTile<kKind, kMr, kNr / 2>(
+              std::min<int64_t>(kMr, mc_end - m0), blocks, a + m0 * a_stride, a_stride,
+              plan.steps, w + ob0 * w_stride, w_stride, plan.up_offset, o, n, next + from,
+              std::min(part, next_bytes - from));
+          continue;
+        }
+        RowArgmax argmax{};
+        if (row_val != nullptr) argmax = {row_val + m0, row_idx + m0, ob0 * 16};
+        PackedTile<kKind, kSwiglu, kMr, kNr>(
+            std::min<int64_t>(kMr, mc_end - m0), kSwiglu ? 2 * blocks : blocks,
+            a + m0 * a_stride, a_stride, plan.steps, w + ob0 * w_stride, w_stride,
+            plan.up_offset, o, n, next + from, std::min(part, next_bytes - from), stream,
+            row_val != nullptr ? static_cast<const RowArgmax*>(&argmax) : nullptr);
+      }
+    }
+  }
+  if (stream) _mm_sfence();
+}
+
 // a: [M, K] of 2-byte (bf16, kBf16Dot) or 4-byte (f32) elements; w: its packed blocks,
 // n_blocks of them. kSwiglu: w is [K, 2 * I] (gate columns, then up), out [M, I] =
 // silu(gate) * up. best_val / best_idx ([M, slots], or null): per row and work item, the
@@ -355,33 +488,15 @@ template <Kind kKind, bool kSwiglu>
 void PackedMatmul(ffi::ThreadPool& pool, const char* a, const char* w, void* out, int64_t m,
                   int64_t k, int64_t n_blocks, float* best_val = nullptr,
                   int32_t* best_idx = nullptr, int64_t slots = 0) {
-  using Shape = TileShape<kKind, kSwiglu>;
-  constexpr int64_t kMr = Shape::kMr, kNr = Shape::kNr;
-  constexpr int64_t kElem = kKind == Kind::kBf16Dot ? 2 : 4;
-  constexpr int64_t kOutElem = kSwiglu ? kElem : 4;
-  const int64_t a_stride = k * kElem, steps = kKind == Kind::kF32 ? k : k / 2;
-  const int64_t w_stride = steps * 64;  // bytes of one 16-column block of w
-  // Output blocks: with kSwiglu, each pairs a gate block with its up block.
-  const int64_t out_blocks = kSwiglu ? n_blocks / 2 : n_blocks, n = out_blocks * 16;
-  const int64_t up_offset = kSwiglu ? out_blocks * w_stride : 0;
-  constexpr int64_t kGroup = kSwiglu ? kNr / 2 : kNr;  // output blocks per tile
-  // Work items: groups of output blocks, in a few contiguous runs per thread; a group's
-  // slice of w (K x 16 * kGroup columns) stays in L2 while the rows of a pass over it.
-  const int64_t groups = (out_blocks + kGroup - 1) / kGroup;
-  int64_t items = std::min<int64_t>(groups, 8 * (pool.num_threads() + 1));
+  const PackedPlan<kKind, kSwiglu> plan(k, n_blocks);
+  const int64_t groups = plan.col_groups;
+  int64_t items = plan.Items(pool, groups);
   if (best_val != nullptr) {
     items = std::min(items, slots);
     std::fill(best_val, best_val + m * slots, -std::numeric_limits<float>::infinity());
     std::fill(best_idx, best_idx + m * slots, 0);
   }
-  // Rows in chunks whose slice of a stays in L2 too (prefill's long batches).
-  const int64_t chunk = std::max<int64_t>(kMr, (256 * 1024 / a_stride) / kMr * kMr);
-  char* out_bytes = static_cast<char*>(out);
-  // An output of several MB (the LM head's logits: 16 MB at 128 rows) is written with
-  // non-temporal stores: it leaves the cache by the time it is read anyway, and ordinary
-  // stores would first read every line from DRAM (LM head + argmax 12.3-12.7 -> 11.2-11.4 ms).
-  const bool stream = !kSwiglu && m * n * 4 >= (8 << 20) &&
-                      reinterpret_cast<uintptr_t>(out) % 64 == 0;
+  const bool stream = plan.Stream(m, out);
   ParallelFor(pool, items, [&](int64_t item) {
     const int64_t g0 = groups * item / items, g1 = groups * (item + 1) / items;
     std::vector<float> row_val;
@@ -390,38 +505,8 @@ void PackedMatmul(ffi::ThreadPool& pool, const char* a, const char* w, void* out
       row_val.assign(m, -std::numeric_limits<float>::infinity());
       row_idx.assign(m, 0);
     }
-    for (int64_t mc = 0; mc < m; mc += chunk) {
-      const int64_t mc_end = std::min(mc + chunk, m);
-      const int64_t tiles = (mc_end - mc + kMr - 1) / kMr;
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t ob0 = g * kGroup, blocks = std::min<int64_t>(kGroup, out_blocks - ob0);
-        // The next group's slice of w is requested into L2 in equal parts by this group's
-        // row tiles (it streams from DRAM: the weights of a whole model do not fit in L3).
-        const int64_t next_bytes =
-            g + 1 < g1 ? std::min<int64_t>(kGroup, out_blocks - ob0 - kGroup) * w_stride : 0;
-        const int64_t part = (next_bytes / tiles + 63) / 64 * 64;
-        const char* next = w + (ob0 + kGroup) * w_stride;
-        for (int64_t m0 = mc, t = 0; m0 < mc_end; m0 += kMr, ++t) {
-          const int64_t from = std::min(t * part, next_bytes);
-          if constexpr (Shape::kSplitSwiglu) {
-            SplitSwigluTile<kKind, kMr, kNr / 2>(
-                std::min<int64_t>(kMr, mc_end - m0), blocks, a + m0 * a_stride, a_stride, steps,
-                w + ob0 * w_stride, w_stride, up_offset,
-                static_cast<void*>(out_bytes + (m0 * n + ob0 * 16) * kOutElem), n, next + from,
-                std::min(part, next_bytes - from));
-            continue;
-          }
-          const RowArgmax argmax{row_val.data() + m0, row_idx.data() + m0, ob0 * 16};
-          PackedTile<kKind, kSwiglu, kMr, kNr>(
-              std::min<int64_t>(kMr, mc_end - m0), kSwiglu ? 2 * blocks : blocks,
-              a + m0 * a_stride, a_stride, steps, w + ob0 * w_stride, w_stride, up_offset,
-              static_cast<void*>(out_bytes + (m0 * n + ob0 * 16) * kOutElem), n, next + from,
-              std::min(part, next_bytes - from), stream,
-              best_val != nullptr ? &argmax : nullptr);
-        }
-      }
-    }
-    if (stream) _mm_sfence();
+    PackedColumnRun(plan, a, w, out, m, g0, g1, stream,
+                    best_val != nullptr ? row_val.data() : nullptr, row_idx.data());
     if (best_val != nullptr) {
       for (int64_t r = 0; r < m; ++r) {
         best_val[r * slots + item] = row_val[r];
@@ -474,6 +559,122 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<KindTypes<kKind>::
                                out->untyped_data(), m, ad[1], wd[0]);
   return ffi::Error::Success();
 }
+
+// ---- grouped matmuls: a mixture of experts' rows, each through its own expert's weights ---
+//
+// a [M, K] holds rows sorted by group (a mixture of experts' tokens by expert), group_sizes
+// i32[G] how many each group has, and w the G packed weights stacked ([G, ...] of the layout
+// above: pack_f32 / pack_bf16 of each expert's [K, N] matrix). Rows of group g meet w[g]
+// only: XLA's CPU ragged_dot multiplies every row by every group's matrix and masks the
+// products (8 groups: 8x the arithmetic of one dense matmul of the same rows). Rows past
+// sum(group_sizes) (the bucket's padding) come out zero (see GroupRows); each group's rows
+// run through PackedColumnRun as one matmul of those rows would (see GroupItems).
+template <Kind kKind, bool kSwiglu>
+ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<KindTypes<kKind>::kA> a,
+                             ffi::Buffer<KindTypes<kKind>::kW> w,
+                             ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out) {
+  using Plan = PackedPlan<kKind, kSwiglu>;
+  auto ad = a.dimensions();
+  auto wd = w.dimensions();
+  const int64_t groups = group_sizes.element_count();
+  if (wd.size() < 2 || wd[0] != groups || !PackedShapesOk<kKind>(ad, wd.last(wd.size() - 1))) {
+    return ffi::Error::InvalidArgument(
+        kKind != Kind::kF32 ? "a must be [M, K], group_sizes [G] and w [G, N/16, K/32, 16, 32]"
+                            : "a must be [M, K], group_sizes [G] and w [G, N/16, K, 16]");
+  }
+  if (kSwiglu && wd[1] % 2) {
+    return ffi::Error::InvalidArgument("swiglu: w must hold as many up blocks as gate blocks");
+  }
+  const std::vector<int64_t> first = GroupRows(group_sizes, ad[0]);
+  const int64_t m = first[groups];
+  ZeroRowsFrom(*out, ad[0], m);
+  if (m == 0) return ffi::Error::Success();
+  const Plan plan(ad[1], wd[1]);
+  const char* a_data = reinterpret_cast<const char*>(a.untyped_data());
+  const char* w_data = reinterpret_cast<const char*>(w.untyped_data());
+  char* out_data = static_cast<char*>(out->untyped_data());
+  const int64_t w_bytes = w.size_bytes() / groups;  // one expert's packed weight
+  const int64_t out_row = plan.n * Plan::kOutElem;
+  const int64_t runs = Plan::Items(pool, plan.col_groups);
+  const std::vector<GroupItem> items = GroupItems(first, [&](int64_t) {
+    return std::pair<int64_t, int64_t>{plan.col_groups, runs};
+  });
+  ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
+    const GroupItem& item = items[i];
+    const int64_t g = item.group, rows = first[g + 1] - first[g];
+    void* o = out_data + first[g] * out_row;
+    PackedColumnRun(plan, a_data + first[g] * plan.a_stride, w_data + g * w_bytes, o, rows,
+                    item.u0, item.u1, plan.Stream(rows, o), nullptr, nullptr);
+  });
+  return ffi::Error::Success();
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// The grouped matmul on AMX tiles, w [G, N/16, K/32, 16, 32] (pack_bf16 per expert). An
+// AMX tile holds 16 rows: a group of fewer (decode's experts get a row or a few) leaves most
+// of it idle and takes the vdpbf16ps tiles instead, which read the same layout; a group of a
+// tile or more (prefill) runs at AMX's rate. (8 experts, top-2, K=512, I=1024, a 16-thread
+// Xeon: T=16 ~0.15 ms all on AMX, ~0.13 split so; T=64..512 2-2.5x slower all on vdpbf16ps.)
+constexpr int64_t kAmxMinRows = 16;
+
+ffi::Error GroupedMatmulAmxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a,
+                                ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::S32> group_sizes,
+                                ffi::Result<ffi::AnyBuffer> out) {
+  using DotPlan = PackedPlan<Kind::kBf16Dot, false>;
+  auto ad = a.dimensions();
+  auto wd = w.dimensions();
+  const int64_t groups = group_sizes.element_count();
+  if (ad.size() != 2 || wd.size() != 5 || wd[0] != groups || wd[3] != 16 || wd[4] != 32 ||
+      wd[2] * 32 != ad[1]) {
+    return ffi::Error::InvalidArgument(
+        "a must be [M, K], group_sizes [G] and w [G, N/16, K/32, 16, 32]");
+  }
+  if (!AmxEnabled()) return ffi::Error::Internal("the kernel refused AMX state (arch_prctl)");
+  const std::vector<int64_t> first = GroupRows(group_sizes, ad[0]);
+  const int64_t m = first[groups], k = ad[1], n_blocks = wd[1], n = n_blocks * 16;
+  ZeroRowsFrom(*out, ad[0], m);
+  if (m == 0) return ffi::Error::Success();
+  // An AMX group's last 32-row block reads up to 31 rows past it: the next group's rows or
+  // the padding (their products are dropped), or past the end of a, which then gets a copy
+  // with zero rows up to that far.
+  int64_t reach = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    if (first[g + 1] - first[g] >= kAmxMinRows) {
+      reach = std::max(reach, first[g] + (first[g + 1] - first[g] + 31) / 32 * 32);
+    }
+  }
+  const uint16_t* a_data = reinterpret_cast<const uint16_t*>(a.typed_data());
+  thread_local std::vector<uint16_t> padded;
+  if (reach > ad[0]) {
+    padded.assign(reach * k, 0);
+    std::memcpy(padded.data(), a_data, m * k * sizeof(uint16_t));
+    a_data = padded.data();
+  }
+  const uint16_t* w_data = reinterpret_cast<const uint16_t*>(w.typed_data());
+  float* out_data = static_cast<float*>(out->untyped_data());
+  const int64_t w_elems = wd[1] * wd[2] * 16 * 32;  // one expert's packed weight
+  const int64_t pairs = (n_blocks + 1) / 2, amx_runs = AmxItems(pool, pairs);
+  const DotPlan dot(k, n_blocks);
+  const int64_t dot_runs = DotPlan::Items(pool, dot.col_groups);
+  const std::vector<GroupItem> items = GroupItems(first, [&](int64_t rows) {
+    return rows >= kAmxMinRows ? std::pair<int64_t, int64_t>{pairs, amx_runs}
+                            : std::pair<int64_t, int64_t>{dot.col_groups, dot_runs};
+  });
+  ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
+    const GroupItem& item = items[i];
+    const int64_t g = item.group, rows = first[g + 1] - first[g];
+    const uint16_t* ag = a_data + first[g] * k;
+    const uint16_t* wg = w_data + g * w_elems;
+    if (rows >= kAmxMinRows) {
+      AmxColumnRun(ag, rows, k, wg, n_blocks, item.u0, item.u1, out_data + first[g] * n);
+    } else {
+      PackedColumnRun(dot, reinterpret_cast<const char*>(ag), reinterpret_cast<const char*>(wg),
+                      out_data + first[g] * n, rows, item.u0, item.u1, false, nullptr, nullptr);
+    }
+  });
+  return ffi::Error::Success();
+}
+#endif  // AMX
 
 // The plain matmul that also returns, per row, the max and first argmax of each work item's
 // columns ([M, slots] each; the caller reduces over slots). Padding rows: zeros, and every
@@ -903,6 +1104,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbMatmulAmx, MatmulAmxImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // real rows [1]
                                   .Ret<ffi::AnyBuffer>());        // f32 [M, N]
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbGroupedMatmulAmx, GroupedMatmulAmxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // a [M, K]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w [G, ...packed]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // group sizes [G]
+                                  .Ret<ffi::AnyBuffer>());        // f32 [M, N]
+#endif
 
 #if defined(JAXCB_HAVE_V16)
 #define JAXCB_PACKED_MATMUL(name, kind, swiglu)                                              \
@@ -926,12 +1136,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbMatmulAmx, MatmulAmxImpl,
                                     .Ret<ffi::Buffer<ffi::F32>>()                            \
                                     .Ret<ffi::Buffer<ffi::S32>>());
 
+// Grouped: (a [M, K], w [G, ...packed], group_sizes i32[G]) -> as the plain ones.
+#define JAXCB_GROUPED_MATMUL(name, kind, swiglu)                                             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (GroupedMatmulImpl<Kind::kind, swiglu>),               \
+                                ffi::Ffi::Bind()                                             \
+                                    .Ctx<ffi::ThreadPool>()                                  \
+                                    .Arg<ffi::Buffer<KindTypes<Kind::kind>::kA>>() /* a */   \
+                                    .Arg<ffi::Buffer<KindTypes<Kind::kind>::kW>>() /* w */   \
+                                    .Arg<ffi::Buffer<ffi::S32>>() /* group sizes [G] */      \
+                                    .Ret<ffi::AnyBuffer>());
+
 JAXCB_PACKED_MATMUL(JaxcbMatmulF32, kF32, false)          // -> f32 [M, N]
 JAXCB_PACKED_MATMUL(JaxcbSwigluF32, kF32, true)           // -> f32 [M, N / 2]
 JAXCB_MATMUL_ARGMAX(JaxcbMatmulArgmaxF32, kF32)
 JAXCB_PACKED_MATMUL(JaxcbMatmulBf16Wide, kBf16Wide, false)  // f32 a -> f32 [M, N]
 JAXCB_PACKED_MATMUL(JaxcbSwigluBf16Wide, kBf16Wide, true)   // -> f32 [M, N / 2]
 JAXCB_MATMUL_ARGMAX(JaxcbMatmulArgmaxBf16Wide, kBf16Wide)
+JAXCB_GROUPED_MATMUL(JaxcbGroupedMatmulF32, kF32, false)          // -> f32 [M, N]
+JAXCB_GROUPED_MATMUL(JaxcbGroupedSwigluF32, kF32, true)           // -> f32 [M, N / 2]
+JAXCB_GROUPED_MATMUL(JaxcbGroupedMatmulBf16Wide, kBf16Wide, false)  // f32 a -> f32 [M, N]
+JAXCB_GROUPED_MATMUL(JaxcbGroupedSwigluBf16Wide, kBf16Wide, true)   // -> f32 [M, N / 2]
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbMatmulArgmaxScreenedF32, MatmulArgmaxScreenedImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -964,4 +1188,6 @@ JAXCB_QUANT_MATMUL(JaxcbSwigluInt4, 4, true)   // -> f32 [M, N / 2]
 JAXCB_PACKED_MATMUL(JaxcbMatmulBf16Dot, kBf16Dot, false)  // bf16 a -> f32 [M, N]
 JAXCB_PACKED_MATMUL(JaxcbSwigluBf16Dot, kBf16Dot, true)   // -> bf16 [M, N / 2]
 JAXCB_MATMUL_ARGMAX(JaxcbMatmulArgmaxBf16Dot, kBf16Dot)
+JAXCB_GROUPED_MATMUL(JaxcbGroupedMatmulBf16Dot, kBf16Dot, false)  // bf16 a -> f32 [M, N]
+JAXCB_GROUPED_MATMUL(JaxcbGroupedSwigluBf16Dot, kBf16Dot, true)   // -> bf16 [M, N / 2]
 #endif
