@@ -29,7 +29,7 @@ def workload_flops(
     `output_lens`: the tokens each request really generated (default: its max_tokens)."""
     h, d = spec.hidden_size, spec.head_dim
     layer_weights = h * d * (2 * spec.num_q_heads + 2 * spec.num_kv_heads)  # q, o; k, v
-    layer_weights += 3 * h * spec.intermediate_size  # gate, up, down
+    layer_weights += 3 * h * spec.active_intermediate_size  # gate, up, down (k experts)
     fed = sampled = pairs = 0
     lens = output_lens or [r.max_tokens for r in workload.requests]
     for r, m in zip(workload.requests, lens, strict=True):
@@ -52,8 +52,8 @@ def model_matmul_shapes(spec: ModelSpec, num_tokens: int, num_seqs: int) -> dict
     return {
         "qkv": (num_tokens, h, (spec.num_q_heads + 2 * spec.num_kv_heads) * d),
         "o": (num_tokens, spec.num_q_heads * d, h),
-        "gate_up": (num_tokens, h, 2 * spec.intermediate_size),
-        "down": (num_tokens, spec.intermediate_size, h),
+        "gate_up": (num_tokens, h, 2 * round(spec.active_intermediate_size)),
+        "down": (num_tokens, round(spec.active_intermediate_size), h),
         "lm_head": (num_seqs, h, spec.vocab_size),
     }
 

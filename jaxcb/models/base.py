@@ -81,6 +81,12 @@ class ModelSpec:
     def sm_scale(self) -> float:
         return self.head_dim**-0.5
 
+    @property
+    def active_intermediate_size(self) -> float:
+        """The MLP width a token passes through, averaged over the layers: what its FLOPs
+        and activations scale with (a mixture of experts counts its k experts)."""
+        return float(self.intermediate_size)
+
 
 @dataclass(frozen=True)
 class ParamInfo:

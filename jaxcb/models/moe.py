@@ -91,6 +91,13 @@ class MoESpec(ModelSpec):
     sparse_layers: tuple[bool, ...] = ()  # per layer: a mixture of experts, else a dense MLP
 
     @property
+    def active_intermediate_size(self) -> float:
+        sparse = self.num_experts_per_tok * self.moe_intermediate_size
+        sparse += self.shared_expert_intermediate_size
+        widths = [sparse if s else self.intermediate_size for s in self.sparse_layers]
+        return sum(widths) / len(widths)
+
+    @property
     def routing_weights_in_model_dtype(self) -> bool:
         """Qwen's routers round the k weights to the model's dtype; Mixtral's keep float32."""
         return self.architecture != "MixtralForCausalLM"

@@ -218,7 +218,7 @@ def ideal_step_bytes(
     float32 logits of the num_seqs rows. `kv_scale_bytes`: a quantized pool's bytes of
     scale per token and KV head (4: one float32), besides its head_dim values."""
     t, s, tp = bucket.num_tokens, bucket.num_seqs, tensor_parallel_size
-    h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    h, d, i = spec.hidden_size, spec.head_dim, round(spec.active_intermediate_size)
     hq, hkv = spec.num_q_heads * d, spec.num_kv_heads * d
     kv_row = d * kv_itemsize + kv_scale_bytes  # one KV head's values (and scale)
     kv_token = 2 * spec.num_layers * spec.num_kv_heads * kv_row // tp  # K and V of one token

@@ -149,6 +149,8 @@ def test_config_mapping() -> None:
     )
     assert spec.family == "moe" and spec.qkv_bias and not spec.norm_topk_prob
     assert spec.sparse_layers == (False, True, False, False, False, True)
+    # what a token passes through, averaged over layers: 4 dense, 2 of k experts + shared
+    assert spec.active_intermediate_size == (4 * 24 + 2 * (2 * F + S)) / 6
     infos = param_infos(spec)["layers"]
     assert "w_gate_up" in infos[0] and "w_experts_gate_up" not in infos[0]
     assert infos[1]["w_experts_gate_up"].shape == (E, H, 2, F)
@@ -168,6 +170,7 @@ def test_config_mapping() -> None:
     mixtral = dict(CONFIG, architectures=["MixtralForCausalLM"], num_local_experts=8)
     spec = spec_from_hf_config(mixtral)
     assert (spec.num_experts, spec.moe_intermediate_size, spec.norm_topk_prob) == (8, 24, True)
+    assert spec.active_intermediate_size == 2 * 24
     assert "shared_gate" not in param_infos(spec)["layers"][0]
     with pytest.raises(ModelLoadError, match="num_experts_per_tok=5"):
         spec_from_hf_config(dict(CONFIG, num_experts_per_tok=5))
