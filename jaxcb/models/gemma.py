@@ -17,6 +17,8 @@ What differs from Llama, and where it lives here:
   global one, and two rotary tables: sliding layers use `rope_local_base_freq` (10000)
   without scaling, global ones `rope_theta` (1e6) with the config's scaling.
 
+GGUF files (llama.cpp's "gemma2" and "gemma3" archs): the GGUF section at the end.
+
 Parameters: Llama's (wqkv grouped per KV head, w_gate_up [H, 2, I], ...) plus "post_attn_norm"
 and "post_mlp_norm"; "mlp_norm" is the pre-feedforward norm. Embeddings are tied (as in every
 released Gemma) unless the config says otherwise.
@@ -217,3 +219,73 @@ def _rope(
 def _embed_dtype(embed: jax.Array) -> Any:
     """The embedding table's dtype (a bfloat16 table is stored as its uint16 bits on CPU)."""
     return jnp.bfloat16 if embed.dtype == jnp.uint16 else embed.dtype
+
+
+# ---- GGUF -------------------------------------------------------------------------------
+# llama.cpp's "gemma2" and "gemma3" archs. Its converter stores every norm weight as 1 + w
+# (ggml's RMSNorm scales by the weight itself) and leaves q/k rows in their order (ggml's
+# rope for these archs is rotate-half, as Hugging Face's); tensor_from_gguf takes the 1 off
+# again, for params_from_hf to add it as for a Hugging Face checkpoint.
+
+GGUF_ARCHS = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+
+#: GGUF tensor name -> Hugging Face name: Llama's, with the four norms of a Gemma layer
+#: (llama.cpp's ffn_norm is the pre-feedforward one, not Llama's post-attention norm)
+GGUF_TENSORS = {
+    **llama.GGUF_TENSORS,
+    "blk.{n}.post_attention_norm.weight": "model.layers.{n}.post_attention_layernorm.weight",
+    "blk.{n}.ffn_norm.weight": "model.layers.{n}.pre_feedforward_layernorm.weight",
+    "blk.{n}.post_ffw_norm.weight": "model.layers.{n}.post_feedforward_layernorm.weight",
+}
+
+#: The hidden size of each arch's 27B model, the one whose queries are scaled by
+#: (hidden_size / num_heads) ** -0.5 and not head_dim ** -0.5 (config_from_gguf)
+HIDDEN_27B = {"gemma2": 4608, "gemma3": 5376}
+
+
+def config_from_gguf(metadata: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """Llama's mapping of the metadata, plus Gemma's: the soft caps
+    (`<arch>.attn_logit_softcapping`, `final_logit_softcapping`), the window
+    (`attention.sliding_window`) and which layers slide (`attention.sliding_window_pattern`:
+    every pattern-th layer global, or one flag a layer, True sliding, as llama.cpp reads it;
+    without it Gemma 2 alternates from a sliding layer 0 and Gemma 3 has five sliding layers
+    to a global one), Gemma 3's local rotary base (`rope.freq_base_swa`, else the 10000
+    llama.cpp assumes; the linear scaling applies to the global layers only), gelu (tanh).
+
+    query_pre_attn_scalar is not stored. llama.cpp takes head_dim, except for the 27B
+    models, where it takes hidden_size / num_heads (their configs' 144 and 168), and so
+    does this mapping; it tells the 27B models by their hidden sizes (HIDDEN_27B), llama.cpp
+    by their layer counts (46 and 62). Every released Gemma 2 and 3 config follows that
+    rule; a fine-tune with another scalar would need its config.json."""
+    arch = metadata.require("general.architecture")
+    cfg = llama.config_from_gguf(metadata, shapes, GGUF_ARCHS[arch])
+    cfg["hidden_activation"] = "gelu_pytorch_tanh"
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        cfg[key] = metadata.get(f"{arch}.{key}")
+    cfg["sliding_window"] = metadata.get(f"{arch}.attention.sliding_window")
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern")
+    if pattern is not None:
+        layers = range(cfg["num_hidden_layers"])
+        sliding = (
+            [bool(x) for x in pattern]
+            if isinstance(pattern, list)
+            else [pattern == 0 or (i + 1) % pattern != 0 for i in layers]
+        )
+        if len(sliding) != len(layers):
+            raise ModelLoadError(
+                f"{metadata.path}: {arch}.attention.sliding_window_pattern "
+                f"has {len(sliding)} flags for {len(layers)} layers"
+            )
+        cfg["layer_types"] = [("sliding" if s else "full") + "_attention" for s in sliding]
+    if arch == "gemma3":
+        cfg["rope_local_base_freq"] = metadata.get(f"{arch}.rope.freq_base_swa", 10000.0)
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    cfg["query_pre_attn_scalar"] = hidden / heads if hidden == HIDDEN_27B[arch] else cfg["head_dim"]
+    return cfg
+
+
+def tensor_from_gguf(hf_name: str, x: np.ndarray, *, spec: GemmaSpec, arch: str) -> np.ndarray:
+    """A norm weight less the 1 llama.cpp's converter added. In float32, ((1 + w) - 1) + 1
+    is the stored 1 + w again, exactly, wherever 1 + w >= 0.5 (the subtraction is exact
+    there): an F32 file's norms load as the Hugging Face checkpoint's do, bit for bit."""
+    return x - np.float32(1.0) if hf_name.endswith("norm.weight") else x

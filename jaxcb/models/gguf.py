@@ -158,22 +158,26 @@ class GGUFFile:
 
     def tensors(
         self,
-        names: Mapping[str, str],
+        names: Mapping[str, str | tuple[str, ...]],
         num_layers: int,
         transform: Callable[[str, np.ndarray], np.ndarray],
         values: Callable[[str], np.ndarray] | None = None,
     ) -> GGUFTensors:
         """The file's tensors under a family's Hugging Face names, for its params_from_hf.
 
-        `names`: GGUF name -> Hugging Face name, "{n}" standing for the layer index;
-        `transform(hf_name, array)`: what the family undoes of llama.cpp's layout;
-        `values(gguf_name)`: the array a tensor stands for, float32 in numpy order (default:
-        `dequantize`; the loader's block grids take each element's block scale instead)."""
+        `names`: GGUF name -> Hugging Face name, "{n}" standing for the layer index, or a
+        tuple of names where a family's variants call one llama.cpp tensor differently
+        (moe.py: Mixtral's `block_sparse_moe.gate` is Qwen-MoE's `mlp.gate`; each variant
+        takes the one it knows); `transform(hf_name, array)`: what the family undoes of
+        llama.cpp's layout; `values(gguf_name)`: the array a tensor stands for, float32 in
+        numpy order (default: `dequantize`; the loader's block grids take each element's
+        block scale instead)."""
         hf_to_gguf = {}
-        for gguf_name, hf_name in names.items():
+        for gguf_name, hf_names in names.items():
             layers = range(num_layers) if "{n}" in gguf_name else [0]
-            for n in layers:
-                hf_to_gguf[hf_name.format(n=n)] = gguf_name.format(n=n)
+            for hf_name in (hf_names,) if isinstance(hf_names, str) else hf_names:
+                for n in layers:
+                    hf_to_gguf[hf_name.format(n=n)] = gguf_name.format(n=n)
         return GGUFTensors(self, hf_to_gguf, transform, values or self.dequantize)
 
 
@@ -210,6 +214,9 @@ class GGUFTensors(CheckpointTensors):
 
     def skip(self, name: str) -> None:
         self.used.add(self.hf_to_gguf.get(name, name))
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        return self.file.shapes.get(self.hf_to_gguf.get(name, name))
 
 
 def _field_value(field: Any) -> Any:

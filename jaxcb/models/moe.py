@@ -31,6 +31,8 @@ Parameters of a sparse layer (besides llama.py's attention ones): `router [H, E]
 the logits stay float32-exact), `w_experts_gate_up [E, H, 2, I]`, `w_experts_down [E, I, H]`
 (ParamInfo.experts), and for a shared expert `w_shared_gate_up [H, 2, Is]`,
 `w_shared_down [Is, H]` (ordinary matmul weights, run by llama.mlp) and `shared_gate [H]`.
+
+GGUF files (llama.cpp's "qwen2moe", "qwen3moe", and Mixtral's "llama"): the GGUF section.
 """
 
 from __future__ import annotations
@@ -214,14 +216,20 @@ def _sparse_from_hf(tensors: CheckpointTensors, spec: MoESpec, n: int, dtype: An
     block, gate_name, up_name, down_name = EXPERT_NAMES[VARIANTS[spec.architecture]]
     p = f"model.layers.{n}.{block}"
     take = tensors.take
-    # filled expert by expert in `dtype`: never a float32 copy of a whole layer's experts
     gate_up = np.empty((e, h, 2, i), dtype)
     down = np.empty((e, i, h), dtype)
-    for x in range(e):
-        q = f"{p}experts.{x}."
-        gate_up[x, :, 0] = cast(take(q + gate_name + ".weight", (i, h)).T, dtype)
-        gate_up[x, :, 1] = cast(take(q + up_name + ".weight", (i, h)).T, dtype)
-        down[x] = cast(take(q + down_name + ".weight", (h, i)).T, dtype)
+    if tensors.shape(f"{p}experts.{gate_name}.weight") is not None:
+        # GGUF: llama.cpp's stacks [E, out, in] (GGUF_TENSORS), one float32 stack at a time
+        for j, name in enumerate((gate_name, up_name)):
+            stack = take(f"{p}experts.{name}.weight", (e, i, h))
+            gate_up[:, :, j] = cast(stack, dtype).transpose(0, 2, 1)
+        down[:] = cast(take(f"{p}experts.{down_name}.weight", (e, h, i)), dtype).transpose(0, 2, 1)
+    else:  # filled expert by expert in `dtype`: never a float32 copy of a layer's experts
+        for x in range(e):
+            q = f"{p}experts.{x}."
+            gate_up[x, :, 0] = cast(take(q + gate_name + ".weight", (i, h)).T, dtype)
+            gate_up[x, :, 1] = cast(take(q + up_name + ".weight", (i, h)).T, dtype)
+            down[x] = cast(take(q + down_name + ".weight", (h, i)).T, dtype)
     out = {
         "router": cast(take(p + "gate.weight", (e, h)).T, dtype),
         "w_experts_gate_up": gate_up,
@@ -230,8 +238,85 @@ def _sparse_from_hf(tensors: CheckpointTensors, spec: MoESpec, n: int, dtype: An
     if s := spec.shared_expert_intermediate_size:
         shared = llama.dense_mlp_from_hf(tensors, p + "shared_expert.", (h, s), dtype)
         out["w_shared_gate_up"], out["w_shared_down"] = shared["w_gate_up"], shared["w_down"]
-        out["shared_gate"] = cast(take(p + "shared_expert_gate.weight", (1, h))[0], dtype)
+        gate = p + "shared_expert_gate.weight"  # [1, H]; [H] in older GGUF files (squeezed)
+        shape = (h,) if tensors.shape(gate) == (h,) else (1, h)
+        out["shared_gate"] = cast(take(gate, shape).reshape(h), dtype)
     return out
+
+
+# ---- GGUF -------------------------------------------------------------------------------
+# llama.cpp's "qwen2moe" and "qwen3moe" archs, and Mixtral, which it writes as "llama" with a
+# router in each layer, `blk.N.ffn_gate_inp.weight` [E, H] (GGUF_ARCHS_BY_TENSOR, registry.py).
+# Its converter stacks a layer's experts: `ffn_{gate,up,down}_exps` [E, out, in] in numpy
+# order (blocks run along `in`: dequantized, the per-expert matrices stacked). GGUF_TENSORS
+# names a stack `<block>experts.<projection>.weight` (gguf's own "merged" name) and
+# _sparse_from_hf takes it whole. Older converters' per-expert 2-D tensors are refused.
+# Attention is Llama's: Mixtral's q/k rows are permuted (llama.tensor_from_gguf undoes it for
+# "llama"), Qwen's are not. For int8, a block-quantized file's attention and shared-expert
+# matrices are held to their blocks (loader.load_gguf_block_grids); the expert stacks are no
+# matmul weights (ParamInfo.experts) and load dequantized, as from any checkpoint.
+
+GGUF_ARCHS = {"qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+GGUF_ARCHS_BY_TENSOR = {("llama", "blk.0.ffn_gate_inp.weight"): "MixtralForCausalLM"}
+tensor_from_gguf = llama.tensor_from_gguf
+
+
+def _gguf_expert_names() -> dict[str, tuple[str, ...]]:
+    """GGUF router and expert stacks -> their names in each variant (EXPERT_NAMES)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for block, gate, up, down in dict.fromkeys(EXPERT_NAMES.values()):
+        for gguf_name, part in [
+            ("ffn_gate_inp", "gate"),
+            ("ffn_gate_exps", f"experts.{gate}"),
+            ("ffn_up_exps", f"experts.{up}"),
+            ("ffn_down_exps", f"experts.{down}"),
+        ]:
+            key = f"blk.{{n}}.{gguf_name}.weight"
+            out[key] = (*out.get(key, ()), f"model.layers.{{n}}.{block}{part}.weight")
+    return out
+
+
+#: GGUF tensor name -> Hugging Face name(s): Llama's, the experts, Qwen2-MoE's shared expert
+GGUF_TENSORS = {
+    **llama.GGUF_TENSORS,
+    **_gguf_expert_names(),
+    "blk.{n}.ffn_gate_inp_shexp.weight": "model.layers.{n}.mlp.shared_expert_gate.weight",
+} | {
+    f"blk.{{n}}.ffn_{x}_shexp.weight": f"model.layers.{{n}}.mlp.shared_expert.{x}_proj.weight"
+    for x in ("gate", "up", "down")
+}
+
+
+def config_from_gguf(metadata: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """Llama's mapping, plus `<arch>.expert_count`, `expert_used_count` and (Qwen; Mixtral's
+    experts are `feed_forward_length` wide) `expert_feed_forward_length` and Qwen2-MoE's
+    `expert_shared_feed_forward_length`. The layers without a router are Qwen's
+    mlp_only_layers. norm_topk_prob: `expert_weights_norm` if the file has it, else what
+    llama.cpp assumes: Qwen2-MoE's are not renormalised, Qwen3-MoE's are (all released ones)."""
+    arch = metadata.require("general.architecture")
+    architecture = GGUF_ARCHS.get(arch, "MixtralForCausalLM")
+    if "blk.0.ffn_gate.0.weight" in shapes:
+        raise ModelLoadError(
+            f"{metadata.path} stores each expert as its own tensor (blk.N.ffn_gate.E.weight, "
+            "an older llama.cpp converter); jaxcb reads the stacked ffn_*_exps tensors: "
+            "convert the model again with a recent convert_hf_to_gguf.py"
+        )
+    cfg = llama.config_from_gguf(metadata, shapes, architecture)
+    cfg["model_type"] = VARIANTS[architecture]
+    cfg["num_local_experts"] = metadata.require(f"{arch}.expert_count")
+    cfg["num_experts_per_tok"] = metadata.require(f"{arch}.expert_used_count")
+    if arch == "llama":  # Mixtral: every layer sparse
+        return cfg
+    cfg["moe_intermediate_size"] = metadata.require(f"{arch}.expert_feed_forward_length")
+    cfg["mlp_only_layers"] = [
+        n for n in range(cfg["num_hidden_layers"]) if f"blk.{n}.ffn_gate_inp.weight" not in shapes
+    ]
+    cfg["norm_topk_prob"] = bool(metadata.get(f"{arch}.expert_weights_norm", arch == "qwen3moe"))
+    if arch == "qwen2moe":
+        key = f"{arch}.expert_shared_feed_forward_length"
+        cfg["shared_expert_intermediate_size"] = metadata.require(key)
+        cfg["qkv_bias"] = cfg["attention_bias"]
+    return cfg
 
 
 # ---- forward ----------------------------------------------------------------------------

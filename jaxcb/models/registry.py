@@ -6,11 +6,18 @@ their sharding axes, weight names, forward) lives in the family's file. A family
 GGUF files also declares GGUF_TENSORS (llama.cpp's tensor names -> its Hugging Face names),
 config_from_gguf(metadata, shapes) -> a Hugging Face config, and tensor_from_gguf(hf_name, x,
 spec=, arch=), which undoes what llama.cpp's converter changed in a tensor's layout.
+
+A GGUF arch name does not always say which family a file needs: llama.cpp writes Mixtral as
+"llama", a Llama whose layers hold experts. A family claims such files by a tensor only they
+hold, in GGUF_ARCHS_BY_TENSOR: {(arch, GGUF tensor name): architecture} (moe.py's
+{("llama", "blk.0.ffn_gate_inp.weight"): "MixtralForCausalLM"}: a router in layer 0). That
+table is asked first, then GGUF_ARCHS, so the plain arch stays the default.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -31,7 +38,7 @@ FAMILIES: dict[str, ModuleType] = {
 }
 
 
-def _table(attribute: str) -> dict[str, tuple[ModuleType, str]]:
+def _table(attribute: str) -> dict[Any, tuple[ModuleType, str]]:
     """key -> (family, Hugging Face architecture), from each family's own tables."""
     out: dict[str, tuple[ModuleType, str]] = {}
     for family in FAMILIES.values():
@@ -45,6 +52,7 @@ def _table(attribute: str) -> dict[str, tuple[ModuleType, str]]:
 ARCHITECTURES = _table("ARCHITECTURES")  # HF `architectures` entry
 MODEL_TYPES = _table("MODEL_TYPES")  # config.json `model_type`
 GGUF_ARCHS = _table("GGUF_ARCHS")  # GGUF `general.architecture`
+GGUF_ARCHS_BY_TENSOR = _table("GGUF_ARCHS_BY_TENSOR")  # (that arch, a tensor it holds)
 
 
 def family(spec_or_name: ModelSpec | str) -> ModuleType:
@@ -73,9 +81,15 @@ def resolve_hf_architecture(cfg: dict[str, Any]) -> tuple[ModuleType, str]:
     )
 
 
-def resolve_gguf_architecture(name: str, source: str | Path = "GGUF") -> tuple[ModuleType, str]:
-    """The family and (Hugging Face) architecture of a GGUF `general.architecture`; `source`
-    (the file) prefixes the error."""
+def resolve_gguf_architecture(
+    name: str, source: str | Path = "GGUF", shapes: Mapping[str, Any] | None = None
+) -> tuple[ModuleType, str]:
+    """The family and (Hugging Face) architecture of a GGUF `general.architecture` whose
+    file holds the tensors `shapes` names (GGUF_ARCHS_BY_TENSOR first, then GGUF_ARCHS);
+    `source` (the file) prefixes the error."""
+    for (arch, tensor), found in GGUF_ARCHS_BY_TENSOR.items():
+        if arch == name and tensor in (shapes or {}):
+            return found
     if name not in GGUF_ARCHS:
         raise ModelLoadError(
             f"{source}: unsupported GGUF architecture {name!r}; jaxcb supports {sorted(GGUF_ARCHS)}"
@@ -86,7 +100,7 @@ def resolve_gguf_architecture(name: str, source: str | Path = "GGUF") -> tuple[M
 def spec_from_gguf(file: GGUFFile) -> tuple[dict[str, Any], ModelSpec]:
     """The Hugging Face config its family maps a GGUF file's metadata to, and the spec of
     that config; an error names the file."""
-    module, architecture = resolve_gguf_architecture(file.architecture, file.path)
+    module, architecture = resolve_gguf_architecture(file.architecture, file.path, file.shapes)
     cfg = module.config_from_gguf(file.metadata, file.shapes)
     try:
         return cfg, module.spec_from_hf_config(cfg, architecture)

@@ -220,6 +220,11 @@ class CheckpointTensors:
         """A tensor the family knows and does not need (a tied lm_head's copy, say)."""
         self.used.add(name)
 
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """The tensor's shape, None if the checkpoint lacks it: for a family that reads one
+        of two layouts (moe.py: per-expert matrices, or GGUF's stacks of them)."""
+        return tuple(self.tensors[name].shape) if name in self.tensors else None
+
     def warn_unused(self) -> None:
         unused = sorted(set(self.tensors) - self.used)
         if unused:

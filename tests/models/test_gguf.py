@@ -16,12 +16,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import gguf
+import gguf_writer
 import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from gguf_writer import CHATML, gguf_tensors, stored, write_gguf
-from helpers import make_hf_model
+from gguf_writer import CHATML, F32_TENSORS, gguf_tensors, stored, write_gguf
+from helpers import make_hf_model, random_prompts
 
 from jaxcb import LLM, SamplingParams
 from jaxcb.models import registry
@@ -133,14 +134,41 @@ def test_own_tokenizer_of_a_gguf_engine(smollm2: Path, tokenizers) -> None:
     assert own(TEXTS[2])["input_ids"] == reference(TEXTS[2])["input_ids"]
 
 
-def _expected_params(hf_dir: Path, spec, qtype: str):
-    """The family's params_from_hf on the model's tensors as a `qtype` file stores them."""
+def _expected_params(hf_dir: Path, spec, qtype: str, arch: str):
+    """The family's params_from_hf on the model's tensors as a `qtype` file stores them
+    (the routers stay F32, as llama.cpp keeps them)."""
+
+    def kept(name: str, x: np.ndarray) -> bool:
+        gguf_name = gguf_writer.gguf_name(name, arch, spec.num_layers)
+        return x.ndim == 1 or gguf_name.endswith(F32_TENSORS)
+
     tensors = {
-        k: stored(np.asarray(x, np.float32), qtype) if x.ndim > 1 else x
+        k: x if kept(k, x) else stored(np.asarray(x, np.float32), qtype)
         for k, x in read_safetensors(hf_dir).items()
     }
     family = registry.family(spec)
     return family.params_from_hf(CheckpointTensors(tensors, hf_dir), spec, np.float32)
+
+
+def _check_loads_as_hf(hf_dir: Path, path: Path, arch: str, qtype: str):
+    """The GGUF file loads to the spec of its Hugging Face directory (but for what a file
+    without a tokenizer cannot say) and to the params of its stored tensors exactly, within
+    `qtype`'s rounding of the original ones. Returns the loaded model."""
+    hf = load_model(hf_dir, tokenizer_path=None, dtype=np.float32)
+    loaded = load_model(path, tokenizer_path=None, dtype=np.float32)
+    eps = float(np.float32(hf.spec.rms_norm_eps))  # GGUF stores it in float32
+    no_tokenizer = dict(bos_token_id=None, eos_token_ids=())  # the file has no tokenizer
+    assert loaded.spec == dataclasses.replace(hf.spec, rms_norm_eps=eps, **no_tokenizer)
+    assert loaded.format == "gguf"
+    want = jax.tree_util.tree_leaves(_expected_params(hf_dir, hf.spec, qtype, arch))
+    got = jax.tree_util.tree_leaves(loaded.params)
+    assert len(got) == len(want)
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_array_equal(x, y)
+    original = jax.tree_util.tree_leaves(hf.params)
+    error = max(float(np.max(np.abs(x - y))) for x, y in zip(got, original, strict=True))
+    assert error < {"F32": 1e-9, "F16": 1e-3, "BF16": 1e-2}.get(qtype, 0.1), error
+    return loaded
 
 
 @pytest.mark.parametrize(
@@ -165,22 +193,129 @@ def test_tensor_types_and_archs_load(arch, family, qtype, llama_dir, tmp_path) -
     file = GGUFFile(path)
     types = [file.type_name(name) for name in ("blk.0.ffn_up.weight", "blk.0.attn_norm.weight")]
     assert types == [qtype, "F32"]  # matrices in qtype, norms in F32 as llama.cpp writes them
-    hf = load_model(hf_dir, tokenizer_path=None, dtype=np.float32)
-    loaded = load_model(path, tokenizer_path=None, dtype=np.float32)
-    eps = float(np.float32(hf.spec.rms_norm_eps))  # GGUF stores it in float32
-    no_tokenizer = dict(bos_token_id=None, eos_token_ids=())  # the file has no tokenizer
-    assert loaded.spec == dataclasses.replace(hf.spec, rms_norm_eps=eps, **no_tokenizer)
-    assert loaded.format == "gguf"
-    want = jax.tree_util.tree_leaves(_expected_params(hf_dir, hf.spec, qtype))
-    got = jax.tree_util.tree_leaves(loaded.params)
-    assert len(got) == len(want)
-    for x, y in zip(got, want, strict=True):
-        np.testing.assert_array_equal(x, y)
-    original = jax.tree_util.tree_leaves(hf.params)
-    error = max(float(np.max(np.abs(x - y))) for x, y in zip(got, original, strict=True))
-    assert error < {"F32": 1e-9, "F16": 1e-3, "BF16": 1e-2}.get(qtype, 0.1), error
+    _check_loads_as_hf(hf_dir, path, arch, qtype)
     bf16 = load_model(path, tokenizer_path=None, dtype=ml_dtypes.bfloat16)
     assert all(x.dtype == ml_dtypes.bfloat16 for x in jax.tree_util.tree_leaves(bf16.params))
+
+
+#: family -> (its GGUF arch, make_hf_model overrides). GGUF files do not store Gemma's
+#: query_pre_attn_scalar: llama.cpp takes head_dim (but for the 27B models), so the tiny
+#: models use that.
+GEMMA_AND_MOE = {
+    "gemma2": ("gemma2", {"query_pre_attn_scalar": 32}),
+    "gemma3": ("gemma3", {"query_pre_attn_scalar": 32}),
+    "mixtral": ("llama", {}),  # as llama.cpp writes Mixtral: a Llama with experts
+    "qwen2-moe": ("qwen2moe", {}),  # a shared expert, q/k/v biases
+    "qwen3-moe": ("qwen3moe", {}),  # q/k norms, layer 0 dense (mlp_only_layers)
+}
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """family -> its tiny Hugging Face directory, made once. Gemma's norm weights are drawn
+    at random (transformers makes them 0, which would leave a layer's four norms alike, so a
+    mixed-up tensor name would go unseen); 1 + w stays >= 0.6, where llama.cpp's +1 and the
+    loader's -1 round-trip exactly in float32."""
+    import torch
+
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            path = made[family] = tmp_path_factory.mktemp(family)
+            model = make_hf_model(family, path, **GEMMA_AND_MOE[family][1])
+            if family.startswith("gemma"):
+                torch.manual_seed(1)
+                with torch.no_grad():
+                    for name, w in model.named_parameters():
+                        if name.endswith("norm.weight"):
+                            w.uniform_(-0.4, 0.4)
+                model.save_pretrained(path)
+        return made[family]
+
+    return get
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+@pytest.mark.parametrize("family", list(GEMMA_AND_MOE))
+def test_gemma_and_moe_archs_load(family, qtype, hf_models, tmp_path) -> None:
+    """Gemma 2/3 (norms stored 1 + w, four norms a layer, soft caps and windows as metadata)
+    and the mixtures of experts (3-D expert stacks, Mixtral under the "llama" arch) load as
+    their Hugging Face checkpoints do. For int8, a Q8_0 file's expert stacks (no matmul
+    weights) have no block grids and stay float; the other layer matrices have them."""
+    arch, _ = GEMMA_AND_MOE[family]
+    hf_dir = hf_models(family)
+    path = write_gguf(tmp_path / f"{family}.{qtype}.gguf", hf_dir, arch=arch, qtype=qtype)
+    file = GGUFFile(path)
+    if family.startswith("gemma"):
+        norm = read_safetensors(hf_dir)["model.layers.1.pre_feedforward_layernorm.weight"]
+        np.testing.assert_array_equal(file.dequantize("blk.1.ffn_norm.weight"), norm + 1)
+    else:
+        cfg = json.loads((hf_dir / "config.json").read_text())
+        experts = cfg.get("num_local_experts") or cfg["num_experts"]
+        size = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+        assert file.shapes["blk.1.ffn_down_exps.weight"] == (experts, 64, size)  # [E, out, in]
+        assert file.type_name("blk.1.ffn_gate_exps.weight") == qtype
+        assert file.type_name("blk.1.ffn_gate_inp.weight") == "F32"
+    loaded = _check_loads_as_hf(hf_dir, path, arch, qtype)
+    if family == "qwen2-moe" and qtype == "F32":  # older converters squeezed it to [H]
+        name = "blk.1.ffn_gate_inp_shexp.weight"
+        squeezed = {name: gguf_tensors(hf_dir, arch)[name].reshape(-1)}
+        old = write_gguf(tmp_path / "squeezed.gguf", hf_dir, arch=arch, tensors=squeezed)
+        gate = load_model(old, tokenizer_path=None, dtype=np.float32).params["layers"][1]
+        np.testing.assert_array_equal(
+            gate["shared_gate"], loaded.params["layers"][1]["shared_gate"]
+        )
+    assert loaded.spec.family == ("gemma" if family.startswith("gemma") else "moe")
+    if qtype == "Q8_0" and loaded.spec.family == "moe":
+        int8 = load_model(path, tokenizer_path=None, dtype=np.float32, quantization="int8")
+        layer = int8.block_grids["layers"][1]
+        assert {"wqkv", "wo"} <= set(layer) and not any("experts" in k for k in layer)
+
+
+def test_gemma_gguf_config_rules() -> None:
+    """What the metadata does not say: Gemma 3's window pattern (6) and local rotary base
+    (10000), the query scale of the 27B models (hidden_size / heads), a pattern key as
+    llama.cpp reads it (every n-th layer global, or a flag per layer); an older file's
+    per-expert tensors are refused by name."""
+    from jaxcb.models import gemma, moe
+    from jaxcb.models.gguf import GGUFMetadata
+
+    def spec(arch: str, hidden: int, layers: int = 12, **extra: object):
+        keys = {
+            "block_count": layers,
+            "embedding_length": hidden,
+            "feed_forward_length": 4 * hidden,
+            "attention.head_count": 32,
+            "attention.key_length": 128,
+            **extra,
+        }
+        metadata = {f"{arch}.{k}": v for k, v in keys.items()}
+        metadata = GGUFMetadata({"general.architecture": arch, **metadata}, Path("x.gguf"))
+        shapes = {"token_embd.weight": (256, hidden)}
+        return registry.family("gemma").spec_from_hf_config(
+            gemma.config_from_gguf(metadata, shapes), gemma.GGUF_ARCHS[arch]
+        )
+
+    assert spec("gemma2", 4608).query_pre_attn_scalar == 144.0  # Gemma 2 27B
+    assert spec("gemma3", 5376).query_pre_attn_scalar == 168.0  # Gemma 3 27B
+    assert spec("gemma2", 3584).query_pre_attn_scalar == 128.0  # Gemma 2 9B: head_dim
+    gemma3 = spec("gemma3", 2560)
+    assert [w is None for w in gemma3.sliding_windows] == [i % 6 == 5 for i in range(12)]
+    assert gemma3.sliding_windows[0] == 4096 and gemma3.local_rope_theta == 10000.0
+    gemma2 = spec("gemma2", 2304, **{"attention.sliding_window": 64})
+    assert gemma2.sliding_windows[:3] == (64, None, 64) and gemma2.local_rope_theta is None
+    three = spec("gemma3", 2560, **{"attention.sliding_window_pattern": 3})
+    assert [w is None for w in three.sliding_windows] == [i % 3 == 2 for i in range(12)]
+    flags = [True, False] * 6
+    listed = spec("gemma3", 2560, **{"attention.sliding_window_pattern": flags})
+    assert [w is not None for w in listed.sliding_windows] == flags
+    swa = spec("gemma3", 2560, **{"rope.freq_base_swa": 5000.0})
+    assert swa.local_rope_theta == 5000.0
+
+    metadata = GGUFMetadata({"general.architecture": "llama"}, Path("old.gguf"))
+    with pytest.raises(ModelLoadError, match="stores each expert as its own tensor"):
+        moe.config_from_gguf(metadata, {"blk.0.ffn_gate.0.weight": (64, 64)})
 
 
 def test_writer_matches_transformers_reading_of_the_file(llama_dir, tmp_path) -> None:
@@ -231,6 +366,31 @@ def test_llm_and_orbax_conversion_of_a_gguf_file(llama_dir, tmp_path) -> None:
         want = from_gguf.tokenizer(text)["input_ids"]
         assert from_orbax.tokenizer(text)["input_ids"] == want
     assert from_orbax.tokenizer.chat_template == CHATML
+
+
+def test_llm_on_a_gemma2_gguf_file_generates_as_on_its_directory(hf_models, tmp_path) -> None:
+    """Greedy tokens of LLM on a Gemma 2 F32 GGUF file are those on its Hugging Face
+    directory: norms, soft caps and sliding windows (prompts past the 48-token window) all
+    come through the metadata and tensors. Token-id prompts: neither has a tokenizer."""
+    hf_dir = hf_models("gemma2")
+    path = write_gguf(tmp_path / "gemma2.gguf", hf_dir, arch="gemma2")
+    engine = dict(
+        dtype="float32",
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        token_buckets=[32],
+        max_model_len=128,
+        page_size=16,
+        num_pages=16,
+    )
+    prompts = random_prompts(3, seed=5, max_len=60)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    tokens = []
+    for model in (hf_dir, path):
+        outputs = LLM(str(model), **engine).generate(prompts, params, use_tqdm=False)
+        tokens.append([out.outputs[0].token_ids for out in outputs])
+    assert tokens[0] == tokens[1]
+    assert len({tuple(t) for t in tokens[0]}) == len(prompts)  # not one repeated answer
 
 
 def test_gguf_loading_needs_no_torch(llama_dir, tmp_path) -> None:
