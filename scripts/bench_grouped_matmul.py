@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import pathlib
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +39,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from jaxcb import native
+from jaxcb.bench.timing import median_seconds
 from jaxcb.models import packed
 from jaxcb.models.packed import matmul_backend
 
@@ -64,18 +63,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
-
-
-def time_fn(fn, args: tuple, iters: int, warmup: int) -> float:
-    """Median seconds of one call (compiled and warmed up first)."""
-    for _ in range(warmup + 1):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def route(rng: np.random.Generator, tokens: int, experts: int, top_k: int) -> np.ndarray:
@@ -117,9 +104,9 @@ def bench(args: argparse.Namespace, kernel: str, tokens: int, rng: np.random.Gen
         active = active.transpose(1, 0, 2)
     wide = jnp.asarray(spec.pack(np.ascontiguousarray(active).reshape(args.k, -1)))
     times = {
-        "grouped": time_fn(jax.jit(grouped), (x, stack, sizes), args.iters, args.warmup),
-        "dense rows": time_fn(jax.jit(dense), (x, one), args.iters, args.warmup),
-        "dense active": time_fn(jax.jit(dense), (x[:tokens], wide), args.iters, args.warmup),
+        "grouped": median_seconds(jax.jit(grouped), (x, stack, sizes), args.iters, args.warmup),
+        "dense rows": median_seconds(jax.jit(dense), (x, one), args.iters, args.warmup),
+        "dense active": median_seconds(jax.jit(dense), (x[:tokens], wide), args.iters, args.warmup),
     }
     if args.ragged:
 
@@ -131,7 +118,7 @@ def bench(args: argparse.Namespace, kernel: str, tokens: int, rng: np.random.Gen
 
         plain = jnp.asarray(weights)
         iters = max(3, args.iters // 10)  # (slow: every row times every expert)
-        times["ragged_dot"] = time_fn(jax.jit(ragged), (x, plain, sizes), iters, 1)
+        times["ragged_dot"] = median_seconds(jax.jit(ragged), (x, plain, sizes), iters, 1)
     return times
 
 

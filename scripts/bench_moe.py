@@ -33,11 +33,9 @@ shared and noisy: compare the ratios of one run.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +49,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxcb import LLM, SamplingParams
+from jaxcb.bench.timing import median_seconds
 from jaxcb.models import llama, moe
 from jaxcb.models.base import ParamInfo
 from jaxcb.models.packed import matmul_backend, prepare_cpu_params
@@ -118,18 +117,6 @@ def cpu_line() -> str:
         return cpu_summary()
     except ImportError:
         return "unknown CPU"
-
-
-def median_seconds(fn: Callable[..., Any], args: tuple, iters: int) -> float:
-    """Median seconds of one call, after compiling and one warm call."""
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 # ---- (1) one FFN layer ------------------------------------------------------------------
