@@ -24,6 +24,7 @@ from pathlib import Path
 from jaxcb.batch import run_batch
 from jaxcb.cli import add_engine_args, engine_config_from_args
 from jaxcb.engine.ordering import ORDERS
+from jaxcb.ray_batch import add_ray_args, ray_engine_from_args
 from jaxcb.runtime.setup import build_engine
 
 
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ...")
+    add_ray_args(parser)
     add_engine_args(parser, taken={a.dest for a in parser._actions})
     return parser
 
@@ -101,11 +103,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-line-mb must be > 0, got {args.max_line_mb}")
     try:
         config = engine_config_from_args(args)
-        engine = build_engine(config, compile_progress=not args.no_progress and sys.stderr.isatty())
-    except ValueError as exc:
+        if args.ray:  # engines in Ray actors (jaxcb/ray_batch.py)
+            engine = ray_engine_from_args(config, args)
+        else:
+            progress = not args.no_progress and sys.stderr.isatty()
+            engine = build_engine(config, compile_progress=progress)
+    except (ValueError, ImportError) as exc:
         parser.exit(2, f"batch_infer.py: error: {exc}\n")
-    max_in_flight = args.max_in_flight or (
-        2 * config.scheduler.max_num_seqs * config.parallel.data_parallel_size
+    max_in_flight = args.max_in_flight or getattr(
+        engine,
+        "suggested_in_flight",
+        2 * config.scheduler.max_num_seqs * config.parallel.data_parallel_size,
     )
     import jax
 
@@ -134,12 +142,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # a bad --shard-index, an unreadable output file
         parser.exit(2, f"batch_infer.py: error: {exc}\n")
     except KeyboardInterrupt:
+        engine.close()
         print(
             "\ninterrupted: finished results are in the output; run the same command again "
             "to continue",
             file=sys.stderr,
         )
         return 130
+    engine.close()
+    retried = getattr(engine, "num_retried", 0)
+    if retried:
+        print(f"{retried} requests retried after a Ray actor died", file=sys.stderr)
     print(
         f"{stats.done} results written to {args.output}, {stats.errors} errors "
         f"(see {errors_path}), {stats.skipped} done before; {stats.output_tokens} output tokens "

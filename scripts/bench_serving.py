@@ -88,6 +88,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--random-output-len", type=int, default=128)
     p.add_argument("--random-range-ratio", type=float, default=0.0)
     p.add_argument("--random-prefix-len", type=int, default=0)
+    p.add_argument(
+        "--random-num-prefixes",
+        type=int,
+        default=1,
+        help="each random prompt starts with one of this many --random-prefix-len prefixes "
+        "(groups of shared prefixes, as prefix routing sees them; default: one for all)",
+    )
     p.add_argument("--sharegpt-output-len", type=int, help="fixed output length (sharegpt)")
     p.add_argument(
         "--request-rate",
@@ -212,6 +219,7 @@ def sample_requests(args: argparse.Namespace) -> list[SampleRequest]:
         vocab_size=vocab_size(args, tokenizer),
         seed=args.seed,
         prefix_len=args.random_prefix_len,
+        num_prefixes=args.random_num_prefixes,
     )
     if args.endpoint.endswith("chat/completions"):  # chat takes text only
         if tokenizer is None:

@@ -47,9 +47,13 @@ def random_requests(
     seed: int,
     prefix_len: int = 0,
     first_token_id: int = 3,
+    num_prefixes: int = 1,
 ) -> list[SampleRequest]:
     """Lengths uniform in [len * (1 - r), len * (1 + r)] (at least 1), token ids uniform in
-    [first_token_id, vocab_size); an optional common prefix of `prefix_len` ids first."""
+    [first_token_id, vocab_size); an optional common prefix of `prefix_len` ids first, or
+    one of `num_prefixes` such prefixes, drawn per request (what prefix routing is about)."""
+    if num_prefixes < 1:
+        raise ValueError(f"--random-num-prefixes must be >= 1, got {num_prefixes}")
     if not 0 <= range_ratio < 1:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
     if input_len < 1 or output_len < 1:
@@ -63,10 +67,18 @@ def random_requests(
         int(output_len * (1 + range_ratio)),
     )
     prefix = rng.integers(first_token_id, vocab_size, size=prefix_len).tolist()
+    # more prefixes and each request's pick come from their own generator: with one prefix
+    # the requests are the same as before there was a choice
+    group_rng = np.random.default_rng([seed, 1])
+    prefixes = [prefix] + [
+        group_rng.integers(first_token_id, vocab_size, size=prefix_len).tolist()
+        for _ in range(num_prefixes - 1)
+    ]
     out = []
     for _ in range(num_prompts):
         n = int(rng.integers(lo_in, max(lo_in, hi_in) + 1))
         m = int(rng.integers(lo_out, max(lo_out, hi_out) + 1))
+        prefix = prefixes[int(group_rng.integers(num_prefixes))] if num_prefixes > 1 else prefix
         ids = prefix + rng.integers(first_token_id, vocab_size, size=n).tolist()
         out.append(SampleRequest(ids, len(ids), m))
     return out
