@@ -27,11 +27,14 @@ def from_process_zero(values: set[Any]) -> set[Any]:
         return values
     from jax.experimental import multihost_utils
 
+    from jaxcb.runtime.distributed import collective
+
     data = np.frombuffer(json.dumps(sorted(values)).encode(), np.uint8)
-    size = int(multihost_utils.broadcast_one_to_all(np.array(len(data), np.int64)))
-    padded = np.zeros(size, np.uint8)
-    padded[: min(size, len(data))] = data[:size]
-    data = np.asarray(multihost_utils.broadcast_one_to_all(padded))
+    with collective("broadcasting the lines already done"):
+        size = int(multihost_utils.broadcast_one_to_all(np.array(len(data), np.int64)))
+        padded = np.zeros(size, np.uint8)
+        padded[: min(size, len(data))] = data[:size]
+        data = np.asarray(multihost_utils.broadcast_one_to_all(padded))
     return set(json.loads(data.tobytes()))
 
 

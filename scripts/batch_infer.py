@@ -153,10 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     retried = getattr(engine, "num_retried", 0)
     if retried:
         print(f"{retried} requests retried after a Ray actor died", file=sys.stderr)
+    # multi-host: the other processes computed the same results and wrote nothing
+    owner = "" if jax.process_index() == 0 else "process 0's "
     print(
-        f"{stats.done} results written to {args.output}, {stats.errors} errors "
-        f"(see {errors_path}), {stats.skipped} done before; {stats.output_tokens} output tokens "
-        f"in {stats.seconds:.1f}s = {stats.output_tokens_per_second:,.0f} tok/s",
+        f"{stats.done} results written to {owner}{args.output}, {stats.errors} errors "
+        f"(see {owner}{errors_path}), {stats.skipped} done before; {stats.output_tokens} output "
+        f"tokens in {stats.seconds:.1f}s = {stats.output_tokens_per_second:,.0f} tok/s",
         file=sys.stderr,
     )
     return 0

@@ -287,7 +287,8 @@ class ParallelConfig:
     vocabulary (the KV pages by KV head); `data_parallel_size` independent engines, each on
     its own devices, share the requests (least loaded first). `mesh_shape` is the same as
     the two sizes, as a (data, tensor) mesh. `distributed` calls `jax.distributed.initialize`
-    first, for multi-host meshes."""
+    first, for meshes spanning processes (runtime/distributed.py); `heartbeat_timeout_s` is
+    how long a silent peer process is waited for before every process exits with an error."""
 
     SECTION: ClassVar[str] = "parallel"
 
@@ -298,6 +299,7 @@ class ParallelConfig:
     coordinator_address: str | None = None  # distributed: process 0's host:port; None: auto
     num_processes: int | None = None  # distributed: processes in all; None: auto (TPU, SLURM)
     process_id: int | None = None  # distributed: this process's index; None: auto
+    heartbeat_timeout_s: float = 60.0  # distributed: a peer silent this long ends every process
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -325,4 +327,8 @@ class ParallelConfig:
             self.process_id is None
             or (self.process_id >= 0 and (self.num_processes or 1 << 62) > self.process_id),
             f"process_id must be in [0, num_processes), got {self.process_id}",
+        )
+        _check(
+            self.heartbeat_timeout_s > 0,
+            f"heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}",
         )

@@ -32,6 +32,7 @@ from jaxcb.models.base import AttentionBackend, ModelSpec, Params
 from jaxcb.models.packed import prepare_cpu_params
 from jaxcb.runtime import sharding
 from jaxcb.runtime import step as step_module
+from jaxcb.runtime.distributed import collective
 from jaxcb.runtime.kv_cache import HostSwapPool, abstract_state, init_state
 from jaxcb.runtime.prompt_logprobs import PromptLogprobsOutput
 from jaxcb.runtime.step_input import (
@@ -292,7 +293,8 @@ class ModelRunner:
             "prompt_top_token_ids": prompt_out.top_token_ids if want_prompt_top else None,
             "prompt_top_logprobs": prompt_out.top_logprobs if want_prompt_top else None,
         }
-        fetched = jax.device_get({k: v for k, v in wanted.items() if v is not None})
+        with collective("reading the step's results"):  # multi-process: a peer may be gone
+            fetched = jax.device_get({k: v for k, v in wanted.items() if v is not None})
         for name in ("prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs"):
             if name in fetched:  # the prompt logprob rows, without the bucket's padding
                 fetched[name] = fetched[name][:num_prompt_rows]

@@ -41,7 +41,7 @@ from jaxcb.models.quant import (
     quantized_infos,
     weight_bytes,
 )
-from jaxcb.runtime import aot, compile_cache, sharding
+from jaxcb.runtime import aot, compile_cache, distributed, sharding
 from jaxcb.runtime.kv_cache import (
     PoolSizing,
     kv_bytes_per_token,
@@ -71,6 +71,8 @@ def build_llm_engine(
     devices: Sequence[jax.Device] | None = None,  # this replica's devices
 ) -> LLMEngine:
     """One engine on `devices` (default: the first tensor_parallel_size devices)."""
+    sharding.setup_distributed(config.parallel)
+    config = distributed.multi_controller_config(config)
     runner, info, model = build_runner(config, devices=devices, compile_progress=compile_progress)
     return LLMEngine(
         config,

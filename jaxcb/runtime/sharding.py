@@ -22,8 +22,8 @@ the parameters' shardings. Data parallelism is not in the step at all: each repl
 independent engine on its own row of the (data, tensor) mesh (runtime/setup.py builds them,
 engine/replicated.py routes requests between them).
 
-Multi-host: `initialize_distributed` wires `jax.distributed.initialize`, after which
-`jax.devices()` lists every process's devices and the same mesh spans hosts.
+Multi-host: `setup_distributed` (runtime/distributed.py) wires `jax.distributed.initialize`,
+after which `jax.devices()` lists every process's devices and the same mesh spans hosts.
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxcb.config import ParallelConfig
 from jaxcb.models import registry
 from jaxcb.models.base import AttentionBackend, ModelSpec, is_param_info
+from jaxcb.runtime.distributed import (  # noqa: F401 (initialize_distributed: its old home)
+    initialize_distributed,
+    setup_distributed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -321,44 +325,3 @@ def shard_attention(backend: AttentionBackend, mesh: Mesh) -> AttentionBackend:
         return sharded(*args)
 
     return AttentionBackend(f"{backend.name}", attend, write_kv)
-
-
-# ---- multi-host -------------------------------------------------------------------------
-
-
-def setup_distributed(parallel: ParallelConfig) -> None:
-    """Initialize jax.distributed if the config asks for it (before any device is touched)."""
-    if parallel.distributed:
-        initialize_distributed(
-            coordinator_address=parallel.coordinator_address,
-            num_processes=parallel.num_processes,
-            process_id=parallel.process_id,
-        )
-
-
-def initialize_distributed(
-    *,
-    coordinator_address: str | None = None,
-    num_processes: int | None = None,
-    process_id: int | None = None,
-) -> None:
-    """`jax.distributed.initialize` once per process, before any other jax call.
-
-    On a TPU pod slice (and under SLURM, Open MPI or Kubernetes) every argument may be None:
-    jax finds them in the environment. Elsewhere (multi-GPU hosts) give all three, or set
-    JAX_COORDINATOR_ADDRESS and give the other two.
-    """
-    if jax.distributed.is_initialized():
-        return
-    jax.distributed.initialize(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
-    )
-    logger.info(
-        "jax.distributed: process %d of %d, %d local / %d global devices",
-        jax.process_index(),
-        jax.process_count(),
-        jax.local_device_count(),
-        jax.device_count(),
-    )

@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 
+import jax
 import uvicorn
 
 from jaxcb.cli import add_engine_args, engine_config_from_args
@@ -148,6 +149,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # a config the model or the scheduler cannot take
         sock.close()
         parser.exit(2, f"serve.py: error: {exc}\n")
+    if jax.process_count() > 1:  # each process would take its own requests and fall out of step
+        sock.close()
+        parser.exit(
+            2,
+            f"serve.py: error: the server runs in one process, not {jax.process_count()} "
+            "(distributed): use batch_infer.py or LLM.generate across processes\n",
+        )
     app = build_app(engine, settings)
     url = server_url(args.host, sock.getsockname()[1])
     frozen = freeze_startup_heap()
