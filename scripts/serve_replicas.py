@@ -120,6 +120,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds (%(default)s)")
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds (%(default)s)")
     p.add_argument("--log-dir", type=Path, default=Path("."), help="replicaN.log files (.)")
+    p.add_argument(
+        "--ray",
+        action="store_true",
+        help="place the replicas with Ray (jaxcb/ray_replicas.py): each server owned by an "
+        "actor on any node of the cluster, a dead one replaced by a new actor",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="with --ray: a running cluster's address (default: a private local cluster "
+        "on loopback)",
+    )
+    p.add_argument("--gpus-per-replica", type=float, default=0, help="with --ray (0)")
     return p
 
 
@@ -131,20 +144,34 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("--host", "--port") for a in serve_args):
         parser.error("--host/--port are the router's; replicas take --replica-base-port")
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
-    base = args.replica_base_port or args.port + 1
-    ports = [base + i for i in range(args.num_replicas)]
-    args.log_dir.mkdir(parents=True, exist_ok=True)
-    replicas = Replicas(ports, serve_args, args.cpus_per_replica, args.log_dir)
-    try:
+    if args.ray:
+        from jaxcb.ray_replicas import RayReplicas
+
+        try:
+            replicas = RayReplicas(args.num_replicas, serve_args, address=args.ray_address,
+                                   num_cpus=max(1, args.cpus_per_replica),
+                                   num_gpus=args.gpus_per_replica)  # fmt: skip
+        except ImportError as exc:
+            parser.exit(2, f"serve_replicas.py: error: {exc}\n")
+        addresses = list(replicas.addresses)
+    else:
+        base = args.replica_base_port or args.port + 1
+        addresses = [("127.0.0.1", base + i) for i in range(args.num_replicas)]
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+        replicas = Replicas([p for _, p in addresses], serve_args, args.cpus_per_replica,
+                            args.log_dir)  # fmt: skip
         for i in range(args.num_replicas):
             replicas.start(i)
+    ports = [p for _, p in addresses]
+    try:
         replicas.wait_healthy(args.start_timeout)
         router = Router(
-            [("127.0.0.1", p) for p in ports],
+            addresses,
             policy=args.routing,
             prefix_tokens=args.prefix_tokens,
             max_imbalance=args.max_imbalance,
         )
+        replicas.router_replicas = router.replicas  # a restarted Ray replica's new address
         app = build_router_app(
             router, health_interval=args.health_interval, on_unhealthy=replicas.restart_if_exited
         )

@@ -233,8 +233,8 @@ def build_router_app(
         replica.healthy = ok
         if not ok:
             replica.failures += 1
-            if on_unhealthy is not None:
-                on_unhealthy(index)
+            if on_unhealthy is not None:  # (a restart may block: off the event loop)
+                await asyncio.to_thread(on_unhealthy, index)
 
     async def health_loop() -> None:
         while True:
