@@ -11,7 +11,7 @@ swap       copied into a bounded pool of host memory (`swap_space_gb`) and freed
 auto       per victim, whichever the cost model below expects to be cheaper.
 
 The host pool is a fixed number of page-sized slots (`SwapSpace`: a free list of plain
-ints here; the arrays live in jaxcb/runtime/kv_cache.py). A victim needs one slot per page
+ints here; the arrays live in jaxcb/runtime/kv_swap.py). A victim needs one slot per page
 of its computed tokens; if that many are not free it is recomputed instead and counted
 (`num_fallbacks`), so the pool's bound never blocks a preemption.
 

@@ -148,7 +148,7 @@ class AttentionBackend:
     quantized pool's `k_scales` and `v_scales` (and `write_kv` then returns them too).
     `copy_kv(k_pool, v_pool, k_rows, v_rows, slot_mapping)`: rows already in the pools' dtype
     (a swapped-out quantized pool's codes, or its scales) put back bit for bit, in place;
-    None: a plain XLA scatter (runtime/kv_cache.py's `put_rows`).
+    None: a plain XLA scatter (runtime/kv_swap.py's `put_rows`).
     """
 
     name: str

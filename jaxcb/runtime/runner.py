@@ -33,7 +33,8 @@ from jaxcb.models.packed import prepare_cpu_params
 from jaxcb.runtime import sharding
 from jaxcb.runtime import step as step_module
 from jaxcb.runtime.distributed import collective
-from jaxcb.runtime.kv_cache import HostSwapPool, abstract_state, init_state
+from jaxcb.runtime.kv_cache import abstract_state, init_state
+from jaxcb.runtime.kv_swap import HostSwapPool
 from jaxcb.runtime.prompt_logprobs import PromptLogprobsOutput
 from jaxcb.runtime.step_input import (
     FLAG_PROMPT_TOP_LOGPROBS,
@@ -85,7 +86,7 @@ class ModelRunner:
         the matmuls of its dtype on, their weights packed for it (CPU, one device; see
         models/packed.py). `greedy_screen`: with "avx512", also keep the bf16 screen of the
         float32 lm_head that finds greedy tokens at bf16 cost (if this CPU has AVX512-BF16).
-        `num_swap_pages`: host slots for pages preempted by swap (0: none; kv_cache.py's
+        `num_swap_pages`: host slots for pages preempted by swap (0: none; kv_swap.py's
         HostSwapPool). `abstract`: `params` are jax.ShapeDtypeStructs and no KV pool is
         allocated; such a runner only compiles (`compile`, `compiled_step`) and cannot run a
         step: for a target that is not present (runtime/aot.py, on its compile-only

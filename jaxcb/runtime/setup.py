@@ -45,11 +45,11 @@ from jaxcb.runtime import aot, compile_cache, distributed, sharding
 from jaxcb.runtime.kv_cache import (
     PoolSizing,
     kv_bytes_per_token,
-    num_swap_pages,
     page_bytes,
     resolve_kv_cache_dtype,
     size_kv_pool,
 )
+from jaxcb.runtime.kv_swap import num_swap_pages
 from jaxcb.runtime.runner import ModelRunner
 from pallas_kernels.ragged_paged_attention import pages_per_seq
 

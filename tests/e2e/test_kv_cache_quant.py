@@ -16,7 +16,7 @@ from jaxcb import LLM, SamplingParams
 from jaxcb.attention import check_kv_cache_dtype
 from jaxcb.config import CacheConfig, EngineConfig
 from jaxcb.models import registry
-from jaxcb.runtime import kv_cache
+from jaxcb.runtime import kv_cache, kv_swap
 from jaxcb.runtime import step as step_module
 from jaxcb.server.metrics import ServerMetrics
 
@@ -116,7 +116,7 @@ def test_quantized_pages_preempted_and_swapped_give_the_same_tokens(engines):
     state = large.engine.runner.state.kv_caches[0]
     assert len(state) == 4 and state[2].dtype == jnp.float32  # codes, then their scales
     assert str(state[0].dtype) == {"int8": "int8", "fp8": "float8_e4m3fn"}[engines["dtype"]]
-    traces, swap_traces = step_module.TRACE_COUNT[0], kv_cache.SWAP_TRACE_COUNT[0]
+    traces, swap_traces = step_module.TRACE_COUNT[0], kv_swap.SWAP_TRACE_COUNT[0]
     ps = prompts(8, seed=3)
     want = run_checked(large, ps)
     assert all(len(t) == PARAMS.max_tokens for t in want)
@@ -129,7 +129,7 @@ def test_quantized_pages_preempted_and_swapped_give_the_same_tokens(engines):
     assert stats["swapped_out_requests"] > 0 and stats["swap_fallbacks"] == 0
     assert stats["swapped_in_requests"] == stats["swapped_out_requests"]
     assert step_module.TRACE_COUNT[0] == traces, "the step function was traced again"
-    assert kv_cache.SWAP_TRACE_COUNT[0] == swap_traces, "a swap copy was compiled after warm-up"
+    assert kv_swap.SWAP_TRACE_COUNT[0] == swap_traces, "a swap copy was compiled after warm-up"
 
 
 def test_prefix_caching_changes_no_token(engines):

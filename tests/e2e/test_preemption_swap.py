@@ -9,7 +9,7 @@ import pytest
 from helpers import TINY_MODEL
 
 from jaxcb import LLM, SamplingParams
-from jaxcb.runtime import kv_cache
+from jaxcb.runtime import kv_swap
 from jaxcb.runtime import step as step_module
 from jaxcb.server.metrics import ServerMetrics
 
@@ -74,7 +74,7 @@ def test_swap_gives_the_tokens_of_recompute_and_compiles_nothing_new(recompute, 
     assert len({t for o in want for t in o.token_ids}) > 20, "outputs too repetitive to compare"
     info = swap.engine.info
     assert info.num_swap_pages > 0 and info.swap_bytes_per_s > 0
-    traces, swap_traces = step_module.TRACE_COUNT[0], kv_cache.SWAP_TRACE_COUNT[0]
+    traces, swap_traces = step_module.TRACE_COUNT[0], kv_swap.SWAP_TRACE_COUNT[0]
     swap.engine.record_steps()
     got = run_checked(swap, ps)
     records = swap.engine.pop_step_records()
@@ -95,7 +95,7 @@ def test_swap_gives_the_tokens_of_recompute_and_compiles_nothing_new(recompute, 
     text = metrics.render().decode()
     assert f'jaxcb:swapped_out_requests_total{{model_name="tiny"}} {stats["preemptions"]}.0' in text
     assert step_module.TRACE_COUNT[0] == traces, "the step function was traced again"
-    assert kv_cache.SWAP_TRACE_COUNT[0] == swap_traces, "a swap copy was compiled after warm-up"
+    assert kv_swap.SWAP_TRACE_COUNT[0] == swap_traces, "a swap copy was compiled after warm-up"
 
 
 def test_abort_while_swapped_out_frees_host_pages(recompute, swap):
