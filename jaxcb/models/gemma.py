@@ -37,7 +37,7 @@ import numpy as np
 
 from jaxcb.models import llama
 from jaxcb.models.base import AttentionBackend, AttentionMetadata, KVCache, ModelSpec, Params
-from jaxcb.models.layers import rms_norm, rope_inv_freq, rope_tables, soft_cap
+from jaxcb.models.layers import rms_norm, rope_for, soft_cap
 from jaxcb.models.packed import embed_lookup, lm_head, matmul
 from jaxcb.models.weights import CheckpointTensors, ConfigFields, ModelLoadError, cast
 
@@ -95,7 +95,7 @@ def spec_from_hf_config(cfg: dict[str, Any], architecture: str) -> GemmaSpec:
     if variant == "gemma3":
         if local_rope is not None:
             local = {"rope_parameters": local_rope}
-            local_theta, local_scaling = llama._rope(local, ConfigFields(local))
+            local_theta, local_scaling = llama.rope_from_config(local, ConfigFields(local))
         else:
             local_theta = f.number("rope_local_base_freq", 10000.0)
     return GemmaSpec(
@@ -175,10 +175,12 @@ def forward(
     """One forward pass over a packed ragged batch; the contract of llama.forward."""
     real_tokens = num_compute_tokens[0]
     eps = spec.rms_norm_eps
-    global_rope = _rope(positions, spec.head_dim, spec.rope_theta, spec.rope_scaling)
-    local_rope = global_rope
-    if spec.local_rope_theta is not None:
-        local_rope = _rope(positions, spec.head_dim, spec.local_rope_theta, spec.local_rope_scaling)
+    global_rope = local_rope = rope_for(spec, positions)
+    if spec.local_rope_theta is not None:  # Gemma 3's sliding layers: their own base
+        local = dataclasses.replace(
+            spec, rope_theta=spec.local_rope_theta, rope_scaling=spec.local_rope_scaling
+        )
+        local_rope = rope_for(local, positions)
     embed = params["embed"]
     scale = jnp.asarray(math.sqrt(spec.hidden_size), _embed_dtype(embed)).astype(jnp.float32)
     x = embed_lookup(embed, input_ids) * scale  # [T, H]
@@ -207,13 +209,6 @@ def forward(
     if spec.final_logit_soft_cap is not None:  # monotonic: the greedy tokens stay
         logits = soft_cap(logits, spec.final_logit_soft_cap)
     return logits, greedy, new_caches, hidden
-
-
-def _rope(
-    positions: jax.Array, head_dim: int, theta: float, scaling: tuple | None
-) -> tuple[jax.Array, jax.Array]:
-    inv_freq = rope_inv_freq(head_dim, theta, dict(scaling) if scaling else None)
-    return rope_tables(positions, jnp.asarray(inv_freq))
 
 
 def _embed_dtype(embed: jax.Array) -> Any:

@@ -116,7 +116,7 @@ def longrope_inv_freq(
     pair). The attention factor scales cos and sin: the config's `attention_factor`, else
     sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) when the context was
     extended (factor > 1), else 1. `factor` is the config's, else max_position_embeddings /
-    original_max_position_embeddings, which the config mapping (llama._rope) fills in.
+    original_max_position_embeddings, which the config mapping (llama.rope_from_config) fills in.
     """
     bases = _rope_bases(head_dim, rope_theta)
     short, long = (np.asarray(rope_scaling[k], np.float32) for k in ("short_factor", "long_factor"))

@@ -68,7 +68,7 @@ def spec_from_hf_config(cfg: dict[str, Any], architecture: str) -> ModelSpec:
         )
     eos = f.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    rope_theta, scaling = _rope(cfg, f)
+    rope_theta, scaling = rope_from_config(cfg, f)
     return ModelSpec(
         family="llama",
         architecture=architecture,
@@ -92,7 +92,7 @@ def spec_from_hf_config(cfg: dict[str, Any], architecture: str) -> ModelSpec:
     )
 
 
-def _rope(cfg: dict[str, Any], f: ConfigFields) -> tuple[float, tuple | None]:
+def rope_from_config(cfg: dict[str, Any], f: ConfigFields) -> tuple[float, tuple | None]:
     """rope_theta and the scaling (as sorted items), from `rope_parameters` (transformers 5)
     or `rope_theta` / `rope_scaling`."""
     rope = dict(f.get("rope_parameters", {}))
