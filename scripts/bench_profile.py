@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    add_workload_args(parser, default_workload="chat-fixed")
+    add_workload_args(parser, jaxcb_model=True, default_workload="chat-fixed")
     parser.add_argument("--max-tokens", type=int, help="override every request's max_tokens")
     parser.add_argument(
         "--single",
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.single:
         workload = single_request(workload, args.max_tokens or 256)
     overrides = config_overrides(args, workload.max_seq_len, log)
-    llm = LLM(model_dir, config=args.config, **overrides)
+    llm = LLM(args.jaxcb_model or model_dir, config=args.config, **overrides)
     prompts = [r.prompt_token_ids for r in workload.requests]
     params = [
         SamplingParams(

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "attention.cc", _HERE / "matmul.cc"]
-HEADERS = [_HERE / "common.h", _HERE / "simd.h"]
+HEADERS = [_HERE / "common.h", _HERE / "simd.h", _HERE / "quant_matmul.h"]
 FLAGS = [
     "-O3",
     "-fopenmp-simd",

@@ -56,8 +56,9 @@ def pack_int8(w: dict[str, Any]) -> np.ndarray:
     """A quantized weight (models/quant.py: int8 codes q [K, ...], float16 scale and min
     [K/32, ...], weight = (q + 128) * scale + min), viewed as [K, N], in the layout the int8
     kernel reads: uint8 [N/16, K/32, 576], for each 16-column block and group of 32 inputs
-    the 32 x 16 codes (input r's 16 columns at byte 16 r), then the 16 float16 scales and
-    the 16 float16 minimums."""
+    the 32 x 16 codes in quads of inputs (byte 64 p + 4 c + j: q of input 4 p + j, column c:
+    the operand order of byte dot products), then the 16 float16 scales and the 16 float16
+    minimums."""
     q = np.asarray(w["q"])
     k = q.shape[0]
     q = np.ascontiguousarray(q.reshape(k, -1))
@@ -70,10 +71,11 @@ def pack_int8(w: dict[str, Any]) -> np.ndarray:
             f"by {INT8_GROUP} (one group each) and N by 16"
         )
     groups, blocks = k // INT8_GROUP, n // 16
-    codes = q.view(np.uint8).reshape(groups, INT8_GROUP, blocks, 16).transpose(2, 0, 1, 3)
+    # (group, quad p, j, block, column) -> (block, group, p, column, j)
+    codes = q.view(np.uint8).reshape(groups, INT8_GROUP // 4, 4, blocks, 16)
+    codes = codes.transpose(3, 0, 1, 4, 2).reshape(blocks, groups, INT8_GROUP * 16)
     scales = scale.view(np.uint8).reshape(groups, blocks, 32).transpose(1, 0, 2)
     minimums = minimum.view(np.uint8).reshape(groups, blocks, 32).transpose(1, 0, 2)
-    codes = codes.reshape(blocks, groups, INT8_GROUP * 16)
     return np.ascontiguousarray(np.concatenate([codes, scales, minimums], axis=2))
 
 
@@ -87,15 +89,20 @@ def fits_int4(w: dict[str, Any]) -> bool:
 def pack_int4(w: dict[str, Any]) -> np.ndarray:
     """A quantized weight whose codes fit 4 bits (`fits_int4`), viewed as [K, N], in the
     layout the int4 kernel reads: uint8 [N/16, K/32, 320], for each 16-column block and group
-    of 32 inputs, byte 16 r + c holds the code of input r (low nibble) and of input r + 16
-    (high nibble) of column c, then the 16 float16 scales and the 16 float16 minimums (as
-    `pack_int8`)."""
-    int8 = pack_int8(w)  # validates the shapes; its codes become nibbles
+    of 32 inputs, byte 64 p + 4 c + j (p < 4) holds the code of input 4 p + j (low nibble) and
+    of input 16 + 4 p + j (high nibble) of column c, then the 16 float16 scales and the 16
+    float16 minimums (as `pack_int8`)."""
+    int8 = pack_int8(w)  # validates the shapes; its scales and minimums are kept
     if not fits_int4(w):
         raise ValueError("cannot pack int8 codes outside 0..15 at 4 bits")
-    codes = (int8[:, :, :512].astype(np.int16) ^ 0x80).astype(np.uint8)  # q + 128
-    codes = codes.reshape(*int8.shape[:2], 2, 16 * 16)  # rows 0-15, rows 16-31
-    nibbles = codes[:, :, 0] | (codes[:, :, 1] << 4)
+    q = np.asarray(w["q"])
+    k = q.shape[0]
+    codes = (q.reshape(k, -1).astype(np.int16) + 128).astype(np.uint8)
+    blocks, groups = int8.shape[:2]
+    # (group, half s, quad p, j, block, column): input 16 s + 4 p + j of the group
+    codes = codes.reshape(groups, 2, 4, 4, blocks, 16)
+    nibbles = codes[:, 0] | (codes[:, 1] << 4)  # (group, p, j, block, column)
+    nibbles = nibbles.transpose(3, 0, 1, 4, 2).reshape(blocks, groups, 256)
     return np.ascontiguousarray(np.concatenate([nibbles, int8[:, :, 512:]], axis=2))
 
 

@@ -1,7 +1,7 @@
-"""The native int8 and int4 matmuls (native/matmul.cc, models/quant.py's weights; int4 for
-codes in 0..15, GGUF's Q4 blocks): their packed layouts, products equal to the dot with the
-dequantized weight on the direct path (few rows) and the dequantize-then-float32 path
-(many), the fused SwiGLU, padding rows, and each ISA level."""
+"""The native int8 and int4 matmuls (native/quant_matmul.h, models/quant.py's weights; int4
+for codes in 0..15, GGUF's Q4 blocks): their packed layouts; products equal to the dot with
+the dequantized weight on the dequantize-then-float32 path (more than 4 rows), and within the
+activation codes' rounding bound of it on the integer path (up to 4 rows); the fused SwiGLU, padding rows, and each ISA level."""
 
 from __future__ import annotations
 
@@ -34,38 +34,67 @@ def quantized(k: int, n: int, seed: int = 0, bits: int = 8) -> dict[str, np.ndar
     return qw
 
 
+DIRECT_ROWS = 4  # quant_matmul.h's kQuantDirectRows
+
+
+def exact(x: np.ndarray, qw: dict[str, np.ndarray]) -> np.ndarray:
+    """x @ the dequantized weight, in float64."""
+    return x.astype(np.float64) @ dequantize_np(qw).astype(np.float64)
+
+
+def assert_products(got: np.ndarray, x: np.ndarray, qw: dict[str, np.ndarray], rtol=1e-5):
+    """got is x @ w as the kernel's path for x's row count computes it. More than 4 rows:
+    the dot with the dequantized weight in float32 (rtol). Up to 4 rows, the integer path:
+    each activation as d (254 u + v) with d = max |a| / (127 x 254) over its group of 32,
+    so off by at most d / 2 (plus float32 rounding): the products within sum_r |w_rc| x d_r
+    (twice the rounding bound) of the exact ones, and no further."""
+    want = exact(x, qw)
+    scale = np.abs(want).max()
+    if x.shape[0] > DIRECT_ROWS:
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * scale)
+        return
+    m, k = x.shape
+    amax = np.abs(x.astype(np.float64)).reshape(m, k // 32, 32).max(axis=2)
+    step = np.repeat(amax / (127 * 254), 32, axis=1)  # d of each activation's group
+    bound = step @ np.abs(dequantize_np(qw).astype(np.float64)) + 1e-5 * scale
+    err = np.abs(got.astype(np.float64) - want)
+    assert (err <= bound).all(), f"max error {err.max():.3g} over the bound {bound.min():.3g}"
+
+
 def kernel_for(bits: int):
     return native.INT8_MATMUL if bits == 8 else native.INT4_MATMUL
 
 
 def test_pack_layout():
-    """Block b, group g: byte 16 r + c is code q[32 g + r, 16 b + c] + 128 (as uint8 of the
+    """Block b, group g: byte 64 p + 4 c + j is q[32 g + 4 p + j, 16 b + c] (as uint8 of the
     int8), then the 16 float16 scales and the 16 float16 minimums of those columns."""
     qw = quantized(96, 48)
     packed = native.pack_int8(qw)
     assert packed.shape == (3, 3, 576) and packed.dtype == np.uint8
     rng = np.random.default_rng(1)
     for _ in range(50):
-        b, g, r, c = (int(rng.integers(s)) for s in (3, 3, 32, 16))
-        assert packed[b, g, 16 * r + c].view(np.int8) == qw["q"][32 * g + r, 16 * b + c]
+        b, g, p, j, c = (int(rng.integers(s)) for s in (3, 3, 8, 4, 16))
+        got = packed[b, g, 64 * p + 4 * c + j].view(np.int8)
+        assert got == qw["q"][32 * g + 4 * p + j, 16 * b + c]
         scales = packed[b, g, 512:544].view(np.float16)
         minimums = packed[b, g, 544:].view(np.float16)
         assert scales[c] == qw["scale"][g, 16 * b + c] and minimums[c] == qw["min"][g, 16 * b + c]
 
 
 def test_pack_int4_layout():
-    """Block b, group g: byte 16 r + c holds the codes (q + 128) of inputs 32 g + r (low
-    nibble) and 32 g + r + 16 (high nibble) of column 16 b + c; scales and minimums as int8."""
+    """Block b, group g: byte 64 p + 4 c + j holds the codes (q + 128) of inputs 32 g + 4 p + j
+    (low nibble) and 32 g + 16 + 4 p + j (high nibble) of column 16 b + c; scales and
+    minimums as int8."""
     qw = quantized(64, 32, bits=4)
     packed = native.pack_int4(qw)
     assert packed.shape == (2, 2, 320) and packed.dtype == np.uint8
     codes = qw["q"].astype(np.int16) + 128
     rng = np.random.default_rng(2)
     for _ in range(50):
-        b, g, r, c = (int(rng.integers(s)) for s in (2, 2, 16, 16))
-        byte = int(packed[b, g, 16 * r + c])
-        assert byte & 15 == codes[32 * g + r, 16 * b + c]
-        assert byte >> 4 == codes[32 * g + r + 16, 16 * b + c]
+        b, g, p, j, c = (int(rng.integers(s)) for s in (2, 2, 4, 4, 16))
+        byte = int(packed[b, g, 64 * p + 4 * c + j])
+        assert byte & 15 == codes[32 * g + 4 * p + j, 16 * b + c]
+        assert byte >> 4 == codes[32 * g + 16 + 4 * p + j, 16 * b + c]
     np.testing.assert_array_equal(packed[:, :, 256:], native.pack_int8(qw)[:, :, 512:])
     assert not native.fits_int4(quantized(64, 32))
     with pytest.raises(ValueError, match=r"outside 0\.\.15"):
@@ -80,7 +109,7 @@ def test_pack_rejects_shapes_off_the_tiles():
         native.pack_int8(quantized(64, 40))
 
 
-# Rows on each path: 1-4 read the int8 codes directly, more dequantize a slice to float32;
+# Rows on each path: 1-4 take integer dot products, more dequantize a slice to float32;
 # 130 rows at K = 2048 span several row chunks. N: whole tiles and a ragged last group.
 @pytest.mark.parametrize(
     "m, k, n",
@@ -93,9 +122,8 @@ def test_matmul_is_the_dot_with_the_dequantized_weight(m, k, n, bits):
     spec = kernel_for(bits)
     x = np.random.default_rng(m + 1).standard_normal((m, k)).astype(np.float32)
     got = np.asarray(jax.jit(spec.kernel)(jnp.asarray(x), jnp.asarray(spec.pack(qw))))
-    want = x.astype(np.float64) @ dequantize_np(qw).astype(np.float64)
     assert got.shape == (m, n) and got.dtype == np.float32
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert_products(got, x, qw)
 
 
 @pytest.mark.parametrize("m, k, i", [(1, 32, 16), (3, 64, 48), (13, 96, 64), (64, 512, 1536)])
@@ -105,11 +133,36 @@ def test_swiglu_is_silu_gate_times_up(m, k, i, bits):
     spec = kernel_for(bits)
     x = np.random.default_rng(i).standard_normal((m, k)).astype(np.float32)
     got = np.asarray(jax.jit(spec.swiglu)(jnp.asarray(x), jnp.asarray(spec.pack(qw))))
-    gate_up = x.astype(np.float64) @ dequantize_np(qw).astype(np.float64)
+    gate_up = exact(x, qw)
     gate, up = gate_up[:, :i], gate_up[:, i:]
     want = gate / (1 + np.exp(-gate)) * up
     assert got.shape == (m, i)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    # the integer path's activation codes: the matmul tests bound their error; here ~1e-4
+    atol = (1e-5 if m > DIRECT_ROWS else 2e-4) * np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=atol)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_integer_path_extremes(bits):
+    """The integer path's int16 sums at their limits: every code at its extreme (int8 -128,
+    int4 15) against activations at +-max of their group (each code +-127), a group of
+    zeros (d = 0), and one activation far above the rest of its group."""
+    k, n = 128, 32
+    codes = np.full((k, n), -128 if bits == 8 else 15 - 128, np.int8)
+    qw = {
+        "q": codes,
+        "scale": np.full((k // 32, n), 0.01, np.float16),
+        "min": np.full((k // 32, n), -0.5, np.float16),
+    }
+    spec = kernel_for(bits)
+    x = np.ones((4, k), np.float32)
+    x[0] = np.where(np.arange(k) % 2, 3.0, -3.0)
+    x[1] = 7.5
+    x[2, :32] = 0.0
+    x[3, 5] = 1e4
+    for rows in (1, 4):
+        got = np.asarray(jax.jit(spec.kernel)(jnp.asarray(x[:rows]), jnp.asarray(spec.pack(qw))))
+        assert_products(got, x[:rows], qw)
 
 
 @pytest.mark.parametrize("rows", [0, 3, 13])
@@ -135,7 +188,6 @@ def test_every_isa_level_gives_the_same_products(bits):
     spec = kernel_for(bits)
     x = np.random.default_rng(0).standard_normal((6, 128)).astype(np.float32)
     packed = spec.pack(qw)
-    want = x.astype(np.float64) @ dequantize_np(qw).astype(np.float64)
     for level in native.supported_levels():
         if level == "generic":
             continue
@@ -143,7 +195,7 @@ def test_every_isa_level_gives_the_same_products(bits):
             native.build.registered_target(spec.matmul_target, level),
             jax.ShapeDtypeStruct((6, 64), jnp.float32),
         )
-        for rows in (2, 6):  # the direct path and the dequantizing one
+        for rows in (2, 6):  # the integer path and the dequantizing one
             real = jnp.full(1, rows, jnp.int32)
             got = np.asarray(call(jnp.asarray(x), jnp.asarray(packed), real))
-            np.testing.assert_allclose(got[:rows], want[:rows], rtol=1e-5, atol=1e-4)
+            assert_products(got[:rows], x[:rows], qw)
