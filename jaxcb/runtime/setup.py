@@ -146,7 +146,7 @@ def build_runner(
     kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, dtype, attention.name)
     check_kv_cache_dtype(attention.name, kv_dtype, cache.kv_cache_dtype)
     token_buckets = sched.token_buckets or default_token_buckets(
-        sched.max_num_batched_tokens, smallest=smallest_token_bucket(matmul)
+        sched.max_num_batched_tokens, smallest=smallest_token_bucket()
     )
     buckets = make_buckets(token_buckets, sched.max_num_seqs, sched.seq_buckets)
     runner_args = dict(
@@ -257,16 +257,14 @@ def _matmul_backend(config: EngineConfig, dtype: Any, tensor_parallel_size: int)
     return matmul_backend(requested, dtype=dtype, tensor_parallel_size=tensor_parallel_size)
 
 
-def smallest_token_bucket(matmul: str) -> int:
+def smallest_token_bucket() -> int:
     """The default buckets' smallest size: on CPU 1 (powers of two from one token), on
     accelerators 16 (a few padding rows cost them nothing). On CPU a bucket's padding rows
     cost time on every path: XLA's dots compute them (SmolLM2 float32, one request: 33.4 ->
     19.2 ms per token), and where the native matmuls skip them, the LM head's [S, V] logits,
     their zeroed padding rows and the sampling passes over them remain (SmolLM2 int8, one
     request: 10.3 -> 7.9 ms per token in a (1, 1) bucket than in a (16, 16) one), for four
-    more compiles (1, 2, 4, 8). `matmul` is the matmul path (kept for callers; every CPU path
-    now gets the same)."""
-    del matmul
+    more compiles (1, 2, 4, 8)."""
     return 1 if jax.default_backend() == "cpu" else 16
 
 
