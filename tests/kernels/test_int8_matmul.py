@@ -1,7 +1,8 @@
 """The native int8 and int4 matmuls (native/quant_matmul.h, models/quant.py's weights; int4
 for codes in 0..15, GGUF's Q4 blocks): their packed layouts; products equal to the dot with
-the dequantized weight on the dequantize-then-float32 path (more than 4 rows), and within the
-activation codes' rounding bound of it on the integer path (up to 4 rows); the fused SwiGLU, padding rows, and each ISA level."""
+the dequantized weight on the dequantize-then-float32 path (more than 4 rows), and within
+the activation codes' rounding bound of it on the integer path (up to 4 rows); the fused
+SwiGLU, padding rows, and each ISA level."""
 
 from __future__ import annotations
 
