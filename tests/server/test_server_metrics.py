@@ -55,7 +55,7 @@ def test_startup_heap_is_frozen_out_of_full_collections(server):
 
 def test_counters_move_as_expected(server):
     before = wait_idle(server.url)
-    prompt = list(range(5, 13))  # 8 token ids
+    prompt = list(range(5, 14))  # 9 token ids: a 16-token bucket, 7 rows of it padding
     status, body = request(
         "POST",
         server.url + "/v1/completions",
@@ -67,15 +67,16 @@ def test_counters_move_as_expected(server):
     def grew(name: str, **labels: str) -> float:
         return metric(after, name, **labels) - metric(before, name, **labels)
 
-    assert grew("jaxcb:prompt_tokens_total") == 8
+    assert grew("jaxcb:prompt_tokens_total") == 9
     assert grew("jaxcb:generation_tokens_total") == 7
     assert grew("jaxcb:request_success_total", finished_reason="length") == 1
     assert grew("jaxcb:time_to_first_token_seconds_count") == 1
     assert grew("jaxcb:e2e_request_latency_seconds_count") == 1
     assert grew("jaxcb:inter_token_latency_seconds_count") == 6
-    # one prefill step and six decode steps, each in the smallest bucket (16 tokens)
+    # one prefill step (9 tokens: the 16-token bucket) and six decode steps (the 1-token
+    # bucket): on CPU the default buckets are powers of two from 1
     assert grew("jaxcb:step_bucket_tokens_count") == 7
-    assert grew("jaxcb:step_bucket_tokens_sum") == 7 * 16
+    assert grew("jaxcb:step_bucket_tokens_sum") == 16 + 6 * 1
     assert grew("jaxcb:step_bucket_tokens_bucket", le="16.0") == 7
     assert 0 < metric(after, "jaxcb:padding_fraction") < 1
     assert metric(after, "jaxcb:kv_cache_usage_perc") == 0
