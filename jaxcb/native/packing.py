@@ -52,13 +52,22 @@ def can_pack_int8(shape: tuple[int, ...]) -> bool:
     return len(shape) == 2 and shape[0] % INT8_GROUP == 0 and shape[1] % 16 == 0
 
 
-def pack_int8(w: dict[str, Any]) -> np.ndarray:
+def is_symmetric(w: dict[str, Any]) -> bool:
+    """Whether every group's minimum is -128 x its scale (GGUF Q8_0 blocks held as int8): the
+    weight is q x scale, and `pack_int8` leaves the minimums out."""
+    scale = np.asarray(w["scale"], np.float16)
+    minimum = np.asarray(w["min"], np.float16)
+    return bool(np.array_equal(minimum, (scale.astype(np.float32) * -128).astype(np.float16)))
+
+
+def pack_int8(w: dict[str, Any], *, symmetric: bool | None = None) -> np.ndarray:
     """A quantized weight (models/quant.py: int8 codes q [K, ...], float16 scale and min
     [K/32, ...], weight = (q + 128) * scale + min), viewed as [K, N], in the layout the int8
     kernel reads: uint8 [N/16, K/32, 576], for each 16-column block and group of 32 inputs
     the 32 x 16 codes in quads of inputs (byte 64 p + 4 c + j: q of input 4 p + j, column c:
     the operand order of byte dot products), then the 16 float16 scales and the 16 float16
-    minimums."""
+    minimums. A symmetric weight (`is_symmetric`, default: whether it is) is stored without
+    the minimums: [N/16, K/32, 544], 5.6% fewer bytes for the kernel to read."""
     q = np.asarray(w["q"])
     k = q.shape[0]
     q = np.ascontiguousarray(q.reshape(k, -1))
@@ -70,13 +79,19 @@ def pack_int8(w: dict[str, Any]) -> np.ndarray:
             f"cannot pack a [{k}, {n}] int8 weight with {scale.shape[0]} groups: K must divide "
             f"by {INT8_GROUP} (one group each) and N by 16"
         )
+    if symmetric is None:
+        symmetric = is_symmetric(w)
+    elif symmetric and not is_symmetric(w):
+        raise ValueError("cannot pack an int8 weight symmetric: a minimum is not -128 x scale")
     groups, blocks = k // INT8_GROUP, n // 16
     # (group, quad p, j, block, column) -> (block, group, p, column, j)
     codes = q.view(np.uint8).reshape(groups, INT8_GROUP // 4, 4, blocks, 16)
     codes = codes.transpose(3, 0, 1, 4, 2).reshape(blocks, groups, INT8_GROUP * 16)
     scales = scale.view(np.uint8).reshape(groups, blocks, 32).transpose(1, 0, 2)
-    minimums = minimum.view(np.uint8).reshape(groups, blocks, 32).transpose(1, 0, 2)
-    return np.ascontiguousarray(np.concatenate([codes, scales, minimums], axis=2))
+    parts = [codes, scales]
+    if not symmetric:
+        parts.append(minimum.view(np.uint8).reshape(groups, blocks, 32).transpose(1, 0, 2))
+    return np.ascontiguousarray(np.concatenate(parts, axis=2))
 
 
 def fits_int4(w: dict[str, Any]) -> bool:
@@ -92,7 +107,7 @@ def pack_int4(w: dict[str, Any]) -> np.ndarray:
     of 32 inputs, byte 64 p + 4 c + j (p < 4) holds the code of input 4 p + j (low nibble) and
     of input 16 + 4 p + j (high nibble) of column c, then the 16 float16 scales and the 16
     float16 minimums (as `pack_int8`)."""
-    int8 = pack_int8(w)  # validates the shapes; its scales and minimums are kept
+    int8 = pack_int8(w, symmetric=False)  # validates the shapes; its scales and minimums kept
     if not fits_int4(w):
         raise ValueError("cannot pack int8 codes outside 0..15 at 4 bits")
     q = np.asarray(w["q"])

@@ -6,7 +6,8 @@
 // (packing.py) as [N/16, K/32, group bytes]: for each 16-column block and group, the codes in
 // quads of inputs (each column's 4 consecutive inputs in 4 consecutive bytes: the operand
 // order of x86's byte dot products), then the 16 columns' float16 scales and minimums.
-// - int8 (576 bytes a group): byte 64 p + 4 c + j holds q of input 4 p + j, column c;
+// - int8 (576 bytes a group): byte 64 p + 4 c + j holds q of input 4 p + j, column c; in the
+//   symmetric form (544 bytes: GGUF Q8_0 blocks, min = -128 scale) the minimums are left out;
 // - int4 (320 bytes, GGUF Q4_0 / Q4_1 weights: codes 0..15): byte 64 p + 4 c + j holds the
 //   code of input 4 p + j (low nibble) and of input 16 + 4 p + j (high nibble), p < 4.
 // A group's share of a product is scale * sum_r a_r q_r + offset * sum_r a_r (int8: q signed,
@@ -33,18 +34,26 @@ constexpr int64_t kQuantGroup = 32;
 // Calls of up to this many rows take the integer path; more dequantize slices.
 constexpr int64_t kQuantDirectRows = 4;
 
-template <int kBits>
+// kSym (int8 only): symmetric codes, weight = q * scale (GGUF Q8_0 blocks: min = -128 scale),
+// stored without the minimums (544 bytes a group).
+template <int kBits, bool kSym = false>
 struct CodeLayout {
+  static_assert(kBits == 8 || !kSym, "symmetric codes are int8 only");
   static constexpr int64_t kCodeBytes = kQuantGroup * 16 * kBits / 8;
-  static constexpr int64_t kGroupBytes = kCodeBytes + 2 * 16 * 2;  // codes, scales, minimums
+  // codes, scales (and minimums)
+  static constexpr int64_t kGroupBytes = kCodeBytes + (kSym ? 1 : 2) * 16 * 2;
   static constexpr int kQuads = kCodeBytes / 64;  // 64-byte runs: 16 columns x 4 bytes
 
   // The scale and the offset of columns 8 h .. 8 h + 7 of a group.
   static void Scales(const char* group, int h, __m256& scale, __m256& offset) {
     const auto* f16 = reinterpret_cast<const __m128i*>(group + kCodeBytes);
     scale = _mm256_cvtph_ps(_mm_loadu_si128(f16 + h));
-    const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128(f16 + 2 + h));
-    offset = kBits == 8 ? _mm256_fmadd_ps(_mm256_set1_ps(128.0f), scale, minimum) : minimum;
+    if constexpr (kSym) {
+      offset = _mm256_setzero_ps();
+    } else {
+      const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128(f16 + 2 + h));
+      offset = kBits == 8 ? _mm256_fmadd_ps(_mm256_set1_ps(128.0f), scale, minimum) : minimum;
+    }
   }
 };
 
@@ -126,10 +135,10 @@ inline __m256 FoldGroup(__m256 acc, __m256i dot, __m256 scale, __m256 offset, fl
 // i * groups): the block's 16 results of row i at out + i * n. Each 64-byte run of codes
 // (16 columns x 4 inputs) is read once, both 8-column halves against the same broadcast
 // activations.
-template <int kBits, int MR>
+template <int kBits, bool kSym, int MR>
 void IntDotBlock(const void* codes, int64_t m, int64_t k, const float* ad, const float* as,
                  int64_t groups, const char* w, float* out, int64_t n) {
-  using L = CodeLayout<kBits>;
+  using L = CodeLayout<kBits, kSym>;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -214,13 +223,13 @@ void IntDotBlock(const void* codes, int64_t m, int64_t k, const float* ad, const
   }
 }
 
-template <int kBits, typename... Args>
+template <int kBits, bool kSym, typename... Args>
 void IntDotBlockRows(int64_t rows, Args... args) {
   switch (rows) {
-    case 1: return IntDotBlock<kBits, 1>(args...);
-    case 2: return IntDotBlock<kBits, 2>(args...);
-    case 3: return IntDotBlock<kBits, 3>(args...);
-    default: return IntDotBlock<kBits, 4>(args...);
+    case 1: return IntDotBlock<kBits, kSym, 1>(args...);
+    case 2: return IntDotBlock<kBits, kSym, 2>(args...);
+    case 3: return IntDotBlock<kBits, kSym, 3>(args...);
+    default: return IntDotBlock<kBits, kSym, 4>(args...);
   }
 }
 
@@ -241,7 +250,8 @@ inline void NibblesAsInt(__m256i w, __m256i& low, __m256i& high) {
 template <int kBits, int J>
 inline void DequantizeQuadByte(__m256i wq, __m256 scale, __m256 offset, float* d) {
   if constexpr (kBits == 8) {
-    _mm256_storeu_ps(d + 16 * J, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ByteAsInt<J>(wq)), scale, offset));
+    const __m256 code = _mm256_cvtepi32_ps(ByteAsInt<J>(wq));
+    _mm256_storeu_ps(d + 16 * J, _mm256_fmadd_ps(code, scale, offset));
   } else {
     __m256i low, high;
     NibblesAsInt<J>(wq, low, high);
@@ -251,10 +261,10 @@ inline void DequantizeQuadByte(__m256i wq, __m256 scale, __m256 offset, float* d
 }
 
 // `blocks` blocks of w (block stride w_stride) as float32 in pack_f32's layout at dst.
-template <int kBits>
+template <int kBits, bool kSym>
 void DequantizeCodes(const char* w, int64_t w_stride, int64_t groups, int64_t blocks,
                      float* dst) {
-  using L = CodeLayout<kBits>;
+  using L = CodeLayout<kBits, kSym>;
   for (int64_t b = 0; b < blocks; ++b) {
     for (int64_t g = 0; g < groups; ++g) {
       const char* wg = w + b * w_stride + g * L::kGroupBytes;
@@ -277,13 +287,14 @@ void DequantizeCodes(const char* w, int64_t w_stride, int64_t groups, int64_t bl
 
 // out = a x w (kSwiglu: w is [K, 2 * I], gate columns then up, out [M, I] = silu(gate) * up),
 // for the m real rows of a [M, K]; w holds n_blocks 16-column blocks.
-template <int kBits, bool kSwiglu>
+template <int kBits, bool kSym, bool kSwiglu>
 void QuantMatmul(ffi::ThreadPool& pool, const float* a, const char* w, float* out, int64_t m,
                  int64_t k, int64_t n_blocks) {
   using Shape = TileShape<Kind::kF32, kSwiglu>;  // the float32 tiles after dequantization
   constexpr int64_t kMr = Shape::kMr, kNr = Shape::kNr;
   constexpr int64_t kGroup = kSwiglu ? kNr / 2 : kNr;  // output blocks per work group
-  const int64_t groups = k / kQuantGroup, w_stride = groups * CodeLayout<kBits>::kGroupBytes;
+  const int64_t groups = k / kQuantGroup;
+  const int64_t w_stride = groups * CodeLayout<kBits, kSym>::kGroupBytes;
   const int64_t out_blocks = kSwiglu ? n_blocks / 2 : n_blocks, n = out_blocks * 16;
   const int64_t up_offset = kSwiglu ? out_blocks * w_stride : 0;
   const bool direct = m <= kQuantDirectRows;
@@ -307,11 +318,11 @@ void QuantMatmul(ffi::ThreadPool& pool, const float* a, const char* w, float* ou
       for (int64_t ob = g0 * kGroup; ob < std::min(g1 * kGroup, out_blocks); ++ob) {
         const char* wb = w + ob * w_stride;
         if constexpr (!kSwiglu) {
-          IntDotBlockRows<kBits>(m, codes, m, k, ad, as, groups, wb, out + ob * 16, n);
+          IntDotBlockRows<kBits, kSym>(m, codes, m, k, ad, as, groups, wb, out + ob * 16, n);
         } else {
           alignas(64) float gate[kQuantDirectRows * 16], up[kQuantDirectRows * 16];
-          IntDotBlockRows<kBits>(m, codes, m, k, ad, as, groups, wb, gate, int64_t{16});
-          IntDotBlockRows<kBits>(m, codes, m, k, ad, as, groups, wb + up_offset, up,
+          IntDotBlockRows<kBits, kSym>(m, codes, m, k, ad, as, groups, wb, gate, int64_t{16});
+          IntDotBlockRows<kBits, kSym>(m, codes, m, k, ad, as, groups, wb + up_offset, up,
                                  int64_t{16});
           for (int64_t i = 0; i < m; ++i) {
             Swiglu(V16::Load(gate + 16 * i), V16::Load(up + 16 * i)).Store(out + i * n + ob * 16);
@@ -330,9 +341,9 @@ void QuantMatmul(ffi::ThreadPool& pool, const float* a, const char* w, float* ou
       float* ob = out + ob0 * 16;
       const int64_t f32_stride = k * 64;  // bytes of a dequantized block
       slice.resize((kSwiglu ? 2 : 1) * blocks * k * 16);
-      DequantizeCodes<kBits>(wb, w_stride, groups, blocks, slice.data());
+      DequantizeCodes<kBits, kSym>(wb, w_stride, groups, blocks, slice.data());
       if constexpr (kSwiglu) {
-        DequantizeCodes<kBits>(wb + up_offset, w_stride, groups, blocks,
+        DequantizeCodes<kBits, kSym>(wb + up_offset, w_stride, groups, blocks,
                                slice.data() + blocks * k * 16);
       }
       const char* sw = reinterpret_cast<const char*>(slice.data());
@@ -362,10 +373,13 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
                            ffi::Result<ffi::Buffer<ffi::F32>> out) {
   auto ad = a.dimensions();
   auto wd = w.dimensions();
-  if (ad.size() != 2 || wd.size() != 3 || wd[2] != CodeLayout<kBits>::kGroupBytes ||
-      wd[1] * kQuantGroup != ad[1]) {
-    return ffi::Error::InvalidArgument(kBits == 8 ? "a must be [M, K] and w [N/16, K/32, 576]"
-                                                  : "a must be [M, K] and w [N/16, K/32, 320]");
+  // int8 weights come in both forms, told apart by their group bytes (576, or 544 symmetric)
+  const bool sym = kBits == 8 && wd.size() == 3 && wd[2] == CodeLayout<8, true>::kGroupBytes;
+  if (ad.size() != 2 || wd.size() != 3 ||
+      (wd[2] != CodeLayout<kBits>::kGroupBytes && !sym) || wd[1] * kQuantGroup != ad[1]) {
+    return ffi::Error::InvalidArgument(kBits == 8
+                                           ? "a must be [M, K] and w [N/16, K/32, 576 or 544]"
+                                           : "a must be [M, K] and w [N/16, K/32, 320]");
   }
   if (kSwiglu && wd[0] % 2) {
     return ffi::Error::InvalidArgument("swiglu: w must hold as many up blocks as gate blocks");
@@ -375,7 +389,13 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
   const int64_t n = (kSwiglu ? wd[0] / 2 : wd[0]) * 16;
   std::fill(o + m * n, o + ad[0] * n, 0.0f);
   if (m == 0) return ffi::Error::Success();
-  QuantMatmul<kBits, kSwiglu>(pool, a.typed_data(),
-                              reinterpret_cast<const char*>(w.untyped_data()), o, m, ad[1], wd[0]);
+  const char* wp = reinterpret_cast<const char*>(w.untyped_data());
+  if constexpr (kBits == 8) {
+    if (sym) {
+      QuantMatmul<8, true, kSwiglu>(pool, a.typed_data(), wp, o, m, ad[1], wd[0]);
+      return ffi::Error::Success();
+    }
+  }
+  QuantMatmul<kBits, false, kSwiglu>(pool, a.typed_data(), wp, o, m, ad[1], wd[0]);
   return ffi::Error::Success();
 }

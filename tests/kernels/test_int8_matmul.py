@@ -19,12 +19,26 @@ pytestmark = pytest.mark.skipif(not INT8.available(), reason="no int8 kernel on 
 KERNELS = [native.INT8_MATMUL, native.INT4_MATMUL]
 
 
-def quantized(k: int, n: int, seed: int = 0, bits: int = 8) -> dict[str, np.ndarray]:
-    """A [k, n] int8 weight; bits=4: Q4_1-like blocks (codes 0..15, their d and m as grid)."""
+#: Weight forms: int8 (asymmetric groups), Q8_0 blocks (int8, symmetric: packed without
+#: minimums), 4-bit (Q4_1 blocks).
+FORMS = [8, "q8_0", 4]
+
+
+def quantized(k: int, n: int, seed: int = 0, bits: int | str = 8) -> dict[str, np.ndarray]:
+    """A [k, n] int8 weight; bits="q8_0": Q8_0-like blocks (d x q, q in -128..127, their d and
+    -128 d as grid); bits=4: Q4_1-like blocks (codes 0..15, their d and m as grid)."""
     rng = np.random.default_rng(seed)
     if bits == 8:
         w = rng.standard_normal((k, n)) * rng.uniform(0.01, 0.2, n)  # columns of every scale
         return quantize_int8(w.astype(np.float32))
+    if bits == "q8_0":
+        d = rng.uniform(0.0001, 0.002, (k // 32, 1, n)).astype(np.float16).astype(np.float32)
+        codes = rng.integers(-128, 128, (k // 32, 32, n))
+        w = (codes * d).reshape(k, n).astype(np.float32)
+        grid = tuple(np.broadcast_to(a, (k // 32, 32, n)).reshape(k, n) for a in (d, -128 * d))
+        qw = quantize_int8(w, grid)
+        assert native.is_symmetric(qw) and not native.fits_int4(qw)
+        return qw
     d = rng.uniform(0.001, 0.05, (k // 32, 1, n)).astype(np.float16).astype(np.float32)
     m = rng.uniform(-0.3, 0.0, (k // 32, 1, n)).astype(np.float16).astype(np.float32)
     codes = rng.integers(0, 16, (k // 32, 32, n))
@@ -62,8 +76,8 @@ def assert_products(got: np.ndarray, x: np.ndarray, qw: dict[str, np.ndarray], r
     assert (err <= bound).all(), f"max error {err.max():.3g} over the bound {bound.min():.3g}"
 
 
-def kernel_for(bits: int):
-    return native.INT8_MATMUL if bits == 8 else native.INT4_MATMUL
+def kernel_for(bits: int | str):
+    return native.INT4_MATMUL if bits == 4 else native.INT8_MATMUL
 
 
 def test_pack_layout():
@@ -82,6 +96,25 @@ def test_pack_layout():
         assert scales[c] == qw["scale"][g, 16 * b + c] and minimums[c] == qw["min"][g, 16 * b + c]
 
 
+def test_pack_symmetric_layout():
+    """Q8_0 blocks (every minimum -128 x its scale): the codes and scales as `pack_int8`'s
+    asymmetric layout has them, without the minimums; the kernel reads either."""
+    qw = quantized(64, 32, bits="q8_0")
+    packed = native.pack_int8(qw)
+    assert packed.shape == (2, 2, 544) and packed.dtype == np.uint8
+    full = native.pack_int8(qw, symmetric=False)
+    assert full.shape == (2, 2, 576)
+    np.testing.assert_array_equal(packed, full[:, :, :544])
+    assert not native.is_symmetric(quantized(64, 32))
+    with pytest.raises(ValueError, match="not -128 x scale"):
+        native.pack_int8(quantized(64, 32), symmetric=True)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 64)), jnp.float32)
+    np.testing.assert_array_equal(
+        np.asarray(INT8.kernel(x, jnp.asarray(packed))),
+        np.asarray(INT8.kernel(x, jnp.asarray(full))),
+    )
+
+
 def test_pack_int4_layout():
     """Block b, group g: byte 64 p + 4 c + j holds the codes (q + 128) of inputs 32 g + 4 p + j
     (low nibble) and 32 g + 16 + 4 p + j (high nibble) of column 16 b + c; scales and
@@ -96,7 +129,9 @@ def test_pack_int4_layout():
         byte = int(packed[b, g, 64 * p + 4 * c + j])
         assert byte & 15 == codes[32 * g + 4 * p + j, 16 * b + c]
         assert byte >> 4 == codes[32 * g + 16 + 4 * p + j, 16 * b + c]
-    np.testing.assert_array_equal(packed[:, :, 256:], native.pack_int8(qw)[:, :, 512:])
+    np.testing.assert_array_equal(
+        packed[:, :, 256:], native.pack_int8(qw, symmetric=False)[:, :, 512:]
+    )
     assert not native.fits_int4(quantized(64, 32))
     with pytest.raises(ValueError, match=r"outside 0\.\.15"):
         native.pack_int4(quantized(64, 32))
@@ -117,7 +152,7 @@ def test_pack_rejects_shapes_off_the_tiles():
     [(1, 32, 16), (2, 64, 48), (3, 96, 80), (4, 576, 1536), (5, 64, 48), (17, 128, 208),
      (64, 512, 768), (130, 2048, 96)],
 )  # fmt: skip
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", FORMS)
 def test_matmul_is_the_dot_with_the_dequantized_weight(m, k, n, bits):
     qw = quantized(k, n, seed=m, bits=bits)
     spec = kernel_for(bits)
@@ -128,7 +163,7 @@ def test_matmul_is_the_dot_with_the_dequantized_weight(m, k, n, bits):
 
 
 @pytest.mark.parametrize("m, k, i", [(1, 32, 16), (3, 64, 48), (13, 96, 64), (64, 512, 1536)])
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", FORMS)
 def test_swiglu_is_silu_gate_times_up(m, k, i, bits):
     qw = quantized(k, 2 * i, seed=i, bits=bits)
     spec = kernel_for(bits)
@@ -143,7 +178,7 @@ def test_swiglu_is_silu_gate_times_up(m, k, i, bits):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=atol)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", FORMS)
 def test_integer_path_extremes(bits):
     """The integer path's int16 sums at their limits: every code at its extreme (int8 -128,
     int4 15) against activations at +-max of their group (each code +-127), a group of
@@ -167,7 +202,7 @@ def test_integer_path_extremes(bits):
 
 
 @pytest.mark.parametrize("rows", [0, 3, 13])
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", FORMS)
 def test_padding_rows_are_skipped_and_zero(rows, bits):
     """Real rows give the full batch's results bit for bit (on the path their count picks:
     3 rows read the codes directly, 13 dequantize), padding rows zeros."""
@@ -182,7 +217,7 @@ def test_padding_rows_are_skipped_and_zero(rows, bits):
         assert not got[rows:].any()
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", FORMS)
 def test_every_isa_level_gives_the_same_products(bits):
     """The library of each level this CPU runs (AVX2 code, AVX-512 where present)."""
     qw = quantized(128, 64, bits=bits)
