@@ -38,7 +38,7 @@ import numpy as np
 from jaxcb.models import llama
 from jaxcb.models.base import AttentionBackend, AttentionMetadata, KVCache, ModelSpec, Params
 from jaxcb.models.layers import rms_norm, rope_for, soft_cap
-from jaxcb.models.packed import embed_lookup, lm_head, matmul
+from jaxcb.models.packed import embed_tokens, lm_head, matmul
 from jaxcb.models.weights import CheckpointTensors, ConfigFields, ModelLoadError, cast
 
 #: Hugging Face class -> variant
@@ -181,9 +181,8 @@ def forward(
             spec, rope_theta=spec.local_rope_theta, rope_scaling=spec.local_rope_scaling
         )
         local_rope = rope_for(local, positions)
-    embed = params["embed"]
-    scale = jnp.asarray(math.sqrt(spec.hidden_size), _embed_dtype(embed)).astype(jnp.float32)
-    x = embed_lookup(embed, input_ids) * scale  # [T, H]
+    scale = jnp.asarray(math.sqrt(spec.hidden_size), _embed_dtype(params)).astype(jnp.float32)
+    x = embed_tokens(params, input_ids) * scale  # [T, H]
     activation = ACTIVATIONS[spec.activation]
     new_caches: KVCache = []
     for i, layer in enumerate(params["layers"]):
@@ -211,8 +210,12 @@ def forward(
     return logits, greedy, new_caches, hidden
 
 
-def _embed_dtype(embed: jax.Array) -> Any:
-    """The embedding table's dtype (a bfloat16 table is stored as its uint16 bits on CPU)."""
+def _embed_dtype(params: Params) -> Any:
+    """The embedding table's dtype (a bfloat16 table is stored as its uint16 bits on CPU;
+    rows read from a quantized head come out float32)."""
+    if "embed" not in params:
+        return jnp.float32
+    embed = params["embed"]
     return jnp.bfloat16 if embed.dtype == jnp.uint16 else embed.dtype
 
 

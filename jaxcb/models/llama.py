@@ -29,7 +29,7 @@ from jaxcb.models.base import (
     Params,
 )
 from jaxcb.models.layers import apply_rope, precision, rms_norm, rope_for
-from jaxcb.models.packed import embed_lookup, lm_head, matmul, packed_swiglu
+from jaxcb.models.packed import embed_tokens, lm_head, matmul, packed_swiglu
 from jaxcb.models.weights import CheckpointTensors, ConfigFields, ModelLoadError, cast
 
 #: Hugging Face class -> variant
@@ -353,7 +353,7 @@ def forward(
     rope = rope_for(spec, positions)
     # The residual stream stays float32 whatever the weights' dtype; only matmul inputs and
     # the KV pages take the narrow dtype.
-    x = embed_lookup(params["embed"], input_ids)  # [T, H]
+    x = embed_tokens(params, input_ids)  # [T, H]
     new_caches: KVCache = []
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)

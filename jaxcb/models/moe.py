@@ -55,7 +55,7 @@ from jaxcb.models.base import (
     Params,
 )
 from jaxcb.models.layers import dense, rms_norm, rope_for
-from jaxcb.models.packed import embed_lookup, grouped_matmul, grouped_swiglu, lm_head, matmul
+from jaxcb.models.packed import embed_tokens, grouped_matmul, grouped_swiglu, lm_head, matmul
 from jaxcb.models.weights import CheckpointTensors, ConfigFields, ModelLoadError, cast
 
 #: Hugging Face class -> variant (its config.json model_type)
@@ -338,7 +338,7 @@ def forward(
     """One forward pass over a packed ragged batch; the contract of llama.forward."""
     real_tokens = num_compute_tokens[0]
     rope = rope_for(spec, positions)
-    x = embed_lookup(params["embed"], input_ids)  # [T, H], float32 throughout
+    x = embed_tokens(params, input_ids)  # [T, H], float32 throughout
     new_caches: KVCache = []
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)

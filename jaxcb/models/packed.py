@@ -22,7 +22,7 @@ import numpy as np
 from jaxcb import native
 from jaxcb.models.base import ParamInfo, Params
 from jaxcb.models.layers import dense, precision
-from jaxcb.models.quant import is_quantized, quantized_matmul
+from jaxcb.models.quant import CODE_OFFSET, is_quantized, quantized_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +151,49 @@ def embed_lookup(embed: jax.Array, input_ids: jax.Array) -> jax.Array:
     return x.astype(jnp.float32)
 
 
+def embed_tokens(params: Params, input_ids: jax.Array) -> jax.Array:
+    """The input tokens' embeddings, f32[T, H]: rows of params["embed"], or, where
+    prepare_cpu_params left the table out (tied to a quantized head), the head's columns
+    dequantized (`head_columns`)."""
+    if "embed" in params:
+        return embed_lookup(params["embed"], input_ids)
+    return head_columns(params["lm_head"], input_ids)
+
+
+def head_columns(head: Weight, ids: jax.Array) -> jax.Array:
+    """Columns `ids` of a quantized [H, V] weight as f32[T, H] rows: from models/quant.py's
+    form (q, scale, min), or from the int8 / int4 kernels' packed layouts
+    (native/packing.py): each id's 16-column block gathered, its column picked out."""
+    if is_quantized(head):
+        q, scale, minimum = (head[k][:, ids].T.astype(jnp.float32) for k in ("q", "scale", "min"))
+        groups = scale.shape[1]
+        codes = q.reshape(q.shape[0], groups, -1) + CODE_OFFSET
+        return (codes * scale[:, :, None] + minimum[:, :, None]).reshape(q.shape)
+    ((kernel, packed),) = head.items()
+    blocks = packed[ids // 16]  # u8[T, K/32, group bytes]
+    column = (ids % 16)[:, None, None, None, None]
+    t, groups, size = blocks.shape
+    code_bytes = 256 if kernel == native.INT4_MATMUL.name else 512
+
+    def pick(part: jax.Array, width: int) -> jax.Array:  # column c of [.., 16, width] runs
+        runs = part.reshape(t, groups, -1, 16, width)
+        return jnp.take_along_axis(runs, column, axis=3)[:, :, :, 0]
+
+    def halves(at: int) -> jax.Array:  # 16 float16 values a group, column c's
+        f16 = pick(blocks[:, :, at : at + 32], 2)[:, :, 0]
+        return jax.lax.bitcast_convert_type(f16, jnp.float16).astype(jnp.float32)
+
+    quads = pick(blocks[:, :, :code_bytes], 4).reshape(t, groups, -1)  # input 4 p + j's byte
+    if code_bytes == 256:  # low nibbles inputs 0..15, high nibbles 16..31
+        codes = jnp.concatenate([quads & 15, quads >> 4], axis=2).astype(jnp.float32)
+    else:
+        codes = jax.lax.bitcast_convert_type(quads, jnp.int8).astype(jnp.float32) + CODE_OFFSET
+    scale = halves(code_bytes)[:, :, None]
+    if size == code_bytes + 32:  # symmetric int8: weight = q x scale
+        return ((codes - CODE_OFFSET) * scale).reshape(t, -1)
+    return (codes * scale + halves(code_bytes + 32)[:, :, None]).reshape(t, -1)
+
+
 # ---- choosing and packing (at load time, on the host) -----------------------------------
 
 
@@ -228,6 +271,7 @@ def prepare_cpu_params(
     pack: str | None,
     greedy_screen: bool,
     platform: str | None = None,
+    tied: bool = False,
 ) -> tuple[Params, Params]:
     """The params (and their declarations) as the CPU runs them best; unchanged elsewhere
     (`platform`: where the step will run, default jax's backend; a compile for an absent
@@ -243,10 +287,17 @@ def prepare_cpu_params(
       (ParamInfo.experts, [E, in, ...]) of its dtype becomes {pack: E packed matrices} for
       the grouped kernel (native.pack_experts). Quantized weights (models/quant.py)
       become {"int8": packed} where the int8 kernel runs (else XLA dequantizes them).
+    - `tied` (the embeddings are tied to the head) with a quantized head (a GGUF file's Q8_0
+      or Q4 table): the table is left out and `embed_tokens` reads the head's columns. The
+      table in the model dtype beside the int8 head was a third of a Q8_0 SmolLM2's weights.
     """
     if (platform or jax.default_backend()) != "cpu":
         return params, infos
-    params, infos = _embed_as_bits(params, infos)
+    if tied and is_quantized(params.get("lm_head")) and "embed" in params:
+        params, infos = dict(params), dict(infos)
+        del params["embed"], infos["embed"]
+    else:
+        params, infos = _embed_as_bits(params, infos)
     if pack:
         params, infos = _untie_lm_head(params, infos)
         params = _pack_weights(params, infos, pack, greedy_screen=greedy_screen)

@@ -103,7 +103,12 @@ class ModelRunner:
             raise ValueError("an abstract runner takes no packed matmuls and no swap pool")
         if not abstract:  # (the CPU's packing reads the weights)
             params, infos = prepare_cpu_params(
-                params, infos, pack=pack_matmuls, greedy_screen=greedy_screen, platform=platform
+                params,
+                infos,
+                pack=pack_matmuls,
+                greedy_screen=greedy_screen,
+                platform=platform,
+                tied=spec.tie_word_embeddings,
             )
         rules = sharding.rules_for(spec, tp)
         self._replicated = sharding.replicated(mesh)

@@ -200,6 +200,7 @@ def test_quantized_agrees_with_float32_reference(
         assert list(params["layers"][0]["w_down"]) == ["int4"]  # Q4_1 blocks: 4-bit codes
         assert list(params["lm_head"]) == ["int8"]  # the tied Q8_0 table, as the file has it
         assert params["lm_head"]["int8"].shape[-1] == 544  # Q8_0: symmetric, no minimums
+        assert "embed" not in params  # the tokens' rows are read from the head
     if "kv_cache_dtype" in flags:
         assert stats["kv_cache_dtype"] == "int8"
         assert stats["kv_bytes_per_token"] == 2 * 30 * 3 * (64 + 4)  # 30 layers, 3 KV heads

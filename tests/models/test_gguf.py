@@ -550,6 +550,43 @@ def test_int8_takes_a_block_quantized_head_as_it_is(llama_dir, tmp_path) -> None
     assert f32["lm_head"].dtype == np.float32
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_a_tied_quantized_head_gives_the_token_rows(family, tmp_path, monkeypatch):
+    """A tied Q8_0 table under int8 is kept once, as the head (symmetric int8 codes): the
+    engine reads the tokens' rows from its columns, with the same greedy tokens as with the
+    table kept beside it (float32: the table is the blocks dequantized), and that many fewer
+    weight bytes."""
+    from jaxcb.models import packed
+    from jaxcb.runtime import runner
+
+    hf_dir = tmp_path / family
+    overrides = GEMMA_AND_MOE[family][1] if family in GEMMA_AND_MOE else {}
+    make_hf_model(family, hf_dir, tie_word_embeddings=True, **overrides)
+    path = write_gguf(tmp_path / f"{family}.gguf", hf_dir, arch=family, qtype="Q8_0")
+    engine = dict(dtype="float32", quantization="int8", max_model_len=64, num_pages=16,
+                  max_num_seqs=4, max_num_batched_tokens=32, token_buckets=[1, 32])  # fmt: skip
+    prompts = random_prompts(3, seed=4, max_len=40)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run() -> tuple[list[list[int]], dict, dict]:
+        llm = LLM(str(path), **engine)
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm.engine.runner.params, llm.stats()
+
+    tokens, params, stats = run()
+    assert "embed" not in params and "lm_head" in params
+
+    def keep_the_table(*args, **kwargs):
+        return packed.prepare_cpu_params(*args, **{**kwargs, "tied": False})
+
+    monkeypatch.setattr(runner, "prepare_cpu_params", keep_the_table)
+    kept_tokens, kept, kept_stats = run()
+    table = kept["embed"]
+    assert table.dtype == np.float32
+    assert tokens == kept_tokens
+    assert kept_stats["weight_bytes"] - stats["weight_bytes"] == table.size * 4
+
+
 def test_int8_grids_keep_their_weights_float32_and_others_follow_the_dtype(
     llama_dir, tmp_path
 ) -> None:

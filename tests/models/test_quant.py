@@ -306,3 +306,41 @@ def test_fp8_on_a_named_native_cpu_kernel_is_a_one_line_error():
     assert "\n" not in str(err.value)
     xla = EngineConfig.from_dict(None, quantization="fp8", matmul="xla")
     assert _matmul_backend(xla, jnp.float32, 1) == "xla"
+
+
+def _head(form: str, h: int = 64, v: int = 48) -> dict[str, np.ndarray]:
+    """A quantized [h, v] head: random int8 groups, Q8_0 blocks (symmetric) or Q4_1 ones."""
+    rng = np.random.default_rng(7)
+    if form == "int8":
+        return quantize_int8(weight((h, v)))
+    d = rng.uniform(0.001, 0.05, (h // 32, 1, v)).astype(np.float16).astype(np.float32)
+    if form == "q8_0":
+        codes, m = rng.integers(-128, 128, (h // 32, 32, v)), np.zeros_like(d)
+        grid = (d, -128 * d)
+    else:
+        codes = rng.integers(0, 16, (h // 32, 32, v))
+        m = rng.uniform(-0.3, 0.0, d.shape).astype(np.float16).astype(np.float32)
+        grid = (d, m)
+    w = (codes * d + m).reshape(h, v).astype(np.float32)
+    return quantize_int8(w, tuple(np.broadcast_to(a, (h // 32, 32, v)).reshape(h, v) for a in grid))
+
+
+@pytest.mark.parametrize("form", ["int8", "q8_0", "q4_1"])
+@pytest.mark.parametrize("stored", ["quantized", "packed"])
+def test_head_columns_are_the_dequantized_table_rows(form, stored):
+    """A tied table read from its quantized head (packed.head_columns): column v of the head
+    is token v's embedding, in every form the head is kept in (models/quant.py's, the int8
+    kernel's layouts with and without minimums, the 4-bit one)."""
+    from jaxcb import native
+    from jaxcb.models.packed import head_columns
+
+    qw = _head(form)
+    head = {k: jnp.asarray(x) for k, x in qw.items()}
+    if stored == "packed":
+        kernel = native.INT4_MATMUL if form == "q4_1" else native.INT8_MATMUL
+        packed = kernel.pack(qw)
+        assert packed.shape[-1] == {"int8": 576, "q8_0": 544, "q4_1": 320}[form]
+        head = {kernel.name: jnp.asarray(packed)}
+    ids = np.array([0, 47, 5, 16, 31, 5, 17])
+    got = np.asarray(jax.jit(head_columns)(head, jnp.asarray(ids)))
+    np.testing.assert_array_equal(got, dequantize_np(qw)[:, ids].T)
