@@ -29,7 +29,7 @@ from jaxcb.models.base import (
     Params,
 )
 from jaxcb.models.layers import apply_rope, precision, rms_norm, rope_for
-from jaxcb.models.packed import embed_tokens, lm_head, matmul, packed_swiglu
+from jaxcb.models.packed import embed_tokens, lm_head, matmul, normed, packed_swiglu
 from jaxcb.models.weights import CheckpointTensors, ConfigFields, ModelLoadError, cast
 
 #: Hugging Face class -> variant
@@ -356,13 +356,15 @@ def forward(
     x = embed_tokens(params, input_ids)  # [T, H]
     new_caches: KVCache = []
     for i, layer in enumerate(params["layers"]):
-        h = rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
+        # (left to the int8 / int4 kernels of the next matmul where they take it: `normed`)
+        h = normed(x, layer["attn_norm"], spec.rms_norm_eps, layer["wqkv"])
         attn, caches = attention_block(
             layer, h, rope, kv_caches[i], meta, spec, attention, i, real_tokens
         )
         new_caches.append(caches)
         x = x + matmul(attn, layer["wo"], real_tokens)
-        x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps), real_tokens)
+        h = normed(x, layer["mlp_norm"], spec.rms_norm_eps, layer["w_gate_up"])
+        x = x + mlp(layer, h, real_tokens)
     hidden = rms_norm(x, params["final_norm"], spec.rms_norm_eps)  # [T, H]
     logits, greedy = lm_head(params, hidden[logits_indices], meta.num_seqs[0], need_logits)
     return logits, greedy, new_caches, hidden

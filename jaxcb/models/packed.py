@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxcb import native
 from jaxcb.models.base import ParamInfo, Params
-from jaxcb.models.layers import dense, precision
+from jaxcb.models.layers import dense, precision, rms_norm
 from jaxcb.models.quant import CODE_OFFSET, is_quantized, quantized_matmul
 
 logger = logging.getLogger(__name__)
@@ -29,11 +29,50 @@ logger = logging.getLogger(__name__)
 Weight = jax.Array | dict[str, jax.Array]
 
 
-def matmul(x: jax.Array, w: Weight, rows: jax.Array | None = None) -> jax.Array:
+class Normed(NamedTuple):
+    """rms_norm(x, weight, eps), left to the matmul that takes it (`normed`): the int8 /
+    int4 kernels norm their input rows in their own call (native.packed_norm_matmul)."""
+
+    x: jax.Array
+    weight: jax.Array
+    eps: float
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.x.shape
+
+    def value(self) -> jax.Array:
+        return rms_norm(self.x, self.weight, self.eps)
+
+
+def normed(x: jax.Array, weight: jax.Array, eps: float, w: Weight) -> jax.Array | Normed:
+    """rms_norm(x, weight, eps) as the input of `matmul(., w)` (and of `packed_swiglu(w)`'s
+    kernel): left as a Normed for a packed quantized weight, whose kernel norms the rows in
+    its call (three fewer XLA ops); computed here for any other weight."""
+    if _norm_kernel(w) is None:
+        return rms_norm(x, weight, eps)
+    return Normed(x, weight, eps)
+
+
+def _norm_kernel(w: Weight) -> str | None:
+    if isinstance(w, dict) and not is_quantized(w):
+        ((kernel, _),) = w.items()
+        if kernel in native.NORM_TARGETS:
+            return kernel
+    return None
+
+
+def matmul(x: jax.Array | Normed, w: Weight, rows: jax.Array | None = None) -> jax.Array:
     """x @ w for a [in, ...] weight viewed as [in, out] (float32 result), a weight packed
     for a native kernel ({kernel name: packed}), or a quantized one (models/quant.py).
     `rows` (i32 scalar): how many leading rows of x are real, the rest a bucket's padding;
-    the native kernels skip the padding and return zeros there, XLA computes it."""
+    the native kernels skip the padding and return zeros there, XLA computes it. x may be
+    a `Normed` (rms_norm(x) left to the kernel)."""
+    if isinstance(x, Normed):
+        if (kernel := _norm_kernel(w)) is not None:
+            ((_, packed),) = w.items()
+            return native.packed_norm_matmul(kernel, x.x, x.weight, x.eps, packed, rows)
+        x = x.value()
     if is_quantized(w):
         return quantized_matmul(x, w)
     if isinstance(w, dict):
@@ -107,7 +146,20 @@ def packed_swiglu(w: Weight) -> Callable[..., jax.Array] | None:
     if not isinstance(w, dict) or is_quantized(w):
         return None
     ((kernel, packed),) = w.items()
-    return native.ALL_PACKED[kernel].swiglu if packed.shape[0] % 2 == 0 else None
+    fused = native.ALL_PACKED[kernel].swiglu
+    if fused is None or packed.shape[0] % 2:
+        return None
+
+    def swiglu(x: jax.Array | Normed, packed: jax.Array, rows: Any = None) -> jax.Array:
+        if isinstance(x, Normed):
+            if kernel in native.NORM_TARGETS:
+                return native.packed_norm_matmul(
+                    kernel, x.x, x.weight, x.eps, packed, rows, swiglu=True
+                )
+            x = x.value()
+        return fused(x, packed, rows)
+
+    return swiglu
 
 
 def lm_head(

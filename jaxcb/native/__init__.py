@@ -31,6 +31,7 @@ from jaxcb.native.grouped import (
     packed_grouped_matmul,
     packed_grouped_swiglu,
 )
+from jaxcb.native.normed import NORM_TARGETS, packed_norm_matmul
 from jaxcb.native.ops import (
     ALL_PACKED,
     ARGMAX_SLOTS,
@@ -67,6 +68,7 @@ __all__ = [
     "INT8_MATMUL",
     "ISA_ENV",
     "ISA_LEVELS",
+    "NORM_TARGETS",
     "PACKED_MATMULS",
     "NativeBuildError",
     "PackedMatmul",
@@ -93,6 +95,7 @@ __all__ = [
     "packed_grouped_swiglu",
     "packed_matmul",
     "packed_matmul_argmax",
+    "packed_norm_matmul",
     "packed_swiglu",
     "ragged_paged_attention_native",
     "supported_levels",

@@ -72,6 +72,10 @@ MATMUL_INT8_TARGET = "jaxcb_matmul_int8"
 SWIGLU_INT8_TARGET = "jaxcb_swiglu_int8"
 MATMUL_INT4_TARGET = "jaxcb_matmul_int4"
 SWIGLU_INT4_TARGET = "jaxcb_swiglu_int4"
+NORM_MATMUL_INT8_TARGET = "jaxcb_norm_matmul_int8"
+NORM_SWIGLU_INT8_TARGET = "jaxcb_norm_swiglu_int8"
+NORM_MATMUL_INT4_TARGET = "jaxcb_norm_matmul_int4"
+NORM_SWIGLU_INT4_TARGET = "jaxcb_norm_swiglu_int4"
 GROUPED_MATMUL_AMX_TARGET = "jaxcb_grouped_matmul_amx"
 GROUPED_MATMUL_F32_TARGET = "jaxcb_grouped_matmul_f32"
 GROUPED_SWIGLU_F32_TARGET = "jaxcb_grouped_swiglu_f32"
@@ -267,6 +271,10 @@ def _load_level(name: str) -> Features:
             (SWIGLU_INT8_TARGET, "JaxcbSwigluInt8"),
             (MATMUL_INT4_TARGET, "JaxcbMatmulInt4"),
             (SWIGLU_INT4_TARGET, "JaxcbSwigluInt4"),
+            (NORM_MATMUL_INT8_TARGET, "JaxcbNormMatmulInt8"),
+            (NORM_SWIGLU_INT8_TARGET, "JaxcbNormSwigluInt8"),
+            (NORM_MATMUL_INT4_TARGET, "JaxcbNormMatmulInt4"),
+            (NORM_SWIGLU_INT4_TARGET, "JaxcbNormSwigluInt4"),
             (GROUPED_MATMUL_F32_TARGET, "JaxcbGroupedMatmulF32"),
             (GROUPED_SWIGLU_F32_TARGET, "JaxcbGroupedSwigluF32"),
             (GROUPED_MATMUL_BF16_WIDE_TARGET, "JaxcbGroupedMatmulBf16Wide"),

@@ -943,10 +943,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbMatmulArgmaxScreenedF32, MatmulArgmaxScreened
                                     .Arg<ffi::Buffer<ffi::S32>>() /* real rows [1] */        \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 
+// The same, a's rows RMS-normed first: (a, g f32[K], w, rows; eps) -> as above.
+#define JAXCB_NORM_QUANT_MATMUL(name, bits, swiglu)                                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (NormMatmulQuantImpl<bits, swiglu>),                    \
+                                ffi::Ffi::Bind()                                             \
+                                    .Ctx<ffi::ThreadPool>()                                  \
+                                    .Arg<ffi::Buffer<ffi::F32>>() /* a [M, K] */             \
+                                    .Arg<ffi::AnyBuffer>() /* norm weight f32 / bf16 [K] */  \
+                                    .Arg<ffi::Buffer<ffi::U8>>() /* w (pack_int8 / 4) */     \
+                                    .Arg<ffi::Buffer<ffi::S32>>() /* real rows [1] */        \
+                                    .Ret<ffi::Buffer<ffi::F32>>()                            \
+                                    .Attr<float>("eps"));
+
 JAXCB_QUANT_MATMUL(JaxcbMatmulInt8, 8, false)  // -> f32 [M, N]
 JAXCB_QUANT_MATMUL(JaxcbSwigluInt8, 8, true)   // -> f32 [M, N / 2]
 JAXCB_QUANT_MATMUL(JaxcbMatmulInt4, 4, false)  // -> f32 [M, N]
 JAXCB_QUANT_MATMUL(JaxcbSwigluInt4, 4, true)   // -> f32 [M, N / 2]
+JAXCB_NORM_QUANT_MATMUL(JaxcbNormMatmulInt8, 8, false)
+JAXCB_NORM_QUANT_MATMUL(JaxcbNormSwigluInt8, 8, true)
+JAXCB_NORM_QUANT_MATMUL(JaxcbNormMatmulInt4, 4, false)
+JAXCB_NORM_QUANT_MATMUL(JaxcbNormSwigluInt4, 4, true)
 #endif
 
 #if defined(JAXCB_HAVE_V16) && defined(__AVX512BF16__)

@@ -367,10 +367,35 @@ void QuantMatmul(ffi::ThreadPool& pool, const float* a, const char* w, float* ou
   });
 }
 
+// The RMS-normed rows [0, m) of a [., k] into out: a_i * (1 / sqrt(mean(a_i^2) + eps)) * g,
+// in float32 as layers.rms_norm computes it.
+inline void RmsNormRows(const float* a, const float* g, float eps, int64_t m, int64_t k,
+                        float* out) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float* x = a + i * k;
+    float* y = out + i * k;
+    __m256 squares = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 8 <= k; c += 8) {
+      const __m256 v = _mm256_loadu_ps(x + c);
+      squares = _mm256_fmadd_ps(v, v, squares);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, squares);
+    float sum = 0.0f;
+    for (float lane : lanes) sum += lane;
+    for (; c < k; ++c) sum += x[c] * x[c];
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(k) + eps);
+    for (c = 0; c < k; ++c) y[c] = g[c] * (x[c] * inv);
+  }
+}
+
+// out = a x w (or its SwiGLU), a's m real rows first RMS-normed with weight g ([K]; null:
+// not normed): the checks and the call shared by both entry points.
 template <int kBits, bool kSwiglu>
-ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
-                           ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> rows,
-                           ffi::Result<ffi::Buffer<ffi::F32>> out) {
+ffi::Error QuantMatmulEntry(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& a, const float* g,
+                            float eps, ffi::Buffer<ffi::U8>& w, ffi::Buffer<ffi::S32>& rows,
+                            ffi::Result<ffi::Buffer<ffi::F32>>& out) {
   auto ad = a.dimensions();
   auto wd = w.dimensions();
   // int8 weights come in both forms, told apart by their group bytes (576, or 544 symmetric)
@@ -384,18 +409,59 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
   if (kSwiglu && wd[0] % 2) {
     return ffi::Error::InvalidArgument("swiglu: w must hold as many up blocks as gate blocks");
   }
-  const int64_t m = RealRows(ad, rows);
+  const int64_t m = RealRows(ad, rows), k = ad[1];
   float* o = out->typed_data();
   const int64_t n = (kSwiglu ? wd[0] / 2 : wd[0]) * 16;
   std::fill(o + m * n, o + ad[0] * n, 0.0f);
   if (m == 0) return ffi::Error::Success();
+  const float* x = a.typed_data();
+  thread_local std::vector<float> normed;
+  if (g != nullptr) {
+    normed.resize(m * k);
+    RmsNormRows(x, g, eps, m, k, normed.data());
+    x = normed.data();
+  }
   const char* wp = reinterpret_cast<const char*>(w.untyped_data());
   if constexpr (kBits == 8) {
     if (sym) {
-      QuantMatmul<8, true, kSwiglu>(pool, a.typed_data(), wp, o, m, ad[1], wd[0]);
+      QuantMatmul<8, true, kSwiglu>(pool, x, wp, o, m, k, wd[0]);
       return ffi::Error::Success();
     }
   }
-  QuantMatmul<kBits, false, kSwiglu>(pool, a.typed_data(), wp, o, m, ad[1], wd[0]);
+  QuantMatmul<kBits, false, kSwiglu>(pool, x, wp, o, m, k, wd[0]);
   return ffi::Error::Success();
+}
+
+template <int kBits, bool kSwiglu>
+ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
+                           ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> rows,
+                           ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  return QuantMatmulEntry<kBits, kSwiglu>(pool, a, nullptr, 0.0f, w, rows, out);
+}
+
+// The same with a's rows RMS-normed first (weight g [K], float32 or bfloat16 as the model
+// stores it, eps): the norm before a layer's first matmuls, in the kernel's call rather than
+// three XLA ops of its own (and a fourth converting g).
+template <int kBits, bool kSwiglu>
+ffi::Error NormMatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::AnyBuffer g,
+                               ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> rows,
+                               ffi::Result<ffi::Buffer<ffi::F32>> out, float eps) {
+  const int64_t k = a.dimensions().back();
+  const bool bf16 = g.element_type() == ffi::DataType::BF16;
+  if (static_cast<int64_t>(g.element_count()) != k ||
+      !(bf16 || g.element_type() == ffi::DataType::F32)) {
+    return ffi::Error::InvalidArgument("the norm weight must be f32[K] or bf16[K]");
+  }
+  const float* g32 = static_cast<const float*>(g.untyped_data());
+  thread_local std::vector<float> widened;
+  if (bf16) {
+    const uint16_t* bits = static_cast<const uint16_t*>(g.untyped_data());
+    widened.resize(k);
+    for (int64_t c = 0; c < k; ++c) {
+      const uint32_t word = static_cast<uint32_t>(bits[c]) << 16;
+      std::memcpy(&widened[c], &word, 4);
+    }
+    g32 = widened.data();
+  }
+  return QuantMatmulEntry<kBits, kSwiglu>(pool, a, g32, eps, w, rows, out);
 }

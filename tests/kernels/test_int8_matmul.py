@@ -235,3 +235,33 @@ def test_every_isa_level_gives_the_same_products(bits):
             real = jnp.full(1, rows, jnp.int32)
             got = np.asarray(call(jnp.asarray(x), jnp.asarray(packed), real))
             assert_products(got[:rows], x[:rows], qw)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 13])
+@pytest.mark.parametrize("bits", FORMS)
+def test_norm_fused_matmul_is_the_matmul_of_the_normed_rows(rows, bits):
+    """native.packed_norm_matmul: the rows RMS-normed in the kernel's call (as
+    layers.rms_norm, the norm weight float32 or bfloat16), then the same matmul / SwiGLU;
+    padding rows stay zero."""
+    from jaxcb.models.layers import rms_norm
+
+    k, n = 96, 64
+    qw = quantized(k, n, seed=rows, bits=bits)
+    spec = kernel_for(bits)
+    packed = jnp.asarray(spec.pack(qw))
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((16, k)) * 3.0, jnp.float32)
+    g32 = jnp.asarray(rng.uniform(0.5, 1.5, k), jnp.float32)
+    real = jnp.int32(rows)
+    cases = [(g, False, spec.kernel) for g in (g32, g32.astype(jnp.bfloat16))]
+    for g, swiglu, plain in [*cases, (g32, True, spec.swiglu)]:
+        got = np.asarray(
+            jax.jit(native.packed_norm_matmul, static_argnames=("kernel", "eps", "swiglu"))(
+                x=x, weight=g, w_packed=packed, rows=real, kernel=spec.name, eps=1e-5,
+                swiglu=swiglu,
+            )
+        )  # fmt: skip
+        want = np.asarray(jax.jit(plain)(rms_norm(x, g, 1e-5), packed, real))
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        assert not got[rows:].any()
