@@ -218,7 +218,7 @@ def restore_params(
     import orbax.checkpoint as ocp
 
     from jaxcb.models.base import abstract_from_infos, is_param_info
-    from jaxcb.models.quant import quantized_infos
+    from jaxcb.models.quant import quantized_head_infos, quantized_infos
     from jaxcb.models.registry import param_infos
 
     path = Path(path)
@@ -249,7 +249,16 @@ def restore_params(
              else s for k, s in layer.items()}
             for layer, info in zip(shardings["layers"], infos["layers"], strict=True)
         ]}  # fmt: skip
-    target = abstract_from_infos(quantized_infos(infos, quantization), dtype)
+    target_infos = quantized_infos(infos, quantization)
+    head = dict(stored).get("lm_head")
+    if quantization != "none" and isinstance(head, dict) and {"q", "scale"} <= set(head):
+        # a head converted from GGUF blocks (a tied table's included): on the table's sharding
+        target_infos = quantized_head_infos(target_infos, quantization)
+        s = shardings.get("lm_head", shardings["embed"])
+        if "lm_head" not in infos and isinstance(s, jax.sharding.NamedSharding):
+            s = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec())
+        shardings = {**shardings, "lm_head": {k: s for k in target_infos["lm_head"]}}
+    target = abstract_from_infos(target_infos, dtype)
     _check_shapes(stored, target, path)
     target = jax.tree_util.tree_map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), target, shardings

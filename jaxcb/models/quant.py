@@ -303,11 +303,18 @@ def quantize_params(
     ]  # fmt: skip
     if form == "int8" and grids and "lm_head" in grids and "lm_head" in params:
         # A head stored in GGUF blocks (a Q8_0 table, say): as the file has it, not rounded.
-        head = params["lm_head"]
-        params["lm_head"] = quantize_int8(head, grids["lm_head"])
-        info = ParamInfo(tuple(np.shape(head)), ("embed", "vocab"), matmul=True)
-        new_infos = {**new_infos, "lm_head": _quantized_info(info, form)}
+        params["lm_head"] = quantize_int8(params["lm_head"], grids["lm_head"])
+        new_infos = quantized_head_infos(new_infos, quantization, platform)
     return params, new_infos
+
+
+def quantized_head_infos(infos: Params, quantization: str, platform: str = "cpu") -> Params:
+    """`infos` with an output head quantized as `quantize_params` quantizes one stored in GGUF
+    blocks ([H, V], the tied table's shape transposed where the model ties it): for params
+    that hold such a head (restored from a checkpoint converted so)."""
+    h, v = infos["embed"].shape[::-1]
+    info = ParamInfo((h, v), ("embed", "vocab"), matmul=True)
+    return {**infos, "lm_head": _quantized_info(info, weight_form(quantization, platform))}
 
 
 def weight_bytes(params: Params) -> int:

@@ -37,7 +37,9 @@ from jaxcb.models.packed import matmul_backend, matmul_report
 from jaxcb.models.quant import (
     check_stored,
     check_tensor_parallel,
+    is_quantized,
     quantize_params,
+    quantized_head_infos,
     quantized_infos,
     weight_bytes,
 )
@@ -139,6 +141,8 @@ def build_runner(
         platform=jax.default_backend(),
     )
     infos = quantized_infos(infos, model.quantization)
+    if is_quantized(params.get("lm_head")) and not is_quantized(infos.get("lm_head")):
+        infos = quantized_head_infos(infos, model.quantization)  # restored from a checkpoint
     tp = sharding.tensor_parallel_size(mesh)
     check_tensor_parallel(infos, sharding.rules_for(spec, tp), tp)
     matmul = _matmul_backend(config, dtype, sharding.tensor_parallel_size(mesh))
