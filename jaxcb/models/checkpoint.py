@@ -251,8 +251,10 @@ def restore_params(
         ]}  # fmt: skip
     target_infos = quantized_infos(infos, quantization)
     head = dict(stored).get("lm_head")
-    if quantization != "none" and isinstance(head, dict) and {"q", "scale"} <= set(head):
-        # a head converted from GGUF blocks (a tied table's included): on the table's sharding
+    if head is None:  # a tied table converted before it was quantized as the head
+        target_infos = {k: v for k, v in target_infos.items() if k != "lm_head"}
+    elif quantization != "none" and isinstance(head, dict) and {"q", "scale"} <= set(head):
+        # a quantized head (from GGUF blocks, or a tied table's): on the table's sharding
         target_infos = quantized_head_infos(target_infos, quantization)
         s = shardings.get("lm_head", shardings["embed"])
         if "lm_head" not in infos and isinstance(s, jax.sharding.NamedSharding):

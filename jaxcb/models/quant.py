@@ -29,8 +29,12 @@ step (compiled for v5e x4, a 2-layer Qwen3-8B decode step moved 10.4 GB instead 
 0.84). A GGUF file's blocks are therefore requantized per channel on those platforms.
 
 `quantize_params` quantizes every layer matmul weight (the ParamInfos marked `matmul`);
-the embedding table and the output head stay in the model dtype (vLLM's int8 schemes keep
-them too: the head's error lands directly on the logits). The declarations follow: `q`,
+an untied embedding table and output head stay in the model dtype (vLLM's int8 schemes keep
+them too: the head's error lands directly on the logits). A tied table (the grouped form,
+CPU) gets a quantized head of its own, as llama.cpp's Q8_0 files quantize theirs: the CPU
+then keeps only that (packed.embed_tokens reads the tokens' rows from it), where the table
+and its copy as the head were, in SmolLM2, 42% of bfloat16's weight bytes; its perplexity
+moved by 0.1% (docs/quantization.md). The declarations follow: `q`,
 `scale` and `min` keep the weight's logical axes (tensor parallelism splits them as it
 split the weight; a split input axis splits whole groups where 32 x TP divides it).
 """
@@ -267,6 +271,8 @@ def quantized_infos(infos: Params, quantization: str, platform: str = "cpu") -> 
         }
         for layer in infos["layers"]
     ]
+    if form == "int8" and "lm_head" not in infos and "embed" in infos:  # a tied table: as head
+        infos = quantized_head_infos(infos, quantization, platform)
     return infos
 
 
@@ -278,8 +284,9 @@ def quantize_params(
     platform: str = "cpu",
 ) -> tuple[Params, Params]:
     """(params, infos) with every layer matmul weight quantized in `weight_form(quantization,
-    platform)` (see the module doc); unchanged for "none". The output head and the embedding
-    table are left as they are, but for a head stored in GGUF blocks. `grids`: {"layers":
+    platform)` (see the module doc); unchanged for "none". An untied output head and the
+    embedding table are left as they are, but for a head stored in GGUF blocks; a tied table
+    gets a quantized head (params["lm_head"], [H, V]) in the grouped form. `grids`: {"layers":
     [{name: (d, m)}], "lm_head": (d, m)} for weights dequantized from GGUF blocks
     (loader.LoadedModel.block_grids), held to their blocks exactly in the grouped form; with
     a head's grid, params["lm_head"] ([H, V]: the loader's float32 copy of a tied table)
@@ -305,6 +312,9 @@ def quantize_params(
         # A head stored in GGUF blocks (a Q8_0 table, say): as the file has it, not rounded.
         params["lm_head"] = quantize_int8(params["lm_head"], grids["lm_head"])
         new_infos = quantized_head_infos(new_infos, quantization, platform)
+    elif form == "int8" and "lm_head" not in params and "embed" in params:
+        # A tied table: quantized as the head, which the CPU keeps alone (packed.embed_tokens).
+        params["lm_head"] = quantize_int8(np.asarray(params["embed"], np.float32).T)
     return params, new_infos
 
 

@@ -167,6 +167,29 @@ def test_quantize_params_takes_the_layer_matmuls_only():
     assert quantize_params(params, infos, "none") == (params, infos)
 
 
+def test_a_tied_table_is_quantized_as_the_head():
+    """int8 on CPU: a tied embedding table gets a quantized head of its own ([H, V], int8
+    groups of 32 along H: each token's row), which the CPU keeps instead of the table
+    (packed.prepare_cpu_params); the declarations say so, and GPU/TPU keep the table."""
+    spec = registry.spec_from_hf_config({**CONFIG, "tie_word_embeddings": True})
+    infos = registry.param_infos(spec)
+    assert "lm_head" not in infos
+    abstract = registry.abstract_params(spec, jnp.float32)
+    rng = np.random.default_rng(0)
+    params = jax.tree_util.tree_map(
+        lambda a: rng.standard_normal(a.shape).astype(np.float32), abstract
+    )
+    qparams, qinfos = quantize_params(params, infos, "int8")
+    head, table = qparams["lm_head"], params["embed"]
+    assert set(head) == {"q", "scale", "min"} and head["q"].shape == table.T.shape
+    step = (table.max() - table.min()) / 255
+    assert np.abs(dequantize_np(head) - table.T).max() <= step
+    assert qinfos["lm_head"]["q"].axes == ("embed", "vocab")
+    assert quantized_infos(infos, "int8") == qinfos
+    gpu, gpu_infos = quantize_params(params, infos, "int8", platform="gpu")
+    assert "lm_head" not in gpu and "lm_head" not in gpu_infos
+
+
 def test_quantize_params_holds_the_grids_it_is_given():
     """grids={"layers": [{name: (d, m)}]}: those weights keep their blocks' codes; the
     others are quantized from their range."""
