@@ -11,6 +11,11 @@ an untimed warm-up, taking turns; medians are reported:
                   inter-token latency (engine clock), llama-server's timings.predicted_per_token_ms
   llama-bench     `llama-bench -m FILE -n N -p 0 -t 2 -r R -o json` (tg N from an empty
                   context, llama.cpp's own figure; with --llamacpp-bench)
+  paired          with --llama-bench BIN (no llama-server needed): `llama-bench -r 1` on
+                  --llama-bench-gguf after every round, taking turns with the systems; each
+                  system's tok/s over the same round's llama-bench tok/s, median over the
+                  rounds (a small machine's memory speed drifts by 20% between minutes:
+                  ratios within a round hold where separate runs' figures do not)
 
     python scripts/bench_single_stream.py --model smollm2-135m --dtype float32 \\
         --llamacpp-server <llama.cpp>/build/bin/llama-server --llamacpp-bench \\
@@ -64,6 +69,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--llamacpp-bench", action="store_true", help="also run llama-bench beside llama-server"
     )
+    parser.add_argument(
+        "--llama-bench",
+        type=Path,
+        help="a llama-bench binary: one turn of it after every round (the paired figure)",
+    )
+    parser.add_argument(
+        "--llama-bench-gguf",
+        type=Path,
+        help="its GGUF file (default: --jaxcb-model where that is a .gguf file)",
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     add_llamacpp_args(parser)
     add_config_overrides(parser)
@@ -78,6 +93,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("llama.cpp needs --llamacpp-server")
     if args.repeats < 1 or args.max_tokens < 2:
         parser.error("--repeats must be >= 1 and --max-tokens >= 2")
+    if args.llama_bench:
+        if args.llama_bench_gguf is None and str(args.jaxcb_model or "").endswith(".gguf"):
+            args.llama_bench_gguf = Path(args.jaxcb_model)
+        if args.llama_bench_gguf is None or not args.llama_bench_gguf.is_file():
+            parser.error("--llama-bench needs a GGUF file: --llama-bench-gguf (or --jaxcb-model)")
+        if not args.llama_bench.is_file():
+            parser.error(f"--llama-bench: no such file: {args.llama_bench}")
     args.llamacpp_ggufs = llamacpp_ggufs(args)
     return args
 
@@ -91,13 +113,16 @@ def decode_ms(name: str, extra: dict[str, Any], tokens: int) -> float | None:
     return None
 
 
-def llama_bench(args: argparse.Namespace, gguf: Path, file_type: str) -> dict[str, Any]:
-    """llama-bench's tg figure on `gguf` (tokens/s, averaged over --repeats), its KV cache
-    in the weights' precision as the server's where llama-bench takes it (bf16; it has no
-    f32 cache type, so an F32 file runs its default f16 cache: less to read, if anything)."""
-    binary = Path(args.llamacpp_server).with_name("llama-bench")
+def llama_bench(
+    args: argparse.Namespace, gguf: Path, file_type: str, repeats: int | None = None
+) -> dict[str, Any]:
+    """llama-bench's tg figure on `gguf` (tokens/s, averaged over `repeats`, default
+    --repeats), its KV cache in the weights' precision as the server's where llama-bench
+    takes it (bf16; it has no f32 cache type, so an F32 file runs its default f16 cache: less
+    to read, if anything)."""
+    binary = args.llama_bench or Path(args.llamacpp_server).with_name("llama-bench")
     cmd = [str(binary), "-m", str(gguf), "-n", str(args.max_tokens), "-p", "0"]
-    cmd += ["-t", str(args.llamacpp_threads), "-r", str(args.repeats), "-o", "json"]
+    cmd += ["-t", str(args.llamacpp_threads), "-r", str(repeats or args.repeats), "-o", "json"]
     kv = KV_TYPES.get(file_type)
     if kv is not None and kv != "f32":
         cmd += ["-ctk", kv, "-ctv", kv]
@@ -138,9 +163,13 @@ def build(args: argparse.Namespace, ctx: BenchContext) -> dict[str, Any]:
     return systems
 
 
-def run(args: argparse.Namespace, systems: dict[str, Any], tokens: int) -> dict[str, list]:
-    """--repeats rounds, the systems taking turns: (wall ms/tok, decode ms/tok) per pass."""
+def run(
+    args: argparse.Namespace, systems: dict[str, Any], tokens: int
+) -> tuple[dict[str, list], list[float]]:
+    """--repeats rounds, the systems taking turns: (wall ms/tok, decode ms/tok) per pass;
+    and with --llama-bench its tok/s after each round."""
     passes: dict[str, list] = {n: [] for n in systems}
+    turns: list[float] = []
     for round_ in range(args.repeats):
         for name, system in systems.items():
             result = system.run_pass()
@@ -148,7 +177,19 @@ def run(args: argparse.Namespace, systems: dict[str, Any], tokens: int) -> dict[
                 (1e3 * result.wall_s / tokens, decode_ms(name, result.extra, tokens))
             )
             log(f"{name} {round_ + 1}/{args.repeats}: {passes[name][-1][0]:.2f} ms/tok (wall)")
-    return passes
+        if args.llama_bench:
+            turns.append(llama_bench(args, args.llama_bench_gguf, "", repeats=1)["tok_s"])
+            log(f"llama-bench {round_ + 1}/{args.repeats}: {turns[-1]:.1f} tok/s")
+    return passes, turns
+
+
+def paired(passes: list, turns: list[float]) -> dict[str, float] | None:
+    """A system's tok/s over llama-bench's of the same round: median, min, max (None without
+    turns)."""
+    if not turns:
+        return None
+    ratios = [1e3 / (d or w) / t for (w, d), t in zip(passes, turns, strict=True)]
+    return dict(median=statistics.median(ratios), min=min(ratios), max=max(ratios))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"model {model_dir}; one request: {workload.prompt_tokens} prompt + {args.max_tokens}")
     systems = build(args, ctx)
     try:
-        passes = run(args, systems, args.max_tokens)
+        passes, turns = run(args, systems, args.max_tokens)
         infos = {n: s.info() for n, s in systems.items()}
         ggufs = {
             n: (Path(i["gguf"]), i["file_type"]) for n, i in infos.items() if n.startswith("llama")
@@ -181,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         for system in systems.values():
             system.close()
     bench = {n: llama_bench(args, *g) for n, g in ggufs.items()} if args.llamacpp_bench else {}
-    rows = summarize(passes, infos, bench, args.dtype)
-    print_table(rows, args)
+    rows = summarize(passes, infos, bench, args.dtype, turns)
+    print_table(rows, args, turns)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         record = dict(
@@ -192,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             infos=infos,
             passes=passes,
             llama_bench=bench,
+            llama_bench_turns=turns,
             results=rows,
             environment=environment(),
         )
@@ -201,9 +243,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summarize(
-    passes: dict[str, list], infos: dict, bench: dict, dtype: str
+    passes: dict[str, list], infos: dict, bench: dict, dtype: str, turns: list[float] = ()
 ) -> list[dict[str, Any]]:
-    """Medians per system, with llama-bench's figure beside each llama.cpp row."""
+    """Medians per system, with llama-bench's figure beside each llama.cpp row, and each
+    system's paired ratio to the llama-bench turns (`paired`)."""
     rows = []
     for name, ps in passes.items():
         decode = [d for _, d in ps if d is not None]
@@ -214,12 +257,15 @@ def summarize(
                 wall_ms_per_token=statistics.median(w for w, _ in ps),
                 decode_ms_per_token=statistics.median(decode) if decode else None,
                 llama_bench_ms_per_token=bench.get(name, {}).get("ms_per_token"),
+                paired_vs_llama_bench=paired(ps, list(turns)),
             )
         )
     return rows
 
 
-def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+def print_table(
+    rows: list[dict[str, Any]], args: argparse.Namespace, turns: list[float] = ()
+) -> None:
     print(f"\none request, {args.max_tokens} tokens, {args.dtype} (jaxcb, vLLM), medians")
     head = f"{'system':<20}{'weights':>10}{'wall ms/tok':>13}{'decode ms/tok':>15}"
     head += f"{'tok/s':>8}{'llama-bench ms/tok':>20}"
@@ -233,6 +279,18 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
             f"{1e3 / per_token:>8.1f}{f'{bench:.2f}' if bench else '-':>20}"
         )
     print("(tok/s from decode ms/tok where the system reports it, else from wall ms/tok)")
+    if turns:
+        print(
+            f"\nllama-bench turns on {args.llama_bench_gguf.name}: "
+            + ", ".join(f"{t:.1f}" for t in turns)
+            + " tok/s"
+        )
+        for r in rows:
+            p = r["paired_vs_llama_bench"]
+            print(
+                f"{r['system']} / llama-bench, paired by round: {p['median']:.3f}x median "
+                f"({p['min']:.3f}-{p['max']:.3f}, {len(turns)} rounds)"
+            )
 
 
 if __name__ == "__main__":

@@ -273,6 +273,12 @@ def test_flags_and_presets(tmp_path, chat_model):
     assert one.requests[0].prompt_token_ids in [r.prompt_token_ids for r in workload.requests]
     rows = [{"n_prompt": 0, "n_gen": 256, "avg_ts": 125.0, "stddev_ts": 1.5}]
     assert single.parse_llama_bench(json.dumps(rows))["ms_per_token"] == pytest.approx(8.0)
+    # paired turns: each pass's tok/s (decode, else wall) over the same round's llama-bench
+    ratio = single.paired([(8.0, 7.0), (8.0, None), (4.0, 5.0)], [125.0, 100.0, 250.0])
+    assert ratio == pytest.approx(dict(median=1000 / 7 / 125, min=0.8, max=1.25))
+    assert single.paired([(8.0, 7.0)], []) is None
+    with pytest.raises(SystemExit):  # --llama-bench needs a GGUF file to run
+        single.parse_args(["--systems", "jaxcb", "--llama-bench", str(tmp_path)])
 
 
 def test_bench_profile_splits_each_step_by_kind(tmp_path, chat_model):
