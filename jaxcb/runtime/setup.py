@@ -141,8 +141,12 @@ def build_runner(
         platform=jax.default_backend(),
     )
     infos = quantized_infos(infos, model.quantization)
-    if is_quantized(params.get("lm_head")) and not is_quantized(infos.get("lm_head")):
-        infos = quantized_head_infos(infos, model.quantization)  # restored from a checkpoint
+    # The head as the params hold it: quantized (GGUF blocks, a tied table), or none at all
+    # (a tied table in an int8 checkpoint converted before tables were quantized as heads).
+    if "lm_head" not in params:
+        infos = {k: v for k, v in infos.items() if k != "lm_head"}
+    elif is_quantized(params["lm_head"]) and not is_quantized(infos.get("lm_head")):
+        infos = quantized_head_infos(infos, model.quantization)
     tp = sharding.tensor_parallel_size(mesh)
     check_tensor_parallel(infos, sharding.rules_for(spec, tp), tp)
     matmul = _matmul_backend(config, dtype, sharding.tensor_parallel_size(mesh))

@@ -159,3 +159,28 @@ def test_float16_engine_and_round_trip(tmp_path: Path) -> None:
     got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert got == tokens(default_model_dir(), dtype="float16")
     assert all(len(set(t)) > 3 for t in got)
+
+
+def test_int8_checkpoint_of_a_tied_table_without_its_head(tmp_path: Path, monkeypatch) -> None:
+    """An int8 checkpoint of a tied model converted before tables were quantized as heads
+    (no lm_head saved) still loads and generates: the table restores in the model dtype and
+    serves as the head too."""
+    from helpers import make_hf_model
+
+    from jaxcb.models import checkpoint, quant
+
+    hf_dir = tmp_path / "tied"
+    make_hf_model("qwen3", hf_dir)
+    quantize = quant.quantize_params
+
+    def without_head(*args, **kwargs):
+        params, infos = quantize(*args, **kwargs)
+        return {k: v for k, v in params.items() if k != "lm_head"}, infos
+
+    monkeypatch.setattr(quant, "quantize_params", without_head)
+    target = checkpoint.convert_checkpoint(hf_dir, tmp_path / "old", quantization="int8")
+    monkeypatch.undo()
+    for matmul in ("auto", "xla"):  # xla: no packing that would declare a head by itself
+        llm = LLM(str(target), matmul=matmul, **ENGINE)
+        assert "embed" in llm.engine.runner.params and llm.stats()["quantization"] == "int8"
+        assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
