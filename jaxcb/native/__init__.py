@@ -16,13 +16,16 @@ choice and the model code call into it, never the other way round.
 from jaxcb.native.build import (
     ISA_ENV,
     ISA_LEVELS,
+    TILE_SHAPES,
     NativeBuildError,
     active_level,
     available,
     cpu_flags,
     cpu_model,
     cpu_summary,
+    force_tile_shape,
     supported_levels,
+    tile_shapes,
 )
 from jaxcb.native.grouped import (
     GROUPED_TARGETS,
@@ -70,6 +73,7 @@ __all__ = [
     "ISA_LEVELS",
     "NORM_TARGETS",
     "PACKED_MATMULS",
+    "TILE_SHAPES",
     "NativeBuildError",
     "PackedMatmul",
     "active_level",
@@ -83,6 +87,7 @@ __all__ = [
     "cpu_model",
     "cpu_summary",
     "fits_int4",
+    "force_tile_shape",
     "is_symmetric",
     "matmul_argmax_screened_f32",
     "pack_argmax_screen",
@@ -99,5 +104,6 @@ __all__ = [
     "packed_swiglu",
     "ragged_paged_attention_native",
     "supported_levels",
+    "tile_shapes",
     "write_kv_native",
 ]

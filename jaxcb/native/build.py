@@ -245,12 +245,18 @@ class Features(NamedTuple):
 
 
 @functools.cache
-def _load_level(name: str) -> Features:
+def _open(name: str) -> ctypes.CDLL:
     level = ISA_LEVELS[name]
     path = _library_path(level)
     if not path.is_file():
         _build(level, path)
-    lib = ctypes.cdll.LoadLibrary(str(path))
+    return ctypes.cdll.LoadLibrary(str(path))
+
+
+@functools.cache
+def _load_level(name: str) -> Features:
+    lib = _open(name)
+    path = _library_path(ISA_LEVELS[name])
     bits = int(lib.JaxcbIsaFeatures())
     features = Features(v16=bool(bits & 1), bf16_dot=bool(bits & 4), amx=bool(bits & 8))
     symbols = [
@@ -307,6 +313,29 @@ def load(level: str | None = None) -> Features:
     if name not in supported_levels():
         raise NativeBuildError(f"this CPU cannot run the {name} kernels ({cpu_summary()})")
     return _load_level(name)
+
+
+#: AVX2's two micro-tile shapes for many-row products (matmul.cc, TileShape): "wide" (2 rows
+#: x 3 blocks of 16 columns) or "tall" (6 x 1; 4 x 1 for widened bf16).
+TILE_SHAPES = ("wide", "tall")
+
+
+def tile_shapes(level: str | None = None) -> dict[str, str]:
+    """The AVX2 tile shape the many-row products of `level`'s library (default: the active
+    one) take on this CPU, per weight form ("f32", "bf16": widened), probing the CPU now if
+    that was not done yet. The AVX-512 libraries have one shape: "wide" for both."""
+    bits = int(_open(level or active_level()).JaxcbTallTiles())
+    return {form: TILE_SHAPES[bool(bits & bit)] for form, bit in (("f32", 1), ("bf16", 2))}
+
+
+def force_tile_shape(shape: str | None, level: str | None = None) -> None:
+    """Force the AVX2 tile shape ("wide" / "tall") of `level`'s library, or give the choice
+    back to the CPU probe (None). Results do not depend on it (each output sums along K in
+    the same order); tests and benchmarks run both shapes on one machine with it."""
+    if shape is not None and shape not in TILE_SHAPES:
+        raise ValueError(f"tile shape must be one of {TILE_SHAPES} or None, got {shape!r}")
+    choice = -1 if shape is None else TILE_SHAPES.index(shape)
+    _open(level or active_level()).JaxcbForceTiles(choice)
 
 
 def registered_target(base: str, level: str) -> str:

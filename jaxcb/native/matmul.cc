@@ -8,6 +8,8 @@
 // packing.py. build.py compiles this file once per ISA level: what a level defines is reported
 // by JaxcbIsaFeatures().
 
+#include <chrono>
+
 #include "simd.h"
 
 namespace {
@@ -235,21 +237,28 @@ enum class Kind { kF32, kBf16Dot, kBf16Wide };
 
 // Rows x 16-column blocks of a micro-tile: as many accumulators as the registers hold beside
 // the vectors of w and the broadcasts of a (32 zmm with AVX-512; 16 ymm with AVX2, where a
-// V16 takes two).
-template <Kind kKind, bool kSwiglu>
+// V16 takes two). AVX2 has two shapes, and which one is faster depends on the core, not on
+// its ISA (TallTiles probes this CPU once):
+// - wide, 2 rows x 3 blocks: 12 accumulators, the 6 vectors of w read from memory by every
+//   FMA (no registers left): 14 loads a step of 12 FMAs. Cores with 3 or more loads a cycle
+//   run it best (an AMD Zen 5 core, SmolLM2's shapes, M = 64: ~210 GFLOP/s on two cores,
+//   6 x 1 ~110, 2 x 2 ~150);
+// - tall, 6 rows x 1 block (BLIS's classic 6 x 16; 4 x 1 for widened bf16, whose even/odd
+//   vectors take 4 registers): w in registers, 8 loads a step of 12 FMAs (6 of 8 for bf16).
+//   Cores with 2 loads a cycle run it best (AMD Zen 3, one thread, SmolLM2's shapes, 252 rows:
+//   float32 ~88 GFLOP/s against ~51 wide; bf16 widened ~94 against ~66).
+template <Kind kKind, bool kSwiglu, bool kTall = false>
 struct TileShape {
 #if defined(__AVX512F__)
   static constexpr int kMr = kKind == Kind::kBf16Wide ? 4 : 6;
   static constexpr int kNr = 4;
   static constexpr bool kSplitSwiglu = false;
 #else
-  // (Measured on SmolLM2's shapes, M = 64, an AMD Zen 5 core running AVX2 code: 2 x 3 blocks
-  // ~210 GFLOP/s on two cores, 6 x 1 (BLIS's classic 6 x 16) ~110, 2 x 2 ~150.)
-  static constexpr int kMr = 2;
-  static constexpr int kNr = kSwiglu ? 6 : 3;
+  static constexpr int kMr = !kTall ? 2 : kKind == Kind::kBf16Wide ? 4 : 6;
+  static constexpr int kNr = (kTall ? 1 : 3) * (kSwiglu ? 2 : 1);
   // A fused SwiGLU tile holds gate/up pairs: 2 x 2 blocks leave 8 ymm accumulators, too few
-  // to hide the FMA latency (~160 GFLOP/s, 3 x 2 spills: ~137). Two plain 2 x 3 tiles, gate
-  // then up, into an L1 scratch, then silu(gate) * up, run at the plain tile's rate.
+  // to hide the FMA latency (~160 GFLOP/s, 3 x 2 spills: ~137). Two plain tiles, gate then
+  // up, into an L1 scratch, then silu(gate) * up, run at the plain tile's rate.
   static constexpr bool kSplitSwiglu = kSwiglu;
 #endif
 };
@@ -398,9 +407,9 @@ void SplitSwigluTile(int64_t rows, int64_t blocks, const char* a, int64_t a_stri
 
 // The geometry of a packed matmul of kKind: bytes per element of a and of out, the strides,
 // and its output blocks grouped the way a work item takes them.
-template <Kind kKind, bool kSwiglu>
+template <Kind kKind, bool kSwiglu, bool kTall = false>
 struct PackedPlan {
-  using Shape = TileShape<kKind, kSwiglu>;
+  using Shape = TileShape<kKind, kSwiglu, kTall>;
   static constexpr int64_t kMr = Shape::kMr, kNr = Shape::kNr;
   static constexpr int64_t kElem = kKind == Kind::kBf16Dot ? 2 : 4;
   static constexpr int64_t kOutElem = kSwiglu ? kElem : 4;
@@ -435,11 +444,11 @@ struct PackedPlan {
 
 // One work item of a packed matmul: column groups [g0, g1) of out for the m rows of a,
 // folding each row's (max, first column) into row_val / row_idx if given.
-template <Kind kKind, bool kSwiglu>
-void PackedColumnRun(const PackedPlan<kKind, kSwiglu>& plan, const char* a, const char* w,
+template <Kind kKind, bool kSwiglu, bool kTall>
+void PackedColumnRun(const PackedPlan<kKind, kSwiglu, kTall>& plan, const char* a, const char* w,
                      void* out, int64_t m, int64_t g0, int64_t g1, bool stream, float* row_val,
                      int32_t* row_idx) {
-  using Plan = PackedPlan<kKind, kSwiglu>;
+  using Plan = PackedPlan<kKind, kSwiglu, kTall>;
   constexpr int64_t kMr = Plan::kMr, kNr = Plan::kNr, kGroup = Plan::kGroup;
   const int64_t a_stride = plan.a_stride, w_stride = plan.w_stride, n = plan.n;
   const int64_t out_blocks = plan.out_blocks;
@@ -479,16 +488,77 @@ void PackedColumnRun(const PackedPlan<kKind, kSwiglu>& plan, const char* a, cons
   if (stream) _mm_sfence();
 }
 
+// ---- AVX2's tile shape on this CPU (TileShape: wide or tall) ----
+//
+// Timed once per process and kind, on a problem that stays in L2 (48 rows, K = 256, 6
+// blocks: 25-50 us a pass on one thread), the shapes alternating, the best of 15 passes each
+// (~1-2 ms in all, at the first many-row matmul of the kind). Both shapes sum each output
+// along K in the same order, so the choice never changes a result.
+// JaxcbForceTiles overrides the probe (tests run both shapes on one machine).
+std::atomic<int> forced_tiles{-1};  // -1: probe; 0: wide; 1: tall
+
+// One pass of the matmul's own column run (m rows, all columns) at a shape, in seconds.
+template <Kind kKind, bool kTall>
+double TimeTiles(const char* a, int64_t m, int64_t k, const char* w, int64_t blocks, float* out) {
+  const PackedPlan<kKind, false, kTall> plan(k, blocks);
+  const auto t0 = std::chrono::steady_clock::now();
+  PackedColumnRun(plan, a, w, out, m, 0, plan.col_groups, false, nullptr, nullptr);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+template <Kind kKind>
+bool ProbeTallTiles() {
+  // The sizes through volatiles: the compiler must not specialise the code timed here into
+  // something the real calls never run.
+  volatile int64_t sizes[3] = {48, 256, 6};
+  const int64_t m = sizes[0], k = sizes[1], blocks = sizes[2];
+  std::vector<float> a(m * k, 0.5f), out(m * blocks * 16);
+  // w 64-byte aligned, as the packed weights are (a vector's heap block is 16-byte aligned:
+  // each 64-byte step of w would straddle two lines); zeros: +0.0 as float32 and as bf16.
+  std::vector<char> w_bytes(k * blocks * 64 + 64, 0);
+  char* w = w_bytes.data() + (64 - reinterpret_cast<uintptr_t>(w_bytes.data()) % 64) % 64;
+  double wide = 1e30, tall = 1e30;
+  for (int pass = 0; pass < 15; ++pass) {
+    const char* ap = reinterpret_cast<const char*>(a.data());
+    wide = std::min(wide, TimeTiles<kKind, false>(ap, m, k, w, blocks, out.data()));
+    tall = std::min(tall, TimeTiles<kKind, true>(ap, m, k, w, blocks, out.data()));
+  }
+  return tall < wide;
+}
+
+// Whether kKind's many-row products take the tall AVX2 tiles here (never with AVX-512).
+template <Kind kKind>
+bool TallTiles() {
+#if defined(__AVX512F__)
+  return false;
+#else
+  const int forced = forced_tiles.load(std::memory_order_relaxed);
+  if (forced >= 0) return forced == 1;
+  static const bool probed = ProbeTallTiles<kKind>();
+  return probed;
+#endif
+}
+
+// A product of m rows takes the tall tiles if they win here and it fills at least one.
+template <Kind kKind>
+bool UseTallTiles(int64_t m) {
+  if constexpr (kKind == Kind::kBf16Dot) {
+    return false;
+  } else {
+    return m >= TileShape<kKind, false, true>::kMr && TallTiles<kKind>();
+  }
+}
+
 // a: [M, K] of 2-byte (bf16, kBf16Dot) or 4-byte (f32) elements; w: its packed blocks,
 // n_blocks of them. kSwiglu: w is [K, 2 * I] (gate columns, then up), out [M, I] =
 // silu(gate) * up. best_val / best_idx ([M, slots], or null): per row and work item, the
 // largest output and its first column (items cover increasing column ranges; unused slots
 // keep -inf).
-template <Kind kKind, bool kSwiglu>
-void PackedMatmul(ffi::ThreadPool& pool, const char* a, const char* w, void* out, int64_t m,
-                  int64_t k, int64_t n_blocks, float* best_val = nullptr,
-                  int32_t* best_idx = nullptr, int64_t slots = 0) {
-  const PackedPlan<kKind, kSwiglu> plan(k, n_blocks);
+template <Kind kKind, bool kSwiglu, bool kTall>
+void PackedMatmulAs(ffi::ThreadPool& pool, const char* a, const char* w, void* out, int64_t m,
+                    int64_t k, int64_t n_blocks, float* best_val, int32_t* best_idx,
+                    int64_t slots) {
+  const PackedPlan<kKind, kSwiglu, kTall> plan(k, n_blocks);
   const int64_t groups = plan.col_groups;
   int64_t items = plan.Items(pool, groups);
   if (best_val != nullptr) {
@@ -514,6 +584,19 @@ void PackedMatmul(ffi::ThreadPool& pool, const char* a, const char* w, void* out
       }
     }
   });
+}
+
+template <Kind kKind, bool kSwiglu>
+void PackedMatmul(ffi::ThreadPool& pool, const char* a, const char* w, void* out, int64_t m,
+                  int64_t k, int64_t n_blocks, float* best_val = nullptr,
+                  int32_t* best_idx = nullptr, int64_t slots = 0) {
+  if (UseTallTiles<kKind>(m)) {
+    PackedMatmulAs<kKind, kSwiglu, true>(pool, a, w, out, m, k, n_blocks, best_val, best_idx,
+                                         slots);
+  } else {
+    PackedMatmulAs<kKind, kSwiglu, false>(pool, a, w, out, m, k, n_blocks, best_val, best_idx,
+                                          slots);
+  }
 }
 
 // Buffers of a and of the packed w: bf16 weights with f32 rows for kBf16Wide.
@@ -569,11 +652,34 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<KindTypes<kKind>::
 // products (8 groups: 8x the arithmetic of one dense matmul of the same rows). Rows past
 // sum(group_sizes) (the bucket's padding) come out zero (see GroupRows); each group's rows
 // run through PackedColumnRun as one matmul of those rows would (see GroupItems).
+
+// The grouped matmul's work, at one tile shape: each group's rows through PackedColumnRun as
+// one matmul of those rows would run.
+template <Kind kKind, bool kSwiglu, bool kTall>
+void GroupedRun(ffi::ThreadPool& pool, const std::vector<int64_t>& first, const char* a_data,
+                const char* w_data, int64_t w_bytes, char* out_data, int64_t k,
+                int64_t n_blocks) {
+  using Plan = PackedPlan<kKind, kSwiglu, kTall>;
+  const Plan plan(k, n_blocks);
+  const int64_t out_row = plan.n * Plan::kOutElem;
+  const int64_t runs = Plan::Items(pool, plan.col_groups);
+  const std::vector<GroupItem> items = GroupItems(first, [&](int64_t) {
+    return std::pair<int64_t, int64_t>{plan.col_groups, runs};
+  });
+  ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
+    const GroupItem& item = items[i];
+    const int64_t g = item.group, rows = first[g + 1] - first[g];
+    void* o = out_data + first[g] * out_row;
+    PackedColumnRun(plan, a_data + first[g] * plan.a_stride, w_data + g * w_bytes, o, rows,
+                    item.u0, item.u1, plan.Stream(rows, o), nullptr, nullptr);
+  });
+}
+
+// The grouped matmul's FFI handler: checks, the rows of each group, the tile shape.
 template <Kind kKind, bool kSwiglu>
 ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<KindTypes<kKind>::kA> a,
                              ffi::Buffer<KindTypes<kKind>::kW> w,
                              ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out) {
-  using Plan = PackedPlan<kKind, kSwiglu>;
   auto ad = a.dimensions();
   auto wd = w.dimensions();
   const int64_t groups = group_sizes.element_count();
@@ -589,23 +695,19 @@ ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<KindTypes<kKind>:
   const int64_t m = first[groups];
   ZeroRowsFrom(*out, ad[0], m);
   if (m == 0) return ffi::Error::Success();
-  const Plan plan(ad[1], wd[1]);
   const char* a_data = reinterpret_cast<const char*>(a.untyped_data());
   const char* w_data = reinterpret_cast<const char*>(w.untyped_data());
   char* out_data = static_cast<char*>(out->untyped_data());
   const int64_t w_bytes = w.size_bytes() / groups;  // one expert's packed weight
-  const int64_t out_row = plan.n * Plan::kOutElem;
-  const int64_t runs = Plan::Items(pool, plan.col_groups);
-  const std::vector<GroupItem> items = GroupItems(first, [&](int64_t) {
-    return std::pair<int64_t, int64_t>{plan.col_groups, runs};
-  });
-  ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
-    const GroupItem& item = items[i];
-    const int64_t g = item.group, rows = first[g + 1] - first[g];
-    void* o = out_data + first[g] * out_row;
-    PackedColumnRun(plan, a_data + first[g] * plan.a_stride, w_data + g * w_bytes, o, rows,
-                    item.u0, item.u1, plan.Stream(rows, o), nullptr, nullptr);
-  });
+  int64_t most = 0;  // the largest group's rows pick the tile shape
+  for (int64_t g = 0; g < groups; ++g) most = std::max(most, first[g + 1] - first[g]);
+  if (UseTallTiles<kKind>(most)) {
+    GroupedRun<kKind, kSwiglu, true>(pool, first, a_data, w_data, w_bytes, out_data, ad[1],
+                                     wd[1]);
+  } else {
+    GroupedRun<kKind, kSwiglu, false>(pool, first, a_data, w_data, w_bytes, out_data, ad[1],
+                                      wd[1]);
+  }
   return ffi::Error::Success();
 }
 
@@ -842,6 +944,24 @@ ffi::Error MatmulArgmaxScreenedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
 #endif  // JAXCB_HAVE_V16
 
 }  // namespace
+
+// The AVX2 tile shape (TileShape): -1 probes this CPU (the default), 0 forces the wide tiles,
+// 1 the tall ones. For tests and benchmarks; a no-op with AVX-512.
+extern "C" void JaxcbForceTiles(int choice) {
+#if defined(JAXCB_HAVE_V16)
+  forced_tiles.store(choice < 0 ? -1 : choice > 0 ? 1 : 0);
+#endif
+}
+
+// Whether many-row products take the tall AVX2 tiles here (probing if not yet): bit 0 for
+// float32 weights, bit 1 for widened bf16.
+extern "C" int JaxcbTallTiles() {
+#if defined(JAXCB_HAVE_V16)
+  return (TallTiles<Kind::kF32>() ? 1 : 0) | (TallTiles<Kind::kBf16Wide>() ? 2 : 0);
+#else
+  return 0;
+#endif
+}
 
 // What this build of the library defines (bits): 1 the V16 kernels (f32, widened bf16, int8, int4,
 // the screened argmax), 4 the vdpbf16ps kernels, 8 the AMX kernel (and the OS granted the tile

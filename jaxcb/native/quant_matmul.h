@@ -287,10 +287,10 @@ void DequantizeCodes(const char* w, int64_t w_stride, int64_t groups, int64_t bl
 
 // out = a x w (kSwiglu: w is [K, 2 * I], gate columns then up, out [M, I] = silu(gate) * up),
 // for the m real rows of a [M, K]; w holds n_blocks 16-column blocks.
-template <int kBits, bool kSym, bool kSwiglu>
-void QuantMatmul(ffi::ThreadPool& pool, const float* a, const char* w, float* out, int64_t m,
-                 int64_t k, int64_t n_blocks) {
-  using Shape = TileShape<Kind::kF32, kSwiglu>;  // the float32 tiles after dequantization
+template <int kBits, bool kSym, bool kSwiglu, bool kTall>
+void QuantMatmulAs(ffi::ThreadPool& pool, const float* a, const char* w, float* out, int64_t m,
+                   int64_t k, int64_t n_blocks) {
+  using Shape = TileShape<Kind::kF32, kSwiglu, kTall>;  // the float32 tiles after dequantizing
   constexpr int64_t kMr = Shape::kMr, kNr = Shape::kNr;
   constexpr int64_t kGroup = kSwiglu ? kNr / 2 : kNr;  // output blocks per work group
   const int64_t groups = k / kQuantGroup;
@@ -365,6 +365,17 @@ void QuantMatmul(ffi::ThreadPool& pool, const float* a, const char* w, float* ou
       }
     }
   });
+}
+
+// QuantMatmulAs at the float32 tile shape this CPU runs best (TallTiles).
+template <int kBits, bool kSym, bool kSwiglu>
+void QuantMatmul(ffi::ThreadPool& pool, const float* a, const char* w, float* out, int64_t m,
+                 int64_t k, int64_t n_blocks) {
+  if (m > kQuantDirectRows && UseTallTiles<Kind::kF32>(m)) {
+    QuantMatmulAs<kBits, kSym, kSwiglu, true>(pool, a, w, out, m, k, n_blocks);
+  } else {
+    QuantMatmulAs<kBits, kSym, kSwiglu, false>(pool, a, w, out, m, k, n_blocks);
+  }
 }
 
 // The RMS-normed rows [0, m) of a [., k] into out: a_i * (1 / sqrt(mean(a_i^2) + eps)) * g,

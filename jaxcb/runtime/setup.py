@@ -293,7 +293,20 @@ def _cpu_kernels(
             tensor_parallel_size=tensor_parallel_size,
             quantization=config.quantization,
         ),
+        "tile_shapes": _avx2_tile_shapes(config, matmul),
     }
+
+
+def _avx2_tile_shapes(config: EngineConfig, matmul: str) -> dict[str, str]:
+    """The AVX2 tile shape this CPU's probe picked for many-row products, per weight form
+    (native.tile_shapes), where the AVX2 tiles run: the avx2 / avx2_bf16 kernels, or int8
+    weights at the avx2 level; else empty (AVX-512 tiles have one shape)."""
+    int8_on_avx2 = (
+        config.quantization != "none" and matmul != "xla" and native.active_level() == "avx2"
+    )
+    if matmul in ("avx2", "avx2_bf16") or int8_on_avx2:
+        return native.tile_shapes("avx2")
+    return {}
 
 
 def model_name(config: EngineConfig) -> str:
@@ -414,10 +427,14 @@ def _log_ready(info: EngineInfo, config: EngineConfig) -> None:
             for k, why in info.cpu_kernels["matmul_kernels"].items()
             if why != "in use"
         )
+        tiles = info.cpu_kernels.get("tile_shapes") or {}
         logger.info(
-            "CPU kernels: %s, ISA level %s; matmul %s (not picked: %s)",
+            "CPU kernels: %s, ISA level %s; matmul %s%s (not picked: %s)",
             info.cpu_kernels["cpu"],
             info.cpu_kernels["isa_level"],
             info.matmul_backend,
+            ", AVX2 tiles of many rows: " + ", ".join(f"{f} {s}" for f, s in tiles.items())
+            if tiles
+            else "",
             others,
         )

@@ -276,6 +276,9 @@ def test_engine_on_native_matmul_matches_xla_matmuls(kernel):
     assert kernels["matmul"] == kernel and kernels["matmul_kernels"][kernel] == "in use"
     assert kernels["cpu"] == native.cpu_summary() and kernels["isa_level"] in native.ISA_LEVELS
     assert xla.stats()["kernels"]["matmul_kernels"][kernel] == "kernels.matmul=xla"
+    # the AVX2 kernels' many-row tile shape, as this CPU's probe picked it (test_tile_shapes)
+    tiles = native.tile_shapes("avx2") if kernel.startswith("avx2") else {}
+    assert kernels["tile_shapes"] == tiles and xla.stats()["kernels"]["tile_shapes"] == {}
     layer = packed.engine.runner.params["layers"][0]
     for name in ("wqkv", "wo", "w_gate_up", "w_down"):
         assert list(layer[name]) == [kernel]
