@@ -9,6 +9,7 @@
 // by JaxcbIsaFeatures().
 
 #include <chrono>
+#include <type_traits>
 
 #include "simd.h"
 
@@ -539,13 +540,14 @@ bool TallTiles() {
 #endif
 }
 
-// A product of m rows takes the tall tiles if they win here and it fills at least one.
-template <Kind kKind>
-bool UseTallTiles(int64_t m) {
-  if constexpr (kKind == Kind::kBf16Dot) {
-    return false;
+// fn(std::true_type) if a product of m rows takes the tall tiles (they win here and it fills
+// at least one), else fn(std::false_type): the kTall argument of the matmuls' templates.
+template <Kind kKind, typename Fn>
+void AtTileShape(int64_t m, Fn&& fn) {
+  if (m >= TileShape<kKind, false, true>::kMr && TallTiles<kKind>()) {
+    fn(std::true_type{});
   } else {
-    return m >= TileShape<kKind, false, true>::kMr && TallTiles<kKind>();
+    fn(std::false_type{});
   }
 }
 
@@ -590,13 +592,10 @@ template <Kind kKind, bool kSwiglu>
 void PackedMatmul(ffi::ThreadPool& pool, const char* a, const char* w, void* out, int64_t m,
                   int64_t k, int64_t n_blocks, float* best_val = nullptr,
                   int32_t* best_idx = nullptr, int64_t slots = 0) {
-  if (UseTallTiles<kKind>(m)) {
-    PackedMatmulAs<kKind, kSwiglu, true>(pool, a, w, out, m, k, n_blocks, best_val, best_idx,
-                                         slots);
-  } else {
-    PackedMatmulAs<kKind, kSwiglu, false>(pool, a, w, out, m, k, n_blocks, best_val, best_idx,
-                                          slots);
-  }
+  AtTileShape<kKind>(m, [&](auto tall) {
+    PackedMatmulAs<kKind, kSwiglu, decltype(tall)::value>(pool, a, w, out, m, k, n_blocks,
+                                                          best_val, best_idx, slots);
+  });
 }
 
 // Buffers of a and of the packed w: bf16 weights with f32 rows for kBf16Wide.
@@ -701,13 +700,10 @@ ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<KindTypes<kKind>:
   const int64_t w_bytes = w.size_bytes() / groups;  // one expert's packed weight
   int64_t most = 0;  // the largest group's rows pick the tile shape
   for (int64_t g = 0; g < groups; ++g) most = std::max(most, first[g + 1] - first[g]);
-  if (UseTallTiles<kKind>(most)) {
-    GroupedRun<kKind, kSwiglu, true>(pool, first, a_data, w_data, w_bytes, out_data, ad[1],
-                                     wd[1]);
-  } else {
-    GroupedRun<kKind, kSwiglu, false>(pool, first, a_data, w_data, w_bytes, out_data, ad[1],
-                                      wd[1]);
-  }
+  AtTileShape<kKind>(most, [&](auto tall) {
+    GroupedRun<kKind, kSwiglu, decltype(tall)::value>(pool, first, a_data, w_data, w_bytes,
+                                                      out_data, ad[1], wd[1]);
+  });
   return ffi::Error::Success();
 }
 

@@ -367,15 +367,14 @@ void QuantMatmulAs(ffi::ThreadPool& pool, const float* a, const char* w, float* 
   });
 }
 
-// QuantMatmulAs at the float32 tile shape this CPU runs best (TallTiles).
+// QuantMatmulAs at the float32 tile shape this CPU runs best (AtTileShape; the integer
+// path of a few rows takes no tiles).
 template <int kBits, bool kSym, bool kSwiglu>
 void QuantMatmul(ffi::ThreadPool& pool, const float* a, const char* w, float* out, int64_t m,
                  int64_t k, int64_t n_blocks) {
-  if (m > kQuantDirectRows && UseTallTiles<Kind::kF32>(m)) {
-    QuantMatmulAs<kBits, kSym, kSwiglu, true>(pool, a, w, out, m, k, n_blocks);
-  } else {
-    QuantMatmulAs<kBits, kSym, kSwiglu, false>(pool, a, w, out, m, k, n_blocks);
-  }
+  AtTileShape<Kind::kF32>(m, [&](auto tall) {
+    QuantMatmulAs<kBits, kSym, kSwiglu, decltype(tall)::value>(pool, a, w, out, m, k, n_blocks);
+  });
 }
 
 // The RMS-normed rows [0, m) of a [., k] into out: a_i * (1 / sqrt(mean(a_i^2) + eps)) * g,

@@ -299,12 +299,13 @@ def _cpu_kernels(
 
 def _avx2_tile_shapes(config: EngineConfig, matmul: str) -> dict[str, str]:
     """The AVX2 tile shape this CPU's probe picked for many-row products, per weight form
-    (native.tile_shapes), where the AVX2 tiles run: the avx2 / avx2_bf16 kernels, or int8
-    weights at the avx2 level; else empty (AVX-512 tiles have one shape)."""
-    int8_on_avx2 = (
-        config.quantization != "none" and matmul != "xla" and native.active_level() == "avx2"
-    )
-    if matmul in ("avx2", "avx2_bf16") or int8_on_avx2:
+    (native.tile_shapes), where a kernel in use runs from the avx2 library (the matmul
+    kernel's, or the int8 one's for quantized weights); else empty (AVX-512 tiles have one
+    shape)."""
+    in_use = [native.ALL_PACKED[matmul]] if matmul in native.ALL_PACKED else []
+    if config.quantization != "none" and in_use:
+        in_use.append(native.INT8_MATMUL)
+    if any(spec.library_level() == "avx2" for spec in in_use):
         return native.tile_shapes("avx2")
     return {}
 
