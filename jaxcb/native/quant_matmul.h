@@ -130,6 +130,14 @@ inline __m256 FoldGroup(__m256 acc, __m256i dot, __m256 scale, __m256 offset, fl
   return _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(d)), _mm256_cvtepi32_ps(dot), base);
 }
 
+// How far ahead of its group the integer path asks for w's cache lines (_mm_prefetch; past
+// the end of a block is the next block's start, which a work item runs next). A decode row
+// does little arithmetic per byte, yet the loop's instructions leave the out-of-order window
+// too few loads in flight for one core to reach the memory's speed: streaming SmolLM2's
+// gate/up weights (113 MB, 1 row), a Zen 3 core read 12-15 GB/s without, 16-19 with (two
+// cores 21-26 -> 27-33 GB/s; a plain read of the same bytes: 16-21 and 25-34).
+constexpr int64_t kQuantPrefetchAhead = 2048;
+
 // One 16-column block of w (group g at w + g * kGroupBytes) times MR <= 4 rows of activation
 // codes (QuantizeActivations<kBits>; m rows in all, row i's groups' d and sums at ad / as +
 // i * groups): the block's 16 results of row i at out + i * n. Each 64-byte run of codes
@@ -144,6 +152,9 @@ void IntDotBlock(const void* codes, int64_t m, int64_t k, const float* ad, const
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const char* wg = w + g * L::kGroupBytes;
+    for (int64_t line = 0; line < L::kGroupBytes; line += 64) {
+      _mm_prefetch(wg + kQuantPrefetchAhead + line, _MM_HINT_T0);
+    }
     __m256i dot[MR][2];  // int32 sums of columns 0..7 and 8..15
     if constexpr (kBits == 8) {
       // Codes widened to int16 (4 columns x 4 inputs a register), vpmaddwd against the int16
