@@ -96,6 +96,7 @@ def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     app.state.engine_loop = engine_loop
     app.state.metrics = metrics
     app.state.settings = settings
+    app.state.encoder = encoder
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(settings.api_key))])
 

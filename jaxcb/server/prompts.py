@@ -13,14 +13,17 @@ max_prompt_len) is refused before it is tokenized (jaxcb/tokenizing.py has the b
 from __future__ import annotations
 
 import asyncio
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from jaxcb.sampling_params import SamplingParams
-from jaxcb.server.protocol import bad_request
+from jaxcb.server.protocol import APIError, bad_request
 from jaxcb.tokenizing import max_token_chars, min_num_tokens, own_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,28 @@ class PromptEncoder:
         self.tokenizer = own_tokenizer(engine)
         tokenizer = self.tokenizer
         self.max_token_chars = max_token_chars(tokenizer) if tokenizer is not None else None
+        self._check_chat_template()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxcb-tokenizer")
+
+    def _check_chat_template(self) -> None:
+        """Render one user message at start-up. A template that cannot be rendered at all
+        (jinja2 missing) is the server's fault, not every chat client's: ValueError, so the
+        server refuses to start. A template that rejects this message is only logged (it may
+        want other messages; each request then gets its own 400)."""
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if self.tokenizer is None or not template:
+            return
+        try:
+            self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "Hi"}],
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+        except ImportError as exc:
+            raise ValueError(f"chat requests cannot be served: {exc}") from None
+        except Exception as exc:
+            logger.warning("the chat template fails on one user message: %s", exc)
 
     async def encode(self, prompts: list[Prompt], params: SamplingParams) -> list[list[int]]:
         """Token ids of each prompt; a 400 APIError naming the problem if one cannot be
@@ -136,6 +160,8 @@ class PromptEncoder:
                 tokenize=False,
                 add_generation_prompt=True,
             )
+        except ImportError as exc:  # the server's install, not the request
+            raise APIError(500, str(exc), type="server_error") from None
         except Exception as exc:  # jinja errors, raise_exception() in templates
             raise bad_request(f"the chat template rejected the messages: {exc}", param) from None
         # The template writes any BOS itself; letting the tokenizer add one would double it.

@@ -134,3 +134,42 @@ def test_mailbox_keeps_only_the_latest_output_per_prompt():
             await box.updates()
 
     asyncio.run(run())
+
+
+class _NoJinjaTokenizer:
+    """The engine's tokenizer as a bare install without jinja2 left it: chat templates fail
+    to render with transformers' ImportError."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._tokenizer(*args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        raise ImportError("apply_chat_template requires jinja2 to be installed.")
+
+
+def test_a_server_that_cannot_render_chat_templates_refuses_to_start(reference_llm, monkeypatch):
+    from jaxcb.server import prompts
+
+    real = prompts.own_tokenizer
+    monkeypatch.setattr(prompts, "own_tokenizer", lambda engine: _NoJinjaTokenizer(real(engine)))
+    with pytest.raises(ValueError, match=r"chat requests cannot be served: .*jinja2"):
+        build_app(reference_llm.engine, ServerSettings(served_model_names=("tiny",)))
+
+
+def test_a_chat_template_that_cannot_render_is_the_server_s_error(app_client, monkeypatch):
+    """Should rendering fail for want of a package after start-up, the client hears 500,
+    not a 400 that blames its messages."""
+    app, client = app_client
+    encoder = app.state.encoder
+    monkeypatch.setattr(encoder, "tokenizer", _NoJinjaTokenizer(encoder.tokenizer))
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    answer = client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 500, answer.text
+    assert answer.json()["error"]["type"] == "server_error"
+    assert "jinja2" in answer.json()["error"]["message"]
