@@ -41,6 +41,7 @@ from typing import Any
 import jax
 
 from jaxcb.config import EngineConfig, ParallelConfig
+from jaxcb.runtime.platforms import restrict_to_present_hardware
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,9 @@ _watchdog: PeerWatchdog | None = None
 
 
 def setup_distributed(parallel: ParallelConfig) -> None:
-    """Initialize jax.distributed if the config asks for it (before any device is touched)."""
+    """Before any device is touched: the platforms jax may start (the CPU alone where there
+    is no accelerator), then jax.distributed if the config asks for it."""
+    restrict_to_present_hardware()
     if parallel.distributed:
         initialize_distributed(
             coordinator_address=parallel.coordinator_address,

@@ -118,6 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("uvicorn.error").addFilter(_QuietCancellation())
+    if args.log_level != "debug":  # jax's INFO lines are its internals (cache resets, probes)
+        logging.getLogger("jax").setLevel(
+            max(logging.WARNING, logging.getLevelName(args.log_level.upper()))
+        )
     if args.shutdown_timeout < 0:
         parser.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if not args.max_request_body_mb > 0:
@@ -156,7 +160,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"serve.py: error: the server runs in one process, not {jax.process_count()} "
             "(distributed): use batch_infer.py or LLM.generate across processes\n",
         )
-    app = build_app(engine, settings)
+    try:
+        app = build_app(engine, settings)
+    except ValueError as exc:  # the server cannot serve what it offers (a chat template)
+        sock.close()
+        parser.exit(2, f"serve.py: error: {exc}\n")
     url = server_url(args.host, sock.getsockname()[1])
     frozen = freeze_startup_heap()
     log_startup(engine, settings, url, frozen)
