@@ -54,9 +54,25 @@ def check(backend: str, shape: Shape, seqs, seed: int = 0, **kwargs) -> None:
     assert_matches_reference(out, reference(*batch, **kwargs), batch, shape.dtype)
 
 
-@backends
+#: The batch kinds every ISA level runs in CI; the rest run on XLA and the level this CPU
+#: uses (the other levels' libraries are the same code at other vector widths: --runslow).
+EVERY_LEVEL_KINDS = ("mixed", "page_boundaries")
+
+
+def _batch_params() -> list:
+    params = []
+    for backend in ["xla", *(f"native-{level}" for level in LEVELS)]:
+        for kind in sorted(BATCHES):
+            marks = [] if backend == "xla" else [needs_native]
+            other_level = backend not in ("xla", f"native-{native.active_level()}")
+            if other_level and kind not in EVERY_LEVEL_KINDS:
+                marks.append(pytest.mark.slow)
+            params.append(pytest.param(backend, kind, marks=marks, id=f"{kind}-{backend}"))
+    return params
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kind", sorted(BATCHES))
+@pytest.mark.parametrize("backend, kind", _batch_params())
 def test_batches(backend, kind, dtype):
     check(backend, Shape(dtype=dtype), BATCHES[kind])
 

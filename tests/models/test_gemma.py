@@ -114,7 +114,16 @@ def test_norms_are_one_plus_w_in_float32(tmp_path):
 def gemma2(tmp_path_factory):
     path = tmp_path_factory.mktemp("gemma2")
     model = make_hf_model("gemma2", path)
-    llm = LLM(path, dtype="float32", max_model_len=128, num_pages=32, max_num_seqs=4)
+    # Two buckets: a 40-token prompt in one step, then decode steps.
+    llm = LLM(
+        path,
+        dtype="float32",
+        max_model_len=128,
+        num_pages=32,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        token_buckets=[4, 64],
+    )
     return model, llm
 
 
