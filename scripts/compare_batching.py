@@ -48,6 +48,7 @@ from jaxcb.bench.cli import (
     make_log,
 )
 from jaxcb.bench.offline_report import output_rate
+from jaxcb.bench.plots import require_matplotlib
 from jaxcb.bench.systems import BenchContext, JaxcbSystem, environment
 from jaxcb.bench.trace import save_trace
 from jaxcb.config import BATCHING_MODES
@@ -85,6 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown --modes {bad}; choose from {list(BATCHING_MODES)}")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    try:  # before the passes: they end in a plot
+        require_matplotlib()
+    except ImportError as exc:
+        parser.error(str(exc))
     return args
 
 

@@ -28,7 +28,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxcb.bench.plots import plot_trace
+from jaxcb.bench.plots import plot_trace, require_matplotlib
 from jaxcb.bench.trace import load_trace, summarize_trace
 
 
@@ -53,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--title", help="figure title (default: mode, requests, padding)")
     args = parser.parse_args(argv)
     try:
+        require_matplotlib()
         trace = load_trace(args.trace)
-    except ValueError as exc:
+    except (ImportError, ValueError) as exc:
         parser.error(str(exc))
     output = args.output or args.trace.with_suffix(".png")
     first, last = args.steps

@@ -45,6 +45,7 @@ from jaxcb.bench.cli import (
     make_log,
 )
 from jaxcb.bench.offline_report import output_rate
+from jaxcb.bench.plots import require_matplotlib
 from jaxcb.bench.systems import BenchContext, JaxcbSystem, environment
 from jaxcb.bench.workloads import Workload
 from jaxcb.config import EngineConfig, flat_fields
@@ -126,6 +127,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--sets must name distinct sets, got {args.sets}")
     if args.repeats < 1 or args.smallest < 1 or not 0 <= args.tolerance < 1:
         parser.error("--repeats and --smallest must be >= 1, --tolerance in [0, 1)")
+    try:  # before the passes: they end in a plot
+        require_matplotlib()
+    except ImportError as exc:
+        parser.error(str(exc))
     return args
 
 

@@ -26,14 +26,23 @@ BUCKET_PAD = (0.82, 0.82, 0.82)  # slots the bucket rounds up
 BATCH_PAD = (0.45, 0.45, 0.45)  # a padded batch's padding rows
 
 
-def _figure(width: float, height: float, **kwargs: Any):
+MATPLOTLIB_MISSING = 'plots need matplotlib: pip install "jaxcb[bench]"'
+
+
+def require_matplotlib() -> None:
+    """A one-line ImportError (MATPLOTLIB_MISSING) unless matplotlib (an optional
+    dependency) imports: scripts that will plot call it before they start their work."""
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as exc:  # optional dependency
-        raise ImportError(
-            "plots need matplotlib: pip install matplotlib (or the 'bench' extra)"
-        ) from exc
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ImportError(MATPLOTLIB_MISSING) from None
+
+
+def _figure(width: float, height: float, **kwargs: Any):
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(width, height), **kwargs)
     FigureCanvasAgg(fig)
     return fig
@@ -91,6 +100,7 @@ def plot_trace(
     title: str | None = None,
 ) -> Path:
     """Draw steps [first_step, last_step) of a loaded trace ({"meta", "steps"}) to a PNG."""
+    require_matplotlib()
     from matplotlib.patches import Patch
 
     from jaxcb.bench.trace import summarize_trace
