@@ -22,6 +22,7 @@ but their target names. It imports nothing from jaxcb but the cache directory (j
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -249,7 +250,14 @@ def _open(name: str) -> ctypes.CDLL:
     level = ISA_LEVELS[name]
     path = _library_path(level)
     if not path.is_file():
-        _build(level, path)
+        # One builder at a time per library: processes starting together (test workers,
+        # server replicas, jax.distributed peers) wait for the first one's build (~20 s)
+        # instead of each compiling the same library.
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.is_file():
+                _build(level, path)
     return ctypes.cdll.LoadLibrary(str(path))
 
 
