@@ -2,9 +2,33 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: generate.py flags for the tiny model with one bucket to compile (one prompt, 2 tokens).
+ONE_BUCKET_GENERATE = [
+    *("--model", "jaxcb-tiny-random-llama-v1", "--max-tokens", "2", "--max-model-len", "64"),
+    *("--num-pages", "8", "--max-num-seqs", "2", "--max-num-batched-tokens", "16"),
+    *("--token-buckets", "16", "--seq-buckets", "2", "--no-enable-prefix-caching"),
+]
+
+
+def run_script(name: str, args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """scripts/NAME.py ARGS in a process of its own (text output captured)."""
+    return subprocess.run(
+        [sys.executable, f"scripts/{name}.py", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
 
 #: The built-in tiny random-weight Llama (jaxcb.models.default_model), what most tests run.
 TINY_MODEL = "jaxcb-tiny-random-llama-v1"

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
-from pathlib import Path
+
+from helpers import ONE_BUCKET_GENERATE, run_script
 
 from jaxcb import paths
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_unwritable_cache_dir_falls_back_to_a_temporary_one(tmp_path, monkeypatch, caplog):
@@ -36,19 +33,8 @@ def test_generate_with_an_unwritable_cache_prints_one_line_and_no_traceback(tmp_
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     env = dict(os.environ, JAXCB_CACHE_DIR=str(blocker / "cache"), JAX_PLATFORMS="cpu")
-    args = ["--model", "jaxcb-tiny-random-llama-v1", "--max-tokens", "2"]
-    args += ["--log-level", "WARNING", "--attention", "xla"]
-    args += ["--matmul", "xla", "--max-model-len", "64", "--num-pages", "8"]
-    args += ["--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--no-enable-prefix-caching"]
-    args += ["--token-buckets", "16", "--seq-buckets", "2"]  # one compile
-    result = subprocess.run(
-        [sys.executable, "scripts/generate.py", "Hi", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    args = ["--log-level", "WARNING", "--attention", "xla", "--matmul", "xla"]
+    result = run_script("generate", ["Hi", *ONE_BUCKET_GENERATE, *args], env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     about_cache = [line for line in result.stderr.splitlines() if "JAXCB_CACHE_DIR" in line]

@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jaxcb.runtime import platforms
+from helpers import ONE_BUCKET_GENERATE, run_script
 
-REPO = Path(__file__).resolve().parents[2]
+from jaxcb.runtime import platforms
 
 
 def _pci_device(root: Path, name: str, vendor: str, device_class: str) -> None:
@@ -62,17 +62,7 @@ def test_a_default_run_prints_no_failed_probe():
     """generate.py with JAX_PLATFORMS unset, in the test venv (jax[cuda12] and jax[tpu]
     installed, no GPU or TPU here): no traceback, no backend that failed to start."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    args = ["--model", "jaxcb-tiny-random-llama-v1", "--max-tokens", "2", "--max-model-len", "64"]
-    args += ["--num-pages", "8", "--max-num-seqs", "1", "--max-num-batched-tokens", "16"]
-    args += ["--token-buckets", "16", "--seq-buckets", "1"]  # one compile
-    result = subprocess.run(
-        [sys.executable, "scripts/generate.py", "Hi", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_script("generate", ["Hi", *ONE_BUCKET_GENERATE], env)
     assert result.returncode == 0, result.stderr[-3000:]
     for noise in ("Traceback", "Unable to initialize backend", "libtpu", "CUDA", "PyTorch"):
         assert noise not in result.stderr, result.stderr[-3000:]
