@@ -94,7 +94,7 @@ def main() -> None:
         "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
         "tools": [WEATHER_TOOL],
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-        "max_tokens": 64,
+        "max_tokens": 256,  # room for the JSON to close (at max_tokens it would be cut)
     }
     message = json.loads(post(url, "/v1/chat/completions", tool_chat))["choices"][0]["message"]
     calls = message.get("tool_calls") or []
@@ -108,7 +108,7 @@ def main() -> None:
             "type": "json_schema",
             "json_schema": {"name": "place", "schema": CITY_SCHEMA},
         },
-        "max_tokens": 64,
+        "max_tokens": 256,  # room for the JSON to close (at max_tokens it would be cut)
     }
     content = json.loads(post(url, "/v1/chat/completions", schema_chat))["choices"][0]["message"]
     place = json.loads(content["content"])
