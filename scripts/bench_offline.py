@@ -104,8 +104,8 @@ from jaxcb.bench.offline_report import (
 )
 from jaxcb.bench.roofline import measure_matmul_peak, model_matmul_shapes, workload_flops
 from jaxcb.bench.systems import SYSTEMS, BenchContext, environment
-from jaxcb.bench.trace import save_trace
 from jaxcb.config import EngineConfig
+from jaxcb.engine.step_trace import save_trace
 from jaxcb.models.registry import num_params
 
 log = make_log()

@@ -39,9 +39,9 @@ from jaxcb.bench.cli import (
     machine_record,
     make_log,
 )
-from jaxcb.bench.trace import recording
 from jaxcb.bench.workloads import single_request
 from jaxcb.bench.xla_profile import KINDS, load_events, op_kinds, run_profiles
+from jaxcb.engine.step_trace import recording
 
 log = make_log()
 COLUMNS = ("step", "execute", "span", *KINDS, "executor", "dispatch", "host")

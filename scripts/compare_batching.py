@@ -50,8 +50,8 @@ from jaxcb.bench.cli import (
 from jaxcb.bench.offline_report import output_rate
 from jaxcb.bench.plots import require_matplotlib
 from jaxcb.bench.systems import BenchContext, JaxcbSystem, environment
-from jaxcb.bench.trace import save_trace
 from jaxcb.config import BATCHING_MODES
+from jaxcb.engine.step_trace import save_trace
 
 log = make_log()
 ORDER = ("static", "dynamic", "continuous")
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         infos = {m: s.info() for m, s in systems.items()}
         if args.trace_dir:
             from jaxcb.bench.plots import plot_trace
-            from jaxcb.bench.trace import load_trace
+            from jaxcb.engine.step_trace import load_trace
 
             for mode, system in systems.items():
                 path = args.trace_dir / f"trace-{mode}.json"

@@ -13,7 +13,7 @@ A trace comes from any run that records one:
     python scripts/plot_trace.py out/trace.json -o out/trace.png
     python scripts/plot_trace.py out/trace.json --steps 0:200        # zoom on the first 200
 
-or from Python: `with jaxcb.bench.trace.recording(llm) as steps: llm.generate(...)`, then
+or from Python: `with jaxcb.engine.step_trace.recording(llm) as steps: llm.generate(...)`, then
 `save_trace(path, steps, trace_meta(llm))`.
 """
 
@@ -29,7 +29,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxcb.bench.plots import plot_trace, require_matplotlib
-from jaxcb.bench.trace import load_trace, summarize_trace
+from jaxcb.engine.step_trace import load_trace, summarize_trace
 
 
 def parse_steps(text: str) -> tuple[int, int | None]:

@@ -6,6 +6,8 @@ functions included), so that a lazy import cannot hide a loop:
     jaxcb.native        imports nothing from jaxcb but jaxcb.paths (and itself)
     models              never import runtime, engine, server, llm, batch, bench
     runtime             never imports server, llm, batch, bench
+    production code     (all of jaxcb but jaxcb.bench) never imports jaxcb.bench: the server
+                        owns its HTTP client, the engine the step-trace format
     leaves              config, sampling_params, structured_outputs, outputs, paths import no
                         other jaxcb module (but sampling_params its structured_outputs)
 """
@@ -116,6 +118,11 @@ def test_the_package_was_read() -> None:
 def test_import_direction(rule: str) -> None:
     importer, forbidden, allowed = RULES[rule]
     assert offenders(importer, forbidden, allowed) == {}
+
+
+def test_production_code_never_imports_the_benchmarks() -> None:
+    bad = offenders("jaxcb", ["jaxcb.bench"])
+    assert {name: hits for name, hits in bad.items() if not within(name, "jaxcb.bench")} == {}
 
 
 def test_the_checker_catches_a_wrong_arrow() -> None:

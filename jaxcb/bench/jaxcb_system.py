@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from jaxcb.bench.base import BenchContext, PassResult, check_lengths
-from jaxcb.bench.trace import recording, trace_meta
+from jaxcb.engine.step_trace import recording, trace_meta
 
 
 class JaxcbSystem:

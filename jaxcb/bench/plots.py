@@ -1,6 +1,6 @@
 """PNG plots of the benchmark tools, drawn with matplotlib's Agg backend (no display needed).
 
-plot_trace      a step trace (jaxcb.bench.trace): steps on x, the bucket's token slots on y,
+plot_trace      a step trace (jaxcb.engine.step_trace): steps on x, the bucket's token slots on y,
                 each real token coloured by its request (prefill pale, decode saturated),
                 padding grey (a padded-batch baseline's batch padding darker than the
                 bucket's rounding), the step's token budget as a line when the ITL
@@ -103,7 +103,7 @@ def plot_trace(
     require_matplotlib()
     from matplotlib.patches import Patch
 
-    from jaxcb.bench.trace import summarize_trace
+    from jaxcb.engine.step_trace import summarize_trace
 
     meta, all_steps = trace.get("meta", {}), trace["steps"]
     steps = all_steps[first_step:last_step]

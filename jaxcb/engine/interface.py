@@ -181,7 +181,7 @@ class StepRecord:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form of a step trace entry (jaxcb.bench.trace)."""
+        """The JSON form of a step trace entry (jaxcb.engine.step_trace)."""
         out = {
             "bucket": self.bucket,
             "chunks": [list(c) for c in self.chunks],

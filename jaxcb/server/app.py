@@ -30,8 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
-from jaxcb.bench.trace import save_trace, trace_meta
 from jaxcb.engine.interface import Engine
+from jaxcb.engine.step_trace import save_trace, trace_meta
 from jaxcb.server.engine_loop import EngineLoop
 from jaxcb.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxcb.server.prompts import PromptEncoder

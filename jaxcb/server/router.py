@@ -21,8 +21,9 @@ many tokens); for chat, the same prefix of the messages serialized in order (the
 template keeps their order, so equal leading messages give equal templated prefixes).
 
 Streaming passes through: the replica's response body is forwarded chunk by chunk as it
-arrives (SSE events unchanged). A replica that refuses the connection before anything was
-sent is marked unhealthy and the request goes to another. A health loop polls each replica's
+arrives (SSE events unchanged), over pooled keep-alive connections (an httpx2 client). A
+replica that cannot be reached, or drops the connection before it answers, is marked
+unhealthy and the request goes to another. A health loop polls each replica's
 /health; failed ones leave the rotation until they answer again, and `on_unhealthy` (the
 launcher's restart, scripts/serve_replicas.py) is called for them.
 
@@ -46,15 +47,15 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import httpx2 as httpx
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-
-from jaxcb.bench.serving_client import _body, _read_headers
 
 logger = logging.getLogger(__name__)
 
 POLICIES = ("prefix", "least-loaded", "round-robin")
-HOP_HEADERS = frozenset({"connection", "transfer-encoding", "content-length", "keep-alive"})
+HOP_HEADERS = frozenset({"connection", "transfer-encoding", "content-length", "keep-alive", "host"})
+CONNECT_TIMEOUT = 5.0  # seconds to reach a replica before it counts as failed
 
 
 @dataclass
@@ -67,6 +68,10 @@ class Replica:
     in_flight: int = 0
     routed: int = 0
     failures: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
 
 
 def prefix_key(body: dict[str, Any], prefix_tokens: int) -> str | None:
@@ -153,35 +158,21 @@ class Router:
         }
 
 
-async def _open(
-    replica: Replica, method: str, path: str, body: bytes, headers: dict[str, str]
-) -> tuple[int, dict[str, str], AsyncIterator[bytes], Callable[[], None]]:
-    """Send one HTTP/1.1 request; (status, headers, body chunks, close)."""
-    reader, writer = await asyncio.open_connection(replica.host, replica.port)
-    head = [f"{method} {path} HTTP/1.1", f"Host: {replica.host}:{replica.port}"]
-    head += [f"{k}: {v}" for k, v in headers.items() if k.lower() not in HOP_HEADERS | {"host"}]
-    head += [f"Content-Length: {len(body)}", "Connection: close"]
-    writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
-    await writer.drain()
-    try:
-        status, response_headers = await _read_headers(reader)
-    except Exception:
-        writer.close()
-        raise
-    return status, response_headers, _body(reader, response_headers), writer.close
+def replica_client() -> httpx.AsyncClient:
+    """The router's HTTP client: pooled keep-alive connections to the replicas; a connect
+    timeout, none on reading (a long generation streams for as long as it takes)."""
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=CONNECT_TIMEOUT, read=None, write=None, pool=None),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+    )
 
 
-async def fetch(replica: Replica, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
+async def fetch(
+    client: httpx.AsyncClient, replica: Replica, path: str, timeout: float = 5.0
+) -> tuple[int, bytes]:
     """GET `path` from a replica: (status, body)."""
-
-    async def get() -> tuple[int, bytes]:
-        status, _, chunks, close = await _open(replica, "GET", path, b"", {})
-        try:
-            return status, b"".join([c async for c in chunks])
-        finally:
-            close()
-
-    return await asyncio.wait_for(get(), timeout)
+    answer = await client.get(replica.url + path, timeout=timeout)
+    return answer.status_code, answer.content
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?(\s.*)$")
@@ -220,12 +211,12 @@ def build_router_app(
 ) -> FastAPI:
     """The router's FastAPI app (module docstring); the health loop runs with its lifespan."""
 
-    async def check(index: int) -> None:
+    async def check(client: httpx.AsyncClient, index: int) -> None:
         replica = router.replicas[index]
         try:
-            status, _ = await fetch(replica, "/health", timeout=max(1.0, health_interval))
+            status, _ = await fetch(client, replica, "/health", max(1.0, health_interval))
             ok = status == 200
-        except (TimeoutError, OSError, ValueError):
+        except (httpx.HTTPError, OSError):
             ok = False
         if replica.healthy != ok:
             logger.warning("replica %d (port %d) is %s", index, replica.port,
@@ -236,26 +227,29 @@ def build_router_app(
             if on_unhealthy is not None:  # (a restart may block: off the event loop)
                 await asyncio.to_thread(on_unhealthy, index)
 
-    async def health_loop() -> None:
+    async def health_loop(client: httpx.AsyncClient) -> None:
         while True:
-            await asyncio.gather(*(check(i) for i in range(len(router.replicas))))
+            await asyncio.gather(*(check(client, i) for i in range(len(router.replicas))))
             await asyncio.sleep(health_interval)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(health_loop())
-        try:
-            yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        async with replica_client() as client:
+            app.state.client = client
+            task = asyncio.create_task(health_loop(client))
+            try:
+                yield
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     app = FastAPI(title="jaxcb router", lifespan=lifespan)
     app.state.router = router
 
     async def forward(request: Request, key: str | None, body: bytes) -> Response:
-        headers = {k: v for k, v in request.headers.items()}
+        client: httpx.AsyncClient = request.app.state.client
+        headers = {k: v for k, v in request.headers.items() if k not in HOP_HEADERS}
         tried: set[int] = set()
         while True:
             try:
@@ -264,14 +258,15 @@ def build_router_app(
                 return JSONResponse(_error(str(exc), 503), status_code=503)
             replica = router.replicas[index]
             replica.in_flight += 1
+            outgoing = client.build_request(
+                request.method, replica.url + request.url.path, content=body, headers=headers
+            )
             try:
-                status, rheaders, chunks, close = await _open(
-                    replica, request.method, request.url.path, body, headers
-                )
-            except OSError as exc:  # refused or reset before anything was sent: try another
+                answer = await client.send(outgoing, stream=True)
+            except httpx.TransportError as exc:  # unreachable, or dropped before answering
                 replica.in_flight -= 1
                 replica.healthy, replica.failures = False, replica.failures + 1
-                logger.warning("replica %d failed (%s): out of rotation", index, exc)
+                logger.warning("replica %d failed (%r): out of rotation", index, exc)
                 if on_unhealthy is not None:
                     on_unhealthy(index)
                 tried.add(index)
@@ -281,15 +276,15 @@ def build_router_app(
 
         async def stream() -> AsyncIterator[bytes]:
             try:
-                async for chunk in chunks:
+                async for chunk in answer.aiter_raw():  # the bytes as sent: SSE unchanged
                     yield chunk
             finally:
                 replica.in_flight -= 1
-                close()
+                await answer.aclose()
 
-        kept = {k: v for k, v in rheaders.items() if k not in HOP_HEADERS}
+        kept = {k: v for k, v in answer.headers.items() if k not in HOP_HEADERS}
         kept["x-jaxcb-replica"] = str(index)
-        return StreamingResponse(stream(), status_code=status, headers=kept)
+        return StreamingResponse(stream(), status_code=answer.status_code, headers=kept)
 
     async def routed(request: Request) -> Response:
         body = await request.body()
@@ -311,11 +306,13 @@ def build_router_app(
         return JSONResponse(_error("no healthy replica", 503), status_code=503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        client: httpx.AsyncClient = request.app.state.client
+
         async def text(replica: Replica) -> str | None:
             try:
-                status, data = await fetch(replica, "/metrics")
-            except (TimeoutError, OSError, ValueError):
+                status, data = await fetch(client, replica, "/metrics")
+            except (httpx.HTTPError, OSError):
                 return None
             return data.decode() if status == 200 else None
 

@@ -10,7 +10,7 @@ import pytest
 from helpers import TINY_MODEL
 
 from jaxcb import LLM, SamplingParams
-from jaxcb.bench.trace import load_trace, recording, save_trace, summarize_trace, trace_meta
+from jaxcb.engine.step_trace import load_trace, recording, save_trace, summarize_trace, trace_meta
 
 CONFIG = dict(
     model=TINY_MODEL,

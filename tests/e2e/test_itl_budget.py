@@ -15,7 +15,7 @@ import pytest
 from helpers import TINY_MODEL
 
 from jaxcb import LLM, SamplingParams
-from jaxcb.bench.trace import recording, save_trace, trace_meta
+from jaxcb.engine.step_trace import recording, save_trace, trace_meta
 from jaxcb.runtime import step as step_module
 
 BUCKETS = (16, 32, 64)
@@ -102,7 +102,7 @@ def test_budget_from_buckets_only_no_recompilation_same_tokens(llm, tmp_path):
     # the trace keeps the budget and the target; its plot draws them
     path = save_trace(tmp_path / "trace.json", steps, trace_meta(llm))
     from jaxcb.bench.plots import plot_trace
-    from jaxcb.bench.trace import load_trace
+    from jaxcb.engine.step_trace import load_trace
 
     loaded = load_trace(path)
     assert loaded["meta"]["itl_target_ms"] == CONFIG["itl_target_ms"]
@@ -132,7 +132,7 @@ def test_server_writes_the_budget_in_its_step_trace(llm, tmp_path):
     shutdown; /metrics has the budget gauge (in-process, on this module's engine)."""
     from starlette.testclient import TestClient
 
-    from jaxcb.bench.trace import load_trace
+    from jaxcb.engine.step_trace import load_trace
     from jaxcb.server import ServerSettings, build_app
 
     path = tmp_path / "served.json"
