@@ -13,7 +13,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -53,3 +55,21 @@ def _usable(path: Path) -> Path:
             fallback,
         )
         return fallback
+
+
+def build_atomically(target: Path, write: Callable[[Path], None]) -> None:
+    """write(a fresh temporary dir beside `target`), then rename it to `target` (a model
+    directory: it has a config.json once written). Atomic: a concurrent builder may win,
+    which is fine, and a reader never sees half a directory."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; other users' venvs read it too
+    try:
+        write(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

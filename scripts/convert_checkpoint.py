@@ -22,7 +22,7 @@ import logging
 import sys
 import time
 
-from jaxcb.models.checkpoint import convert_checkpoint
+from jaxcb.models.checkpoint_convert import convert_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:

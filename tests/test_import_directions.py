@@ -8,6 +8,8 @@ functions included), so that a lazy import cannot hide a loop:
     runtime             never imports server, llm, batch, bench
     production code     (all of jaxcb but jaxcb.bench) never imports jaxcb.bench: the server
                         owns its HTTP client, the engine the step-trace format
+    no cycles           no module reaches itself through imports, lazy ones included (a
+                        package's own __init__ excepted: importing jaxcb.x imports jaxcb)
     leaves              config, sampling_params, structured_outputs, outputs, paths import no
                         other jaxcb module (but sampling_params its structured_outputs)
 """
@@ -123,6 +125,62 @@ def test_import_direction(rule: str) -> None:
 def test_production_code_never_imports_the_benchmarks() -> None:
     bad = offenders("jaxcb", ["jaxcb.bench"])
     assert {name: hits for name, hits in bad.items() if not within(name, "jaxcb.bench")} == {}
+
+
+def _resolve(imported: str) -> str | None:
+    """The module of ours an imported name lives in ("jaxcb.models.loader.load_params" ->
+    "jaxcb.models.loader"), or None for a third-party one."""
+    while imported and imported not in GRAPH:
+        imported = imported.rpartition(".")[0]
+    return imported or None
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or around (Tarjan's strongly
+    connected components of more than one module). Edges to an importer's own parent
+    packages are left out: `import jaxcb.x` runs jaxcb/__init__.py first by design."""
+    edges = {
+        name: {
+            target
+            for target in map(_resolve, imported)
+            if target and target != name and not name.startswith(target + ".")
+        }
+        for name, imported in graph.items()
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(edges[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while not group or group[-1] != node:
+                group.append(stack.pop())
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    assert import_cycles(GRAPH) == []
+
+
+def test_the_cycle_finder_finds_a_lazy_cycle() -> None:
+    graph = {**GRAPH, "jaxcb.paths": GRAPH["jaxcb.paths"] | {"jaxcb.native.build"}}
+    assert ["jaxcb.native.build", "jaxcb.paths"] in import_cycles(graph)
 
 
 def test_the_checker_catches_a_wrong_arrow() -> None:

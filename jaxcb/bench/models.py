@@ -23,12 +23,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jaxcb.paths import cache_dir
+from jaxcb.paths import build_atomically, cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -82,25 +80,8 @@ def bench_model_dir(
             write_llama(tmp, BENCH_MODELS[name], seed=SEED)
 
     build_atomically(target, write)
-    return target
-
-
-def build_atomically(target: Path, write: Callable[[Path], None]) -> None:
-    """write(a fresh temporary dir beside `target`), then rename it to `target`: atomic, and a
-    concurrent builder may win, which is fine."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; other users' venvs read it too
-    try:
-        write(tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     logger.info("built benchmark model %s", target)
+    return target
 
 
 def write_llama(path: Path, config: dict[str, Any], *, seed: int = SEED) -> None:

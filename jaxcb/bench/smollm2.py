@@ -29,8 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jaxcb.bench.models import build_atomically
-from jaxcb.paths import cache_dir
+from jaxcb.paths import build_atomically, cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -4,14 +4,40 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from jaxcb.engine.llm_engine import LLMEngine
+from jaxcb.config import EngineConfig
+from jaxcb.engine.grammar import GrammarCompiler
+from jaxcb.engine.interface import EngineInfo, KVUsage
+from jaxcb.engine.itl_controller import ITLController
+from jaxcb.engine.scheduler import BaseScheduler
+from jaxcb.engine.swap import Swapper
+
+
+class StatsSource(Protocol):
+    """What the stats read of an engine (LLMEngine is one)."""
+
+    config: EngineConfig
+    info: EngineInfo
+    scheduler: BaseScheduler
+    grammars: GrammarCompiler
+    swapper: Swapper | None
+    itl: ITLController | None
+
+    @property
+    def async_scheduling(self) -> bool: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    def kv_usage(self) -> KVUsage: ...
 
 
 def engine_stats(
-    engine: LLMEngine, counters: Counter[str], bucket_hist: Counter[int]
+    engine: StatsSource, counters: Counter[str], bucket_hist: Counter[int]
 ) -> dict[str, Any]:
     """`counters`: the engine's running totals; `bucket_hist`: steps per token bucket."""
     s, info, kv = counters, engine.info, engine.kv_usage()

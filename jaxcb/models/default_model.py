@@ -13,14 +13,11 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from jaxcb.paths import cache_dir
+from jaxcb.paths import build_atomically, cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -104,18 +101,12 @@ def default_model_dir() -> Path:
     target = cache_dir() / NAME
     if (target / "config.json").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=target.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         write_random_llama(tmp, CONFIG, seed=SEED, std=INIT_STD)
         save_byte_tokenizer(tmp)
-        try:
-            os.replace(tmp, target)  # atomic: a concurrent builder may win, which is fine
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    build_atomically(target, write)
     logger.info("built the default model in %s", target)
     return target
 

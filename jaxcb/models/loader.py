@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxcb.models import registry
 from jaxcb.models.base import ModelSpec, Params, is_param_info
+from jaxcb.models.checkpoint import checkpoint_quantization, is_orbax_checkpoint, restore_params
 from jaxcb.models.default_model import NAME as TINY_NAME
 from jaxcb.models.default_model import SMOLLM2_NAME, builtin_model
 from jaxcb.models.gguf import BLOCK_OFFSETS, GGUFFile, is_gguf_path
@@ -98,12 +99,6 @@ def load_model(
         return _load_gguf(path, tokenizer_path, dtype, shardings, random_weights, quantization)
     spec = spec_from_hf_config(read_hf_config(path))
     target = shardings(spec) if shardings is not None else None
-    from jaxcb.models.checkpoint import (
-        checkpoint_quantization,
-        is_orbax_checkpoint,
-        restore_params,
-    )
-
     fmt = "orbax" if is_orbax_checkpoint(path) else "safetensors"
     stored = "none"
     if fmt == "orbax":

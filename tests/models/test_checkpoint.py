@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from jaxcb import LLM, SamplingParams
-from jaxcb.models.checkpoint import MARKER, convert_hf_checkpoint, is_orbax_checkpoint
+from jaxcb.models.checkpoint import MARKER, is_orbax_checkpoint
+from jaxcb.models.checkpoint_convert import convert_hf_checkpoint
 from jaxcb.models.default_model import default_model_dir
 from jaxcb.models.loader import load_model
 from jaxcb.models.weights import ModelLoadError
@@ -167,7 +168,7 @@ def test_int8_checkpoint_of_a_tied_table_without_its_head(tmp_path: Path, monkey
     serves as the head too."""
     from helpers import make_hf_model
 
-    from jaxcb.models import checkpoint, quant
+    from jaxcb.models import checkpoint_convert, quant
 
     hf_dir = tmp_path / "tied"
     make_hf_model("qwen3", hf_dir)
@@ -178,7 +179,7 @@ def test_int8_checkpoint_of_a_tied_table_without_its_head(tmp_path: Path, monkey
         return {k: v for k, v in params.items() if k != "lm_head"}, infos
 
     monkeypatch.setattr(quant, "quantize_params", without_head)
-    target = checkpoint.convert_checkpoint(hf_dir, tmp_path / "old", quantization="int8")
+    target = checkpoint_convert.convert_checkpoint(hf_dir, tmp_path / "old", quantization="int8")
     monkeypatch.undo()
     for matmul in ("auto", "xla"):  # xla: no packing that would declare a head by itself
         llm = LLM(str(target), matmul=matmul, **ENGINE)

@@ -26,7 +26,8 @@ from helpers import make_hf_model, random_prompts
 
 from jaxcb import LLM, SamplingParams
 from jaxcb.models import registry
-from jaxcb.models.checkpoint import MARKER, convert_checkpoint
+from jaxcb.models.checkpoint import MARKER
+from jaxcb.models.checkpoint_convert import convert_checkpoint
 from jaxcb.models.default_model import smollm2_gguf
 from jaxcb.models.gguf import GGUFFile
 from jaxcb.models.loader import load_gguf_block_grids, load_model, load_tokenizer

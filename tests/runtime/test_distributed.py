@@ -150,7 +150,7 @@ def test_four_processes_orbax_async_give_the_tokens_of_one(
     """TP 4 over four processes, one device each (about 20 s on a 2-core runner), from a
     jaxcb (orbax) checkpoint, each process restoring its own shards straight into the mesh,
     with async scheduling (a step ahead of the device: still the same steps everywhere)."""
-    from jaxcb.models.checkpoint import convert_hf_checkpoint
+    from jaxcb.models.checkpoint_convert import convert_hf_checkpoint
 
     orbax_dir = convert_hf_checkpoint(model, tmp_path / "tiny-orbax")
     want = reference
