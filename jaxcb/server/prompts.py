@@ -69,20 +69,31 @@ class PromptEncoder:
         (jinja2 missing) is the server's fault, not every chat client's: ValueError, so the
         server refuses to start. A template that rejects this message is only logged (it may
         want other messages; each request then gets its own 400)."""
-        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
-        if self.tokenizer is None or not template:
+        template = self._template()
+        if template is None:
             return
         try:
-            self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": "Hi"}],
-                chat_template=template,
-                tokenize=False,
-                add_generation_prompt=True,
-            )
+            self._render([{"role": "user", "content": "Hi"}], None, template)
         except ImportError as exc:
             raise ValueError(f"chat requests cannot be served: {exc}") from None
         except Exception as exc:
             logger.warning("the chat template fails on one user message: %s", exc)
+
+    def _template(self) -> str | None:
+        """The chat template requests are rendered with (--chat-template, else the
+        tokenizer's); None without one or without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        return self.chat_template or getattr(self.tokenizer, "chat_template", None) or None
+
+    def _render(self, messages: list[dict[str, Any]], tools: Any, template: str) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
 
     async def encode(self, prompts: list[Prompt], params: SamplingParams) -> list[list[int]]:
         """Token ids of each prompt; a 400 APIError naming the problem if one cannot be
@@ -140,8 +151,8 @@ class PromptEncoder:
             if tokenizer is None:
                 raise bad_request("this model has no tokenizer: send token id lists", param)
             return prompt, True
-        template = self.chat_template or getattr(tokenizer, "chat_template", None)
-        if tokenizer is None or not template:
+        template = self._template()
+        if template is None:
             raise bad_request("this model has no chat template; use /v1/completions", param)
         if prompt.tools and "tools" not in template:
             # A ChatML template that ignores tools (SmolLM2's): jaxcb's own, with Hermes calls.
@@ -153,13 +164,7 @@ class PromptEncoder:
                 )
             template = CHATML_TOOLS_TEMPLATE
         try:
-            text = tokenizer.apply_chat_template(
-                prompt.messages,
-                tools=prompt.tools,
-                chat_template=template,
-                tokenize=False,
-                add_generation_prompt=True,
-            )
+            text = self._render(prompt.messages, prompt.tools, template)
         except ImportError as exc:  # the server's install, not the request
             raise APIError(500, str(exc), type="server_error") from None
         except Exception as exc:  # jinja errors, raise_exception() in templates
