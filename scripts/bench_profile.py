@@ -96,7 +96,8 @@ def profile(llm: Any, prompts: list, params: list) -> tuple[list, list, list]:
 
     engine = llm.engine
     kinds: dict[str, str] = {}
-    for compiled in engine.runner._compiled.values():
+    runner = engine.runner
+    for compiled in [*runner._compiled.values(), *runner._compiled_samplers.values()]:
         kinds |= op_kinds(compiled.as_text())
     timer = StepTimer(engine)
     with tempfile.TemporaryDirectory(prefix="jaxcb-profile-") as tmp:

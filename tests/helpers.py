@@ -123,6 +123,12 @@ FAMILIES = {
 }
 
 
+def traced_programs(buckets) -> int:
+    """Programs an engine traces at start-up (runtime/step.py): a step per bucket and a
+    sampling program per sequence-row count."""
+    return len(buckets) + len({b.num_seqs for b in buckets})
+
+
 def make_hf_model(family: str, path: Path, *, seed: int = 0, dtype: str = "float32", **overrides):
     """Create a random-weight model with transformers, save it to `path`, return the model."""
     import torch

@@ -318,11 +318,15 @@ def compile_for_target(
 
 
 def measure_program_bytes(runner: ModelRunner, buckets: tuple[Bucket, ...]) -> int:
-    """`program_bytes` of the largest bucket (most tokens, then most sequences), compiled
-    on `runner` (an abstract one: no memory taken)."""
+    """`program_bytes` of the largest bucket (most tokens, then most sequences) or of its
+    sampling program, whichever is more, compiled on `runner` (an abstract one: no memory
+    taken)."""
     largest = max(buckets, key=lambda b: (b.num_tokens, b.num_seqs))
     runner.compile((largest,))
-    return program_bytes(runner.compiled_step(largest))
+    return max(
+        program_bytes(runner.compiled_step(largest)),
+        program_bytes(runner.compiled_sampler(largest.num_seqs)),
+    )
 
 
 def per_device_bytes(tree: Any) -> int:

@@ -255,6 +255,10 @@ def report(build: AotBuild, *, context_len: int | None = None) -> AotReport:
         mem = compiled.memory_analysis()
         traced = runner.trace_step(bucket)
         cost = step_cost(compiled, traced, kv_array_bytes)
+        # A step that samples or asks for logprobs runs the sampling program of its S after
+        # the step: its traffic counts in the all-options bytes, its buffers in the peak.
+        sampler = runner.compiled_sampler(bucket.num_seqs)
+        sampling_bytes = hbm_traffic.hbm_bytes(sampler.as_text())
         compute_s = cost.flops / target.peak_flops
         memory_s = cost.greedy_hbm_bytes / target.hbm_bandwidth
         seconds = max(compute_s, memory_s)
@@ -269,7 +273,7 @@ def report(build: AotBuild, *, context_len: int | None = None) -> AotReport:
             context_len=context,
             tensor_parallel_size=build.tensor_parallel_size,
         )["total"]
-        program = program_bytes(compiled)
+        program = max(program_bytes(compiled), program_bytes(sampler))
         rows.append(
             BucketReport(
                 num_tokens=bucket.num_tokens,
@@ -283,7 +287,7 @@ def report(build: AotBuild, *, context_len: int | None = None) -> AotReport:
                 program_bytes=program,
                 fits=mem.argument_size_in_bytes + program <= build.memory_limit_bytes,
                 flops=cost.flops,
-                bytes_accessed=cost.hbm_bytes,
+                bytes_accessed=cost.hbm_bytes + sampling_bytes,
                 greedy_bytes=cost.greedy_hbm_bytes,
                 xla_bytes_accessed=cost.xla_bytes,
                 cost_source=cost.source,
@@ -292,7 +296,7 @@ def report(build: AotBuild, *, context_len: int | None = None) -> AotReport:
                 decode_tokens_per_s=bucket.num_seqs / seconds if seconds > 0 else math.inf,
                 ideal_bytes=ideal,
                 bytes_vs_ideal=cost.greedy_hbm_bytes / ideal,
-                all_options_vs_ideal=cost.hbm_bytes / ideal,
+                all_options_vs_ideal=(cost.hbm_bytes + sampling_bytes) / ideal,
                 context_len=context,
             )
         )
@@ -361,7 +365,7 @@ def format_report(rep: AotReport) -> str:
         f"flops and bytes: {source}",
         "HBM GB: a greedy step (every lax.cond by its lightest branch), which sets the roofline;"
         " all-on GB: every branch at its heaviest (sampling filters, penalties, logprobs,"
-        " prompt logprobs at once)",
+        " prompt logprobs at once), with the sampling program",
         "ideal bytes: weights once + live KV once + new KV + activations, at "
         + (
             f"{rep.context_len} live tokens per sequence"

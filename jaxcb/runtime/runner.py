@@ -1,9 +1,11 @@
 """ModelRunner: owns params and device state, compiles every bucket ahead of time, runs steps.
 
 It is the engine's `Runner` (engine/interface.py): `prepare` packs a scheduled step into the
-bucket's fixed-shape arrays, `execute` runs the bucket's compiled step on them and waits for
-its tokens; `dispatch` and `collect` are its two halves, for async scheduling (the engine
-packs the next step while this one runs).
+bucket's fixed-shape arrays, `execute` runs the bucket's compiled step on them (and, when
+some row samples or asks for logprobs, the compiled sampling program of the bucket's
+sequence-row count: runtime/step.py) and waits for its tokens; `dispatch` and `collect`
+are its two halves, for async scheduling (the engine packs the next step while this one
+runs).
 
 The runner works on a mesh (runtime/sharding.py): one device, or `tensor_parallel_size`
 devices over which the params and the KV pages are sharded. The step is jitted with explicit
@@ -44,6 +46,7 @@ from jaxcb.runtime.step_input import (
     empty_step_input,
     no_penalties,
     pack_step_input,
+    sampling_input,
 )
 from jaxcb.sampling import SamplingOutput
 
@@ -54,7 +57,8 @@ logger = logging.getLogger(__name__)
 class PendingStep:
     """A dispatched step whose outputs are still (or may still be) computing."""
 
-    out: SamplingOutput
+    token_ids: jax.Array  # i32[S]
+    out: SamplingOutput | None  # None: a greedy step without logprobs (token_ids are it)
     prompt_out: PromptLogprobsOutput
     num_prompt_rows: int  # prompt logprob rows it computes (0: none)
     want_top: bool  # some sampled row wants its top logprobs
@@ -140,17 +144,24 @@ class ModelRunner:
             num_top_logprobs=num_top_logprobs,
             logits_shardings=logits_shardings,
         )
+        logits_sharding = logits_shardings[-1] if logits_shardings else self._replicated
         self._step = jax.jit(
             step,
             donate_argnames=("state",),
             in_shardings=(self.param_shardings, state_shardings, self._replicated),
             out_shardings=(
+                self._replicated,  # the greedy tokens
                 self._replicated,
-                self._replicated,
-                logits_shardings[-1] if logits_shardings else self._replicated,  # unread
+                logits_sharding,  # for the sampling program
                 state_shardings,
                 self._replicated,  # the sampled tokens for the next step (async scheduling)
             ),
+        )
+        self._sample = jax.jit(
+            functools.partial(step_module.sample_step, num_top_logprobs=num_top_logprobs),
+            donate_argnums=(2,),  # the step's next-step token buffer, rewritten
+            in_shardings=(logits_sharding, *(self._replicated,) * 3),
+            out_shardings=self._replicated,
         )
         self.swap_pool = None
         if num_swap_pages > 0:
@@ -168,6 +179,7 @@ class ModelRunner:
             )
         self.max_model_len = max_model_len
         self._compiled: dict[Bucket, jax.stages.Compiled] = {}
+        self._compiled_samplers: dict[int, jax.stages.Compiled] = {}  # by sequence rows S
         self._no_penalty_tokens: dict[Bucket, tuple[jax.Array, jax.Array]] = {}
         self._all_tokens: dict[Bucket, jax.Array] = {}  # token masks allowing every id
         # The last step's sampled tokens on device, i32[num_sampled_rows] (the largest
@@ -175,8 +187,12 @@ class ModelRunner:
         # tokens were read back takes its decode inputs from here (StepInput.prev_rows).
         self.num_sampled_rows = 0
         self._sampled: jax.Array | None = None
+        # Seconds per token bucket (its sequence-row variants summed), per bucket, and per
+        # sampling program (by S; also counted in the first bucket of that S, the one whose
+        # start-up compiled it).
         self.compile_seconds: dict[int, float] = {}
         self.bucket_compile_seconds: dict[Bucket, float] = {}
+        self.sampler_compile_seconds: dict[int, float] = {}
         self.lower_seconds: dict[Bucket, float] = {}
 
     def compile(
@@ -194,34 +210,53 @@ class ModelRunner:
                 f"{self.num_sampled_rows} rows already compiled: compile every bucket at once"
             )
         self.num_sampled_rows = max(self.num_sampled_rows, rows)
-        lowered = {}
+        # Each bucket's step, and the sampling program of each S not compiled yet, keyed
+        # (bucket, None) and (bucket, S) for the first bucket of that S.
+        keys: list[tuple[Bucket, int | None]] = []
         for bucket in buckets:
+            keys.append((bucket, None))
+            seqs = bucket.num_seqs
+            if seqs not in self._compiled_samplers and all(k[1] != seqs for k in keys):
+                keys.append((bucket, seqs))
+        jobs: dict[tuple[Bucket, int | None], jax.stages.Lowered] = {}
+        lower_seconds: dict[tuple[Bucket, int | None], float] = {}
+        for key in keys:
+            bucket, num_seqs = key
             t0 = time.perf_counter()
-            lowered[bucket] = self.trace_step(bucket).lower()
-            self.lower_seconds[bucket] = time.perf_counter() - t0
+            traced = self.trace_step(bucket) if num_seqs is None else self.trace_sampler(num_seqs)
+            jobs[key] = traced.lower()
+            lower_seconds[key] = time.perf_counter() - t0
+            if num_seqs is None:
+                self.lower_seconds[bucket] = lower_seconds[key]
 
-        def compile_one(bucket: Bucket) -> tuple[Bucket, jax.stages.Compiled, float]:
+        def compile_one(key: tuple[Bucket, int | None]) -> tuple:
             t0 = time.perf_counter()
-            compiled = lowered[bucket].compile()
-            return bucket, compiled, self.lower_seconds[bucket] + time.perf_counter() - t0
+            compiled = jobs[key].compile()
+            return key, compiled, lower_seconds[key] + time.perf_counter() - t0
 
         total = 0.0
         with ThreadPoolExecutor(threads) if threads > 1 else contextlib.nullcontext() as pool:
-            done = pool.map(compile_one, buckets) if pool else map(compile_one, buckets)
+            done = pool.map(compile_one, jobs) if pool else map(compile_one, jobs)
             if progress:
                 from tqdm.auto import tqdm
 
                 done = tqdm(
-                    done, total=len(buckets), desc="compiling buckets", unit="bucket", leave=False
+                    done, total=len(jobs), desc="compiling buckets", unit="program", leave=False
                 )
-            for bucket, compiled, seconds in done:
-                self._compiled[bucket] = compiled
-                # per token bucket (its sequence-row variants summed)
+            for (bucket, num_seqs), compiled, seconds in done:
                 t = bucket.num_tokens
+                if num_seqs is None:
+                    self._compiled[bucket] = compiled
+                    logger.info("compiled bucket T=%d S=%d in %.2fs", t, bucket.num_seqs, seconds)
+                else:
+                    self._compiled_samplers[num_seqs] = compiled
+                    self.sampler_compile_seconds[num_seqs] = seconds
+                    logger.info("compiled sampling for S=%d in %.2fs", num_seqs, seconds)
                 self.compile_seconds[t] = self.compile_seconds.get(t, 0.0) + seconds
-                self.bucket_compile_seconds[bucket] = seconds
+                self.bucket_compile_seconds[bucket] = (
+                    self.bucket_compile_seconds.get(bucket, 0.0) + seconds
+                )
                 total += seconds
-                logger.info("compiled bucket T=%d S=%d in %.2fs", t, bucket.num_seqs, seconds)
         return total
 
     def trace_step(self, bucket: Bucket) -> jax.stages.Traced:
@@ -236,10 +271,28 @@ class ModelRunner:
         )
         return self._step.trace(self.params, self.state, example)
 
+    def trace_sampler(self, num_seqs: int) -> jax.stages.Traced:
+        """The sampling program traced for S sequence rows (any bucket of that S)."""
+        example = empty_step_input(
+            Bucket(num_seqs, num_seqs),
+            self.pages_per_seq,
+            self.max_model_len,
+            self.num_sampled_rows,
+            vocab_size=self.spec.vocab_size,
+        )
+        logits = jax.ShapeDtypeStruct((num_seqs, self.spec.vocab_size), jnp.float32)
+        return self._sample.trace(
+            logits, example.logits_indices, example.prev_token_ids, sampling_input(example)
+        )
+
     def compiled_step(self, bucket: Bucket) -> jax.stages.Compiled:
         """The bucket's compiled step (after `compile`): its memory_analysis and
         cost_analysis are what runtime/aot.py reports."""
         return self._compiled[bucket]
+
+    def compiled_sampler(self, num_seqs: int) -> jax.stages.Compiled:
+        """The compiled sampling program for S sequence rows (after `compile`)."""
+        return self._compiled_samplers[num_seqs]
 
     def prepare(self, sched: SchedulerOutput, bucket: Bucket) -> StepInput:
         return pack_step_input(
@@ -257,9 +310,34 @@ class ModelRunner:
         return self.collect(self.dispatch(bucket, inp))
 
     def dispatch(self, bucket: Bucket, inp: StepInput) -> PendingStep:
-        """Start the bucket's compiled step and return without waiting for it: jax
-        dispatches asynchronously while nothing reads the outputs (`collect` does)."""
-        compiled = self._compiled[bucket]
+        """Start the bucket's compiled step (and sampling, if the step needs it) and return
+        without waiting for them: jax dispatches asynchronously while nothing reads the
+        outputs (`collect` does)."""
+        if self._sampled is None:
+            rows = max(self.num_sampled_rows, bucket.num_seqs)
+            self._sampled = jax.device_put(np.zeros(rows, np.int32), self._replicated)
+        inp.prev_token_ids = self._sampled
+        self._fill_sampling_defaults(bucket, inp)  # (the step's input tree has them too)
+        greedy_ids, prompt_out, logits, self.state, self._sampled = self._compiled[bucket](
+            self.params, self.state, inp
+        )  # step()
+        out = None
+        if step_module.needs_sampling(inp.flags):
+            out, self._sampled = self._compiled_samplers[bucket.num_seqs](
+                logits, greedy_ids, self._sampled, sampling_input(inp)
+            )  # sample_step()
+        num_prompt_rows = int(inp.num_prompt_logprob_rows[0])
+        return PendingStep(
+            greedy_ids if out is None else out.token_ids,
+            out,
+            prompt_out,
+            num_prompt_rows=num_prompt_rows,
+            want_top=bool(inp.flags[FLAG_TOP_LOGPROBS]),
+            want_prompt_top=num_prompt_rows > 0 and bool(inp.flags[FLAG_PROMPT_TOP_LOGPROBS]),
+        )
+
+    def _fill_sampling_defaults(self, bucket: Bucket, inp: StepInput) -> None:
+        """Device-resident no-penalty and all-allowed rows where the packer left None."""
         if inp.penalty_tokens is None:
             if bucket not in self._no_penalty_tokens:
                 arrays = no_penalties(bucket.num_seqs, self.max_model_len)
@@ -270,20 +348,6 @@ class ModelRunner:
                 mask = all_tokens_allowed(bucket.num_seqs, self.spec.vocab_size)
                 self._all_tokens[bucket] = jax.device_put(mask, self._replicated)
             inp.token_mask = self._all_tokens[bucket]
-        if self._sampled is None:
-            rows = max(self.num_sampled_rows, bucket.num_seqs)
-            self._sampled = jax.device_put(np.zeros(rows, np.int32), self._replicated)
-        inp.prev_token_ids = self._sampled
-        # step()
-        out, prompt_out, _logits, self.state, self._sampled = compiled(self.params, self.state, inp)
-        num_prompt_rows = int(inp.num_prompt_logprob_rows[0])
-        return PendingStep(
-            out,
-            prompt_out,
-            num_prompt_rows=num_prompt_rows,
-            want_top=bool(inp.flags[FLAG_TOP_LOGPROBS]),
-            want_prompt_top=num_prompt_rows > 0 and bool(inp.flags[FLAG_PROMPT_TOP_LOGPROBS]),
-        )
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Wait for a dispatched step and read back what the host needs of it."""
@@ -291,8 +355,8 @@ class ModelRunner:
         want_top, want_prompt_top = pending.want_top, pending.want_prompt_top
         num_prompt_rows = pending.num_prompt_rows
         wanted = {
-            "token_ids": out.token_ids,
-            "logprobs": out.logprobs,
+            "token_ids": pending.token_ids,
+            "logprobs": out.logprobs if out is not None else None,
             "top_token_ids": out.top_token_ids if want_top else None,
             "top_logprobs": out.top_logprobs if want_top else None,
             "prompt_logprobs": prompt_out.logprobs if num_prompt_rows else None,
@@ -301,6 +365,8 @@ class ModelRunner:
         }
         with collective("reading the step's results"):  # multi-process: a peer may be gone
             fetched = jax.device_get({k: v for k, v in wanted.items() if v is not None})
+        if out is None:  # no row asked for logprobs
+            fetched["logprobs"] = np.zeros(len(fetched["token_ids"]), np.float32)
         for name in ("prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs"):
             if name in fetched:  # the prompt logprob rows, without the bucket's padding
                 fetched[name] = fetched[name][:num_prompt_rows]

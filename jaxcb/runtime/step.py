@@ -1,16 +1,23 @@
-"""THE step function: model forward over a packed ragged batch, KV write, sampling, and
-the prompt logprobs of the rows that ask for them (runtime/prompt_logprobs.py).
+"""THE step: model forward over a packed ragged batch, KV write, greedy tokens and the
+prompt logprobs of the rows that ask for them (runtime/prompt_logprobs.py), then, for the
+steps that need more than greedy tokens, the sampling program.
 
-The forward is that of the spec's family (models/registry.py). One function serves every
-bucket (each bucket is compiled once, ahead of time). The runner jits it with its mesh's
-shardings (runner.py) and `spec`, `attention`, `num_top_logprobs` static; the device state
-(the KV pages) is donated, so XLA updates it in place.
+The forward is that of the spec's family (models/registry.py). `step` serves every bucket
+(each bucket is compiled once, ahead of time); `sample_step` reads only sequence rows, so it
+is compiled once per sequence-row count S and shared by every bucket of that S: sampling's
+filters, penalties, masks and logprobs make most of a bucket's compile time on CPU
+(docs/architecture.md, "Compile time"), and a bucket set has few distinct S. The runner jits
+both with its mesh's shardings (runner.py) and runs `sample_step` after `step` only when
+some row is random, penalized, constrained or asks for logprobs (`needs_sampling`): a
+greedy step is one program. The device state (the KV pages) is donated, so XLA updates it
+in place.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxcb.models import registry
 from jaxcb.models.base import AttentionBackend, AttentionMetadata, ModelSpec, Params
@@ -21,12 +28,22 @@ from jaxcb.runtime.step_input import (
     FLAG_MASK,
     FLAG_PENALTY,
     FLAG_RANDOM,
+    SamplingInput,
     StepInput,
 )
-from jaxcb.sampling import SamplingOutput, sample
+from jaxcb.sampling import SamplingOutput, argmax_last_axis, sample
 
-#: Incremented each time the step function is traced; tests assert it stays put after warm-up.
+#: Incremented each time `step` or `sample_step` is traced; tests assert it stays put after
+#: warm-up.
 TRACE_COUNT = [0]
+
+#: The flags under which a step's tokens are not its greedy tokens, or need more than them.
+SAMPLING_FLAGS = (FLAG_RANDOM, FLAG_PENALTY, FLAG_LOGPROBS, FLAG_MASK)
+
+
+def needs_sampling(flags: np.ndarray) -> bool:
+    """Whether a step with these flags (StepInput.flags, on the host) runs `sample_step`."""
+    return bool(np.any(flags[list(SAMPLING_FLAGS)] > 0))
 
 
 def step(
@@ -38,10 +55,12 @@ def step(
     attention: AttentionBackend,
     num_top_logprobs: int,
     logits_shardings: tuple[jax.sharding.Sharding, ...] = (),
-) -> tuple[SamplingOutput, PromptLogprobsOutput, jax.Array, DeviceState, jax.Array]:
-    """Sampled tokens, the prompt logprobs asked for (zeros unless some row asked), the
-    logits the tokens were drawn from (f32[S, V]), the new state, and the sampled tokens
-    again in the next step's `prev_token_ids` buffer (i32[P]).
+) -> tuple[jax.Array, PromptLogprobsOutput, jax.Array, DeviceState, jax.Array]:
+    """The greedy tokens (i32[S]), the prompt logprobs asked for (zeros unless some row
+    asked), the logits (f32[S, V]: `sample_step` draws from them; only their bf16 screen
+    when the native LM head found the greedy tokens without them), the new state, and the
+    greedy tokens again in the next step's `prev_token_ids` buffer (i32[P]), which
+    `sample_step` overwrites when it runs.
 
     Async scheduling: the engine packs step N+1 before it has read step N's tokens back, so
     a decode row's input token may still be on the device; `inp.prev_rows` says which row of
@@ -52,13 +71,12 @@ def step(
     gather the whole lm_head instead), then replicated: one all-gather of [S, V] rather than
     collectives inside each of sampling's reductions and sorts.
 
-    The logits are an output, not for the caller to read, but so that they get a buffer of
-    their own. XLA's CPU runtime allocates all of a run's temporaries as one block; with the
-    logits and the sort-based sampling branch's [S, V] temporaries in it, that block exceeds
-    glibc's largest mmap threshold (32 MB) from 32 rows up, so every step maps fresh pages
-    and page-faults on the whole logits array: 4096 faults per step at S=128, ~8 ms of CPU
-    time at ~2 µs each. An output buffer of 16 MB is recycled by malloc instead (decode
-    steps 7-9% faster). On accelerators the extra output costs nothing."""
+    The logits get a buffer of their own as an output (which `sample_step` needs anyway).
+    XLA's CPU runtime allocates all of a run's temporaries as one block; with [S, V] logits
+    in it, that block exceeds glibc's largest mmap threshold (32 MB) from 32 rows up, so
+    every step would map fresh pages and page-fault on the whole logits array: 4096 faults
+    per step at S=128, ~8 ms of CPU time at ~2 µs each. An output buffer of 16 MB is
+    recycled by malloc instead (decode steps 7-9% faster)."""
     TRACE_COUNT[0] += 1
 
     meta = AttentionMetadata(
@@ -82,15 +100,37 @@ def step(
         spec=spec,
         attention=attention,
         num_compute_tokens=inp.num_compute_tokens,
-        # Random rows, penalties, logprobs and token masks read the logits; greedy rows only
-        # their argmax.
-        need_logits=(inp.flags[FLAG_RANDOM] > 0)
-        | (inp.flags[FLAG_PENALTY] > 0)
-        | (inp.flags[FLAG_LOGPROBS] > 0)
-        | (inp.flags[FLAG_MASK] > 0),
+        # `sample_step` reads the logits; greedy rows need only their argmax.
+        need_logits=jnp.any(inp.flags[np.array(SAMPLING_FLAGS)] > 0),
     )
     for sharding in logits_shardings:
         logits = jax.lax.with_sharding_constraint(logits, sharding)
+    if greedy_ids is None:  # the LM head's kernel did not find them on the way
+        greedy_ids = argmax_last_axis(logits)
+    prompt_out = prompt_logprobs(
+        params,
+        hidden,
+        inp,
+        num_top_logprobs=num_top_logprobs,
+        logits_shardings=logits_shardings,
+        logit_soft_cap=spec.final_logit_soft_cap,
+    )
+    greedy_ids = greedy_ids.astype(jnp.int32)
+    sampled = jax.lax.dynamic_update_slice(inp.prev_token_ids, greedy_ids, (0,))
+    return greedy_ids, prompt_out, logits, DeviceState(kv_caches), sampled
+
+
+def sample_step(
+    logits: jax.Array,  # f32[S, V]: `step`'s
+    greedy_ids: jax.Array,  # i32[S]: `step`'s
+    sampled: jax.Array,  # i32[P]: `step`'s next-step token buffer
+    inp: SamplingInput,
+    *,
+    num_top_logprobs: int,
+) -> tuple[SamplingOutput, jax.Array]:
+    """The step's tokens under every sampling parameter (sampling.py) and the logprobs
+    asked for, and the next-step token buffer with them in place of the greedy tokens."""
+    TRACE_COUNT[0] += 1
     penalty_args = (
         inp.penalty_tokens,
         inp.penalty_counts,
@@ -114,13 +154,4 @@ def step(
         token_mask=inp.token_mask,
         any_mask=inp.flags[FLAG_MASK] > 0,
     )
-    prompt_out = prompt_logprobs(
-        params,
-        hidden,
-        inp,
-        num_top_logprobs=num_top_logprobs,
-        logits_shardings=logits_shardings,
-        logit_soft_cap=spec.final_logit_soft_cap,
-    )
-    sampled = jax.lax.dynamic_update_slice(inp.prev_token_ids, out.token_ids, (0,))
-    return out, prompt_out, logits, DeviceState(kv_caches), sampled
+    return out, jax.lax.dynamic_update_slice(sampled, out.token_ids, (0,))

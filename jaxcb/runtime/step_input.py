@@ -89,6 +89,38 @@ jax.tree_util.register_dataclass(
 )
 
 
+@dataclass
+class SamplingInput:
+    """The sequence rows of a StepInput that `sample_step` reads (views of its arrays): its
+    shapes depend on S alone, so one sampling program serves every bucket of that S."""
+
+    num_seqs: np.ndarray | jax.Array
+    temperature: np.ndarray | jax.Array
+    top_k: np.ndarray | jax.Array
+    top_p: np.ndarray | jax.Array
+    min_p: np.ndarray | jax.Array
+    rng_keys: np.ndarray | jax.Array
+    sample_counters: np.ndarray | jax.Array
+    presence_penalty: np.ndarray | jax.Array
+    frequency_penalty: np.ndarray | jax.Array
+    repetition_penalty: np.ndarray | jax.Array
+    flags: np.ndarray | jax.Array
+    penalty_tokens: np.ndarray | jax.Array
+    penalty_counts: np.ndarray | jax.Array
+    token_mask: np.ndarray | jax.Array
+
+
+jax.tree_util.register_dataclass(
+    SamplingInput, data_fields=[f.name for f in dataclasses.fields(SamplingInput)], meta_fields=[]
+)
+
+
+def sampling_input(inp: StepInput) -> SamplingInput:
+    """The sampling rows of a packed step (its penalty and mask arrays filled in)."""
+    names = [f.name for f in dataclasses.fields(SamplingInput)]
+    return SamplingInput(**{name: getattr(inp, name) for name in names})
+
+
 def empty_step_input(
     bucket: Bucket,
     pages_per_seq: int,

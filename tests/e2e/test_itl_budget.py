@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import TINY_MODEL
+from helpers import TINY_MODEL, traced_programs
 
 from jaxcb import LLM, SamplingParams
 from jaxcb.engine.step_trace import recording, save_trace, trace_meta
@@ -38,7 +38,8 @@ CONFIG = dict(
 def llm() -> LLM:
     traces = step_module.TRACE_COUNT[0]
     engine = LLM(**CONFIG)
-    assert step_module.TRACE_COUNT[0] - traces == len(engine.engine.info.buckets)
+    # a step per bucket and a sampling program per sequence-row count
+    assert step_module.TRACE_COUNT[0] - traces == traced_programs(engine.engine.info.buckets)
     return engine
 
 

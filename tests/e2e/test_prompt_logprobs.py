@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import make_hf_model
+from helpers import make_hf_model, traced_programs
 from test_prefix_caching import run_checked
 
 from jaxcb import LLM, SamplingParams
@@ -39,8 +39,9 @@ def hf_model(tmp_path_factory):
 def llm(hf_model):
     traces = step_module.TRACE_COUNT[0]
     engine = LLM(hf_model[1], **CONFIG)
-    # one trace (and one compiled program) per bucket, the prompt logprob path included
-    assert step_module.TRACE_COUNT[0] - traces == len(engine.engine.info.buckets)
+    # one trace (and one compiled program) per bucket, the prompt logprob path included,
+    # and one sampling program per sequence-row count
+    assert step_module.TRACE_COUNT[0] - traces == traced_programs(engine.engine.info.buckets)
     return engine
 
 
