@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxcb.config import EngineConfig
-from jaxcb.engine.ordering import StagedSubmission, check_order, plan_order
+from jaxcb.offline.driver import OfflineDriver
+from jaxcb.offline.ordering import check_order
 from jaxcb.outputs import RequestOutput
 from jaxcb.runtime.setup import build_engine
 from jaxcb.sampling_params import SamplingParams
@@ -62,7 +63,7 @@ class LLM:
         prompts, or pass one per prompt. `priority`: one int per prompt, for the "priority"
         scheduling policy (lower first). Every prompt is validated before any is queued.
 
-        `order` is when each request enters the engine (jaxcb/engine/ordering.py); it never
+        `order` is when each request enters the engine (jaxcb/offline/ordering.py); it never
         changes a request's tokens or the order of the outputs. "arrival": all at once, in
         input order. "prefix": prompts that share a prefix of at least one KV page go in
         together, the longest shared prefixes closest, so the prefix is computed once and
@@ -97,18 +98,10 @@ class LLM:
             engine.validate_request(prompt, params, priority=prio)[1]
             for prompt, params, prio in requests
         ]
-        plan = plan_order(
-            prompt_ids,
-            [self._decode_budget(ids, sp) for ids, sp in zip(prompt_ids, params_list, strict=True)],
-            self.config.cache.page_size,
-            order,
-        )
-        staged = StagedSubmission(plan, hold=self.config.cache.enable_prefix_caching)
         window = self.config.scheduler.max_num_seqs * self.config.parallel.data_parallel_size
         if order == "arrival":
             window = math.inf  # everything up front, as before orders existed
         ids: list[str | None] = [None] * len(requests)
-        index: dict[str, int] = {}
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
@@ -116,31 +109,27 @@ class LLM:
 
             bar = tqdm(total=len(ids), desc="generating", unit="req", dynamic_ncols=True)
         start, generated = time.perf_counter(), 0
+
+        def submit(i: int, final_only: bool) -> str:
+            prompt, sp, prio = requests[i]
+            ids[i] = engine.add_request(None, prompt, sp, priority=prio, final_only=final_only)
+            return ids[i]
+
+        def finished(out: RequestOutput) -> None:
+            nonlocal generated
+            results[out.request_id] = out
+            generated += sum(len(o.token_ids) for o in out.outputs)
+            if bar is not None:
+                bar.update(1)
+                rate = generated / max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix_str(f"{rate:,.0f} out tok/s")
+
+        driver = OfflineDriver(
+            engine, has_room=lambda: engine.num_waiting < window, on_finished=finished
+        )
         try:
-            while staged.num_left or engine.has_unfinished_requests():
-                while engine.num_waiting < window:
-                    i = staged.next_ready()
-                    if i is None:
-                        break
-                    prompt, sp, prio = requests[i]
-                    # A leader reports every step, so its first token releases its followers.
-                    leader = staged.is_leader(i)
-                    ids[i] = engine.add_request(
-                        None, prompt, sp, priority=prio, final_only=not leader
-                    )
-                    index[ids[i]] = i
-                for out in engine.step():
-                    if out.request_id in index and (
-                        out.finished or any(o.token_ids for o in out.outputs)
-                    ):
-                        staged.release(index[out.request_id])
-                    if out.finished:
-                        results[out.request_id] = out
-                        generated += sum(len(o.token_ids) for o in out.outputs)
-                        if bar is not None:
-                            bar.update(1)
-                            rate = generated / max(time.perf_counter() - start, 1e-9)
-                            bar.set_postfix_str(f"{rate:,.0f} out tok/s")
+            driver.submit_in_order(prompt_ids, params_list, order, submit)
+            driver.drain()
         except BaseException:
             for request_id in ids:  # leave nothing behind on Ctrl-C or an error
                 if request_id is not None:
@@ -150,12 +139,6 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids]
-
-    def _decode_budget(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """The most tokens a request may generate (all n samples): what `auto` order weighs."""
-        room = max(1, self.engine.max_model_len - len(prompt_ids))
-        cap = self.config.limits.max_output_tokens or room
-        return min(params.max_tokens or cap, cap, room) * params.n
 
     def stats(self) -> dict[str, Any]:
         """Steps, bucket histogram, padding fraction, compile seconds, KV page use,

@@ -1,4 +1,4 @@
-"""Offline batch inference over a JSONL file; resumable (jaxcb/batch.py has the details).
+"""Offline batch inference over a JSONL file; resumable (jaxcb/offline/batch.py has the details).
 
     python scripts/batch_infer.py --input prompts.jsonl --output results.jsonl
     python scripts/batch_infer.py --input prompts.jsonl --output results.jsonl \\
@@ -21,10 +21,10 @@ import signal
 import sys
 from pathlib import Path
 
-from jaxcb.batch import run_batch
 from jaxcb.cli import add_engine_args, engine_config_from_args
-from jaxcb.engine.ordering import ORDERS
-from jaxcb.ray_batch import add_ray_args, ray_engine_from_args
+from jaxcb.offline.batch import run_batch
+from jaxcb.offline.ordering import ORDERS
+from jaxcb.offline.ray_batch import add_ray_args, ray_engine_from_args
 from jaxcb.runtime.setup import build_engine
 
 
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-line-mb must be > 0, got {args.max_line_mb}")
     try:
         config = engine_config_from_args(args)
-        if args.ray:  # engines in Ray actors (jaxcb/ray_batch.py)
+        if args.ray:  # engines in Ray actors (jaxcb/offline/ray_batch.py)
             engine = ray_engine_from_args(config, args)
         else:
             progress = not args.no_progress and sys.stderr.isatty()

@@ -4,8 +4,10 @@ functions included), so that a lazy import cannot hide a loop:
     engine (host side)  imports no jax, runtime, models, attention, sampling, kernels
     pallas_kernels      never imports jaxcb
     jaxcb.native        imports nothing from jaxcb but jaxcb.paths (and itself)
-    models              never import runtime, engine, server, llm, batch, bench
-    runtime             never imports server, llm, batch, bench
+    models              never import runtime, engine, server, llm, offline, bench
+    runtime             never imports server, llm, offline, bench
+    offline driver      (offline/driver.py, offline/ordering.py) host side like the engine:
+                        no jax, runtime, models, server, bench
     production code     (all of jaxcb but jaxcb.bench) never imports jaxcb.bench: the server
                         owns its HTTP client, the engine the step-trace format
     no cycles           no module reaches itself through imports, lazy ones included (a
@@ -83,21 +85,29 @@ RULES = {
             "jaxlib",
             "pallas_kernels",
             *jaxcb_modules("runtime", "models", "attention", "sampling", "native"),
-            *jaxcb_modules("server", "llm", "bench", "batch"),
+            *jaxcb_modules("server", "llm", "bench", "offline"),
         ],
         (),
     ),
+    **{
+        f"offline.{name}": (
+            f"jaxcb.offline.{name}",
+            ["jax", "jaxlib", *jaxcb_modules("runtime", "models", "server", "bench")],
+            (),
+        )
+        for name in ("driver", "ordering")
+    },
     "pallas_kernels": ("pallas_kernels", ["jaxcb"], ()),
     "native": ("jaxcb.native", ["jaxcb"], ("jaxcb.native", "jaxcb.paths")),
     "models": (
         "jaxcb.models",
         [
-            *jaxcb_modules("runtime", "engine", "server", "llm", "batch", "bench"),
+            *jaxcb_modules("runtime", "engine", "server", "llm", "offline", "bench"),
             *jaxcb_modules("attention", "sampling"),
         ],
         (),
     ),
-    "runtime": ("jaxcb.runtime", jaxcb_modules("server", "llm", "batch", "bench"), ()),
+    "runtime": ("jaxcb.runtime", jaxcb_modules("server", "llm", "offline", "bench"), ()),
     **{
         leaf: (
             f"jaxcb.{leaf}",

@@ -1,6 +1,6 @@
-"""jaxcb/ray_batch.py: batch inference over Ray actors on a local loopback cluster writes every
-id exactly once when an actor is killed mid-run, retrying only that actor's requests, and
-resumes over an output an earlier run left."""
+"""jaxcb/offline/ray_batch.py: batch inference over Ray actors on a local loopback cluster
+writes every id exactly once when an actor is killed mid-run, retrying only that actor's
+requests, and resumes over an output an earlier run left."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxcb.batch import run_batch
 from jaxcb.config import EngineConfig
-from jaxcb.ray_batch import RAY_MISSING, import_ray
+from jaxcb.offline.batch import run_batch
+from jaxcb.offline.ray_batch import RAY_MISSING, import_ray
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_LINES = 48
@@ -40,7 +40,7 @@ def _kill_when(output: Path, min_lines: int, pid: int, deadline: float) -> None:
 
 
 def test_killed_actor_exactly_once(tmp_path: Path) -> None:
-    from jaxcb.ray_batch import RayEngine, import_ray
+    from jaxcb.offline.ray_batch import RayEngine, import_ray
 
     try:
         ray = import_ray(loopback=True)  # before ray is imported: the cluster on loopback

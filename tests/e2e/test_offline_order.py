@@ -12,8 +12,8 @@ import pytest
 from helpers import TINY_MODEL
 
 from jaxcb import LLM, SamplingParams
-from jaxcb.batch import run_batch
-from jaxcb.engine.ordering import ORDERS
+from jaxcb.offline.batch import run_batch
+from jaxcb.offline.ordering import ORDERS
 
 PAGE = 8
 PASSAGE = 48  # 6 full pages

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from jaxcb.batch_input import JsonlSource
-from jaxcb.batch_output import recover
+from jaxcb.offline.batch_input import JsonlSource
+from jaxcb.offline.batch_output import recover
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts/batch_infer.py"
@@ -176,12 +176,15 @@ class EchoEngine:
             for rid, p in done.items()
         ]
 
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting)
+
     def abort_request(self, request_id):
         self.waiting.pop(request_id, None)
 
 
 def test_shards_split_the_file(tmp_path: Path) -> None:
-    from jaxcb.batch import run_batch
+    from jaxcb.offline.batch import run_batch
 
     path = tmp_path / "in.jsonl"
     lines = [json.dumps({"id": i, "prompt": [i % 100]}) for i in range(25)]
@@ -206,7 +209,7 @@ def test_a_too_long_line_goes_to_the_errors_file_unread(tmp_path: Path) -> None:
     the default --max-line-mb 8 and only its size is looked at."""
     import tracemalloc
 
-    from jaxcb.batch import run_batch
+    from jaxcb.offline.batch import run_batch
 
     path = tmp_path / "in.jsonl"
     huge = json.dumps({"id": "huge", "prompt": "x" * 20_000_000})
@@ -231,9 +234,9 @@ def test_a_too_long_line_goes_to_the_errors_file_unread(tmp_path: Path) -> None:
 
 
 def test_a_prompt_too_long_by_its_characters_is_not_tokenized(tmp_path: Path) -> None:
-    from jaxcb.batch_input import Prepare
     from jaxcb.models.default_model import default_model_dir
     from jaxcb.models.loader import load_tokenizer
+    from jaxcb.offline.batch_input import Prepare
 
     prepare = Prepare(
         load_tokenizer(default_model_dir()), 320, {}, 0, set(), set(), max_model_len=512
@@ -271,7 +274,7 @@ def test_ordered_windows_group_prefixes_and_resume(tmp_path: Path, caching: bool
     prefix (skipped and bad lines take no place in a window), a request that shares a page
     with an earlier one held back until that one has a token (with the prefix cache on);
     every id is written once, and a rerun after a partial output computes only the rest."""
-    from jaxcb.batch import run_batch
+    from jaxcb.offline.batch import run_batch
 
     prompts = [[1, 1, 5], [2, 2, 5], [1, 1, 6], [3, 3], [2, 2, 6], [1, 1, 7], [2, 2, 7], [4, 4]]
     lines = [json.dumps({"id": k, "prompt": p}) for k, p in enumerate(prompts)]

@@ -2,7 +2,7 @@
 actor's unfinished requests retried on another.
 
 `RayEngine` stands behind the same `Engine` interface as `LLMEngine` and `ReplicatedEngine`,
-so `jaxcb.batch.run_batch` drives it unchanged: the reader, the ordering, the one writer in
+so `jaxcb.offline.batch.run_batch` drives it unchanged: the reader, the ordering, the one writer in
 the driver process and with it every restart-and-resume guarantee (ids already in the output
 are skipped; a result is written once, when its request finishes) hold as they do in one
 process. What differs is below `add_request`:
@@ -407,7 +407,7 @@ def add_ray_args(parser: Any) -> None:
         "--ray",
         action="store_true",
         help="run the engines in Ray actors, one engine each, fed continuously; a dead "
-        "actor's unfinished requests are retried on another (jaxcb/ray_batch.py)",
+        "actor's unfinished requests are retried on another (jaxcb/offline/ray_batch.py)",
     )
     group.add_argument(
         "--num-replicas", type=int, default=2, help="Ray actors, one engine each (default: 2)"

@@ -1,4 +1,4 @@
-"""The output side of batch inference (jaxcb/batch.py): result and error lines appended and
+"""The output side of batch inference (jaxcb/offline/batch.py): result and error lines appended and
 flushed one by one, and what an earlier run already wrote, recovered on start.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxcb.batch_input import id_key
+from jaxcb.offline.batch_input import id_key
 from jaxcb.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The input side of batch inference (jaxcb/batch.py): JSONL lines read by offset, parsed,
+"""The input side of batch inference (jaxcb/offline/batch.py): JSONL lines read by offset, parsed,
 their sampling params built and their prompts tokenized, on a grain pipeline's thread.
 
 Memory stays bounded by the line, not the file, and by the line's limit, not the line: a

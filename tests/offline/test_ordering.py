@@ -1,4 +1,4 @@
-"""Offline orders (jaxcb/engine/ordering.py) in pure Python: every plan is a permutation, the
+"""Offline orders (jaxcb/offline/ordering.py) in pure Python: every plan is a permutation, the
 requests sharing a prefix are contiguous (at every depth of the prefix tree), each follower's
 leader is the first request through its deepest shared page, `auto` puts decode-heavy work
 first, and StagedSubmission holds followers back exactly until their leader is released."""
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxcb.engine.ordering import ORDERS, OrderPlan, StagedSubmission, plan_order
+from jaxcb.offline.ordering import ORDERS, OrderPlan, StagedSubmission, plan_order
 
 PAGE = 4
 

@@ -13,7 +13,7 @@ engine is fed continuously: whenever fewer than `max_in_flight` requests are in 
 added, and each result is written (and flushed) the moment its request finishes, in finish
 order. Memory is bounded by the buffer and `max_in_flight`, not by the file.
 
-Order (`order`, jaxcb/engine/ordering.py): "arrival" feeds lines in file order. "prefix" and
+Order (`order`, jaxcb/offline/ordering.py): "arrival" feeds lines in file order. "prefix" and
 "auto" read the stream in windows of `prefetch` requests and submit each window in that
 order (prompts sharing a prefix together; with auto, decode-heavy first), a request that
 shares pages with an earlier one held back until that one's prefill is done; the next window
@@ -38,14 +38,15 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jaxcb.batch_input import Item, JsonlSource, Prepare, id_key, pipeline
-from jaxcb.batch_output import Writer, from_process_zero, recover, result_record
-from jaxcb.engine.ordering import StagedSubmission, check_order, plan_order
+from jaxcb.offline.batch_input import Item, JsonlSource, Prepare, id_key, pipeline
+from jaxcb.offline.batch_output import Writer, from_process_zero, recover, result_record
+from jaxcb.offline.driver import OfflineDriver
+from jaxcb.offline.ordering import check_order
 from jaxcb.outputs import RequestOutput
 from jaxcb.tokenizing import own_tokenizer
 
@@ -132,13 +133,6 @@ def run_batch(
     return run.stats
 
 
-def _decode_budget(engine: Any, item: Item) -> int:
-    """The most tokens a line may generate (all n samples): what `auto` order weighs."""
-    room = max(1, engine.max_model_len - len(item.prompt_ids))
-    cap = engine.config.limits.max_output_tokens or room
-    return min(item.params.max_tokens or cap, cap, room) * item.params.n
-
-
 def _progress_bar(total: int, initial: int) -> Any:
     from tqdm.auto import tqdm
 
@@ -158,13 +152,18 @@ class _BatchRun:
         self.stats = BatchStats()
         self.seen: set[str] = set()  # ids met so far in the file: a repeated one is an error
         self.pending: dict[str, Item] = {}  # engine request id -> its line
-        self.on_prefill: dict[str, Callable[[], None]] = {}  # leader id -> release followers
+        self.driver = OfflineDriver(
+            engine,
+            has_room=lambda: len(self.pending) < self.max_in_flight,
+            on_finished=self._finish,
+        )
         self.start = time.perf_counter()
 
     def feed(self, items: Iterator[Item]) -> None:
+        """Lines in file order, as fast as `max_in_flight` lets them in."""
         exhausted = False
         while True:
-            while not exhausted and len(self.pending) < self.max_in_flight:
+            while not exhausted and self.driver.has_room():
                 item = next(items, None)
                 if item is None:
                     exhausted = True
@@ -174,14 +173,12 @@ class _BatchRun:
                 if exhausted:
                     break
                 continue
-            self._step()
+            self.driver.step()
 
     def feed_ordered(self, items: Iterator[Item], order: str, window: int) -> None:
         """`feed` in `order` within windows of `window` requests (module docstring)."""
-        page_size = self.engine.config.cache.page_size
-        hold = self.engine.config.cache.enable_prefix_caching
         exhausted = False
-        while True:
+        while not exhausted:
             batch: list[Item] = []
             while not exhausted and len(batch) < window:
                 item = next(items, None)
@@ -189,35 +186,13 @@ class _BatchRun:
                     exhausted = True
                 elif self._claim(item, validate=True):
                     batch.append(item)
-            decode = [_decode_budget(self.engine, item) for item in batch]
-            plan = plan_order([item.prompt_ids for item in batch], decode, page_size, order)
-            staged = StagedSubmission(plan, hold=hold)
-            while staged.num_left:
-                while len(self.pending) < self.max_in_flight:
-                    i = staged.next_ready()
-                    if i is None:
-                        break
-                    leader = staged.is_leader(i)
-                    request_id = self._submit(batch[i], final_only=not leader)
-                    if request_id is None:  # rejected: its followers need not wait
-                        staged.release(i)
-                    elif leader:
-                        self.on_prefill[request_id] = functools.partial(staged.release, i)
-                if self.pending:
-                    self._step()
-            if exhausted:
-                break
-        while self.pending:
-            self._step()
-
-    def _step(self) -> None:
-        for out in self.engine.step():
-            if out.request_id in self.on_prefill and (
-                out.finished or any(o.token_ids for o in out.outputs)
-            ):
-                self.on_prefill.pop(out.request_id)()
-            if out.finished:
-                self._finish(out)
+            self.driver.submit_in_order(
+                [item.prompt_ids for item in batch],
+                [item.params for item in batch],
+                order,
+                functools.partial(self._submit_nth, batch),
+            )
+        self.driver.drain()
 
     def _add(self, item: Item) -> None:
         if self._claim(item):
@@ -250,6 +225,9 @@ class _BatchRun:
             self.stats.skipped += 1  # already counted in the bar's initial value
             return False
         return True
+
+    def _submit_nth(self, batch: list[Item], i: int, final_only: bool) -> str | None:
+        return self._submit(batch[i], final_only=final_only)
 
     def _submit(self, item: Item, *, final_only: bool = True) -> str | None:
         """Add a claimed line's request to the engine; its request id, or None if the engine
