@@ -34,18 +34,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxcb.attention import check_kv_cache_dtype, get_attention_backend
 from jaxcb.config import EngineConfig
-from jaxcb.engine.buckets import Bucket, default_token_buckets, make_buckets
-from jaxcb.engine.interface import MAX_TOP_LOGPROBS
+from jaxcb.engine.buckets import Bucket
 from jaxcb.models import registry
 from jaxcb.models.base import ModelSpec, abstract_from_infos
 from jaxcb.models.quant import quantized_infos
 from jaxcb.runtime import compile_cache, sharding
-from jaxcb.runtime.kv_cache import PoolSizing, resolve_kv_cache_dtype, size_kv_pool
+from jaxcb.runtime.kv_cache import PoolSizing
+from jaxcb.runtime.plan import plan_device
 from jaxcb.runtime.runner import ModelRunner
 from pallas_kernels.gpu_targets import H100_SXM_TARGET_CONFIG
-from pallas_kernels.ragged_paged_attention import pages_per_seq
 
 #: Buckets compiled at once by default (ModelRunner.compile's threads; the engine's start-up
 #: on accelerators too). XLA compiles independent programs in parallel threads: on 2 busy
@@ -230,48 +228,21 @@ def compile_for_target(
         raise ValueError(f"kernels.matmul={config.kernels.matmul!r} is a CPU kernel; use xla")
     mesh = sharding.replica_mesh(tp, devices[:tp])
     dtype = jnp.dtype(config.dtype)
-    max_model_len = config.max_model_len or spec.max_position_embeddings
-    if max_model_len > spec.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len={max_model_len} is larger than the model's "
-            f"max_position_embeddings={spec.max_position_embeddings}"
-        )
-    attention = get_attention_backend(config.kernels.attention, platform)
-    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, attention.name, platform)
-    check_kv_cache_dtype(attention.name, kv_dtype, config.cache.kv_cache_dtype, platform)
-    sched = config.scheduler
-    token_buckets = sched.token_buckets or default_token_buckets(sched.max_num_batched_tokens)
-    buckets = make_buckets(token_buckets, sched.max_num_seqs, sched.seq_buckets)
+    plan = plan_device(config, spec, platform)
+    buckets = plan.buckets
     infos = quantized_infos(registry.param_infos(spec), config.quantization, platform)
     params = abstract_from_infos(infos, dtype)
     params_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
     limit = hbm_bytes if hbm_bytes is not None else memory_limit_bytes(target)
-    runner_args = dict(
-        kv_cache_dtype=kv_dtype,
-        page_size=config.cache.page_size,
-        pages_per_seq=pages_per_seq(max_model_len, config.cache.page_size),
-        max_model_len=max_model_len,
-        attention=attention,
-        num_top_logprobs=MAX_TOP_LOGPROBS,
-        mesh=mesh,
-        abstract=True,
-    )
+    runner_args = dict(plan.runner_args(mesh), abstract=True)
 
     def runner(num_pages: int) -> ModelRunner:
         return ModelRunner(spec, params, infos, num_pages=num_pages, **runner_args)
 
     def pool(program: int = 0) -> PoolSizing:
         try:
-            sizing = size_kv_pool(
-                config.cache,
-                spec,
-                dtype=kv_dtype,
-                max_model_len=max_model_len,
-                max_num_seqs=sched.max_num_seqs,
-                params_bytes=params_bytes,
-                tensor_parallel_size=tp,
-                memory_limit_bytes=limit,
-                program_bytes=program,
+            sizing = plan.size_pool(
+                params_bytes=params_bytes, program_bytes=program, memory_limit_bytes=limit
             )
         except ValueError as exc:  # too little memory left for a max_model_len sequence
             raise DoesNotFit(f"does not fit on {target.name}: {exc}") from None
@@ -307,8 +278,8 @@ def compile_for_target(
         runner=built,
         buckets=buckets,
         pool=sizing,
-        kv_dtype=kv_dtype,
-        attention=attention.name,
+        kv_dtype=plan.kv_dtype,
+        attention=plan.attention.name,
         tensor_parallel_size=tp,
         params_bytes=per_device_bytes(built.params),
         memory_limit_bytes=limit,

@@ -23,14 +23,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxcb import native
-from jaxcb.attention import check_kv_cache_dtype, get_attention_backend
 from jaxcb.config import EngineConfig
-from jaxcb.engine.buckets import Bucket, default_token_buckets, make_buckets
-from jaxcb.engine.interface import MAX_TOP_LOGPROBS, Engine, EngineInfo
+from jaxcb.engine.buckets import Bucket
+from jaxcb.engine.interface import Engine, EngineInfo
 from jaxcb.engine.llm_engine import LLMEngine
 from jaxcb.engine.replicated import ReplicatedEngine
 from jaxcb.models import registry
-from jaxcb.models.base import ModelSpec, abstract_from_infos
+from jaxcb.models.base import abstract_from_infos
 from jaxcb.models.default_model import DEFAULT_NAME
 from jaxcb.models.loader import LoadedModel, load_model
 from jaxcb.models.packed import matmul_backend, matmul_report
@@ -44,16 +43,10 @@ from jaxcb.models.quant import (
     weight_bytes,
 )
 from jaxcb.runtime import aot, compile_cache, distributed, sharding
-from jaxcb.runtime.kv_cache import (
-    PoolSizing,
-    kv_bytes_per_token,
-    page_bytes,
-    resolve_kv_cache_dtype,
-    size_kv_pool,
-)
+from jaxcb.runtime.kv_cache import PoolSizing, kv_bytes_per_token, page_bytes
 from jaxcb.runtime.kv_swap import num_swap_pages
+from jaxcb.runtime.plan import DevicePlan, plan_device
 from jaxcb.runtime.runner import ModelRunner
-from pallas_kernels.ragged_paged_attention import pages_per_seq
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +122,8 @@ def build_runner(
     )
     load_seconds = time.perf_counter() - t0
     spec, cache, sched = model.spec, config.cache, config.scheduler
-    max_model_len = resolve_max_model_len(config, spec)
-    attention = get_attention_backend(config.kernels.attention)
     config = _stored_quantization(config, model.quantization)
+    plan = plan_device(config, spec, jax.default_backend())
     check_stored(model.quantization, jax.default_backend())
     params, infos = quantize_params(
         model.params,
@@ -151,22 +143,9 @@ def build_runner(
     check_tensor_parallel(infos, sharding.rules_for(spec, tp), tp)
     matmul = _matmul_backend(config, dtype, sharding.tensor_parallel_size(mesh))
     cpu_kernels = _cpu_kernels(config, matmul, dtype, sharding.tensor_parallel_size(mesh))
-    kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, dtype, attention.name)
-    check_kv_cache_dtype(attention.name, kv_dtype, cache.kv_cache_dtype)
-    token_buckets = sched.token_buckets or default_token_buckets(
-        sched.max_num_batched_tokens, smallest=smallest_token_bucket()
-    )
-    buckets = make_buckets(token_buckets, sched.max_num_seqs, sched.seq_buckets)
-    runner_args = dict(
-        kv_cache_dtype=kv_dtype,
-        page_size=cache.page_size,
-        pages_per_seq=pages_per_seq(max_model_len, cache.page_size),
-        max_model_len=max_model_len,
-        attention=attention,
-        num_top_logprobs=MAX_TOP_LOGPROBS,
-        mesh=mesh,
-    )
-    pool = _size_pool(config, model, infos, max_model_len, buckets, runner_args)
+    kv_dtype, buckets, max_model_len = plan.kv_dtype, plan.buckets, plan.max_model_len
+    runner_args = plan.runner_args(mesh)
+    pool = _size_pool(plan, model, infos, runner_args)
     num_pages = pool.num_pages
     swap_pages = 0
     swapping = sched.preemption_mode != "recompute" and sched.batching == "continuous"
@@ -218,7 +197,7 @@ def build_runner(
         kv_pool_sizing=pool.describe(),
         kv_cache_dtype=str(kv_dtype),
         kv_bytes_per_token=kv_bytes_per_token(spec, kv_dtype),
-        attention_backend=attention.name,
+        attention_backend=plan.attention.name,
         matmul_backend=matmul,
         platform=jax.default_backend(),
         load_seconds=load_seconds,
@@ -265,17 +244,6 @@ def _matmul_backend(config: EngineConfig, dtype: Any, tensor_parallel_size: int)
     return matmul_backend(requested, dtype=dtype, tensor_parallel_size=tensor_parallel_size)
 
 
-def smallest_token_bucket() -> int:
-    """The default buckets' smallest size: on CPU 1 (powers of two from one token), on
-    accelerators 16 (a few padding rows cost them nothing). On CPU a bucket's padding rows
-    cost time on every path: XLA's dots compute them (SmolLM2 float32, one request: 33.4 ->
-    19.2 ms per token), and where the native matmuls skip them, the LM head's [S, V] logits,
-    their zeroed padding rows and the sampling passes over them remain (SmolLM2 int8, one
-    request: 10.3 -> 7.9 ms per token in a (1, 1) bucket than in a (16, 16) one), for four
-    more compiles (1, 2, 4, 8)."""
-    return 1 if jax.default_backend() == "cpu" else 16
-
-
 def _cpu_kernels(
     config: EngineConfig, matmul: str, dtype: Any, tensor_parallel_size: int
 ) -> dict[str, Any]:
@@ -315,61 +283,28 @@ def model_name(config: EngineConfig) -> str:
     return config.model or DEFAULT_NAME
 
 
-def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
-    """max_model_len from the config, else the model's max_position_embeddings."""
-    max_model_len = config.max_model_len or spec.max_position_embeddings
-    if max_model_len > spec.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len={max_model_len} is larger than the model's "
-            f"max_position_embeddings={spec.max_position_embeddings}"
-        )
-    return max_model_len
-
-
 def _size_pool(
-    config: EngineConfig,
-    model: LoadedModel,
-    infos: Any,
-    max_model_len: int,
-    buckets: tuple[Bucket, ...],
-    runner_args: dict[str, Any],
+    plan: DevicePlan, model: LoadedModel, infos: Any, runner_args: dict[str, Any]
 ) -> PoolSizing:
-    """The KV pool's page count (kv_cache.size_kv_pool) and how it was found.
+    """The KV pool's page count (DevicePlan.size_pool) and how it was found.
 
     Sized from an accelerator's memory (auto sizing), the pool leaves room for the compiled
     step's own buffers: the largest bucket is compiled once beforehand on an abstract runner
     (no memory taken; runtime/aot.py) with the pool sized without them, and its temporaries
     and fresh outputs are measured. That is one compile more at start-up (a cache hit on
     later starts); with num_pages or kv_cache_memory_gb given, or on CPU, there is none."""
-    spec, cache = model.spec, config.cache
-
-    def size(program_bytes: int = 0) -> PoolSizing:
-        return size_kv_pool(
-            cache,
-            spec,
-            dtype=runner_args["kv_cache_dtype"],
-            max_model_len=max_model_len,
-            max_num_seqs=config.scheduler.max_num_seqs,
-            params_bytes=_host_bytes(model.params),
-            tensor_parallel_size=config.parallel.tensor_parallel_size,
-            device=runner_args["mesh"].devices.flat[0],
-            program_bytes=program_bytes,
-        )
-
-    pool = size()
+    memory = dict(
+        params_bytes=_host_bytes(model.params), device=runner_args["mesh"].devices.flat[0]
+    )
+    pool = plan.size_pool(**memory)
     if pool.source != "device memory":
         return pool
-    compile_cache.configure(config.compilation_cache)
-    params = abstract_from_infos(infos, jnp.dtype(config.dtype))
+    compile_cache.configure(plan.config.compilation_cache)
+    params = abstract_from_infos(infos, jnp.dtype(plan.config.dtype))
     probe = ModelRunner(
-        spec,
-        params,
-        infos,
-        num_pages=pool.num_pages,
-        abstract=True,
-        **runner_args,
+        plan.spec, params, infos, num_pages=pool.num_pages, abstract=True, **runner_args
     )
-    return size(aot.measure_program_bytes(probe, buckets))
+    return plan.size_pool(program_bytes=aot.measure_program_bytes(probe, plan.buckets), **memory)
 
 
 def _host_bytes(params: Any) -> int:

@@ -240,15 +240,6 @@ def test_matmul_backend_choice():
         LLM(matmul="onednn")
 
 
-def test_cpu_buckets_start_at_one_row():
-    """On CPU the default buckets start at one token, whatever the matmul path, so a single
-    stream is not sixteen rows (XLA's dots compute padding rows; with the native kernels the
-    LM head's logits and sampling still pass over them)."""
-    from jaxcb.runtime.setup import smallest_token_bucket
-
-    assert smallest_token_bucket() == 1
-
-
 def test_config_names_every_packed_kernel():
     """config.py (host side, no jax) lists the kernels.matmul choices by name: the native
     kernel table and that list must not drift apart."""
