@@ -8,11 +8,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jaxcb.build import build_engine
 from jaxcb.config import EngineConfig
 from jaxcb.offline.driver import OfflineDriver
 from jaxcb.offline.ordering import check_order
 from jaxcb.outputs import RequestOutput
-from jaxcb.runtime.setup import build_engine
 from jaxcb.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]

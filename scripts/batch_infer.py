@@ -21,11 +21,11 @@ import signal
 import sys
 from pathlib import Path
 
+from jaxcb.build import build_engine
 from jaxcb.cli import add_engine_args, engine_config_from_args
 from jaxcb.offline.batch import run_batch
 from jaxcb.offline.ordering import ORDERS
 from jaxcb.offline.ray_batch import add_ray_args, ray_engine_from_args
-from jaxcb.runtime.setup import build_engine
 
 
 def build_parser() -> argparse.ArgumentParser:

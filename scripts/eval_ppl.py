@@ -19,9 +19,9 @@ import logging
 import sys
 from pathlib import Path
 
+from jaxcb.build import build_engine
 from jaxcb.cli import add_engine_args, engine_config_from_args
 from jaxcb.eval.perplexity import perplexity, sliding_windows
-from jaxcb.runtime.setup import build_engine
 
 
 def build_parser() -> argparse.ArgumentParser:

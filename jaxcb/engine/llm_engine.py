@@ -58,7 +58,7 @@ class LLMEngine(Engine):
         tokenizer: Any | None,
         eos_token_ids: Sequence[int],
     ) -> None:
-        """`runner` and `info` from the composition root (runtime/setup.py); `tokenizer`:
+        """`runner` and `info` from the factory (jaxcb/build.py, runtime/setup.py); `tokenizer`:
         a transformers tokenizer, or None (token-id prompts only)."""
         self.config = config
         self.info = info

@@ -1,6 +1,6 @@
 """Data parallelism: independent engine replicas behind the one Engine interface.
 
-`runtime.setup.build_engine(config)` builds one `LLMEngine` when `data_parallel_size` is 1,
+`jaxcb.build.build_engine(config)` builds one `LLMEngine` when `data_parallel_size` is 1,
 else a `ReplicatedEngine` of that many, each on its own row of the (data, tensor) device mesh,
 with its own KV pool, scheduler and compiled buckets. Nothing is shared between replicas but
 the request stream:

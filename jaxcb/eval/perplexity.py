@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from jaxcb.engine.interface import Engine
+from jaxcb.offline.driver import OfflineDriver
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
 
@@ -114,31 +115,30 @@ def perplexity(
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
     ids = list(token_ids)
-    pending = iter(enumerate(windows))
+    prompts = [ids[w.begin : w.end] for w in windows]
     in_flight: dict[str, Window] = {}
-
-    def feed() -> None:
-        """Windows into the engine until max_in_flight are in it (or none is left)."""
-        for index, window in pending:
-            request_id = f"ppl-{index}"
-            prompt = ids[window.begin : window.end]
-            engine.add_request(request_id, prompt, WINDOW_PARAMS, final_only=True)
-            in_flight[request_id] = window
-            if len(in_flight) >= max_in_flight:
-                return
-
     nll_sum, start = 0.0, time.perf_counter()
+
+    def submit(index: int, final_only: bool) -> str:
+        request_id = f"ppl-{index}"
+        engine.add_request(request_id, prompts[index], WINDOW_PARAMS, final_only=True)
+        in_flight[request_id] = windows[index]
+        return request_id
+
+    def finished(out: RequestOutput) -> None:
+        nonlocal nll_sum
+        window = in_flight.pop(out.request_id)
+        nll = _window_nll(out, ids, window)
+        nll_sum += nll
+        if on_window is not None:
+            on_window(window.num_scored, nll)
+
+    driver = OfflineDriver(
+        engine, has_room=lambda: len(in_flight) < max_in_flight, on_finished=finished
+    )
     try:
-        feed()
-        while in_flight:
-            for out in engine.step():
-                if out.finished:
-                    window = in_flight.pop(out.request_id)
-                    nll = _window_nll(out, ids, window)
-                    nll_sum += nll
-                    if on_window is not None:
-                        on_window(window.num_scored, nll)
-            feed()
+        driver.submit_in_order(prompts, [WINDOW_PARAMS] * len(prompts), "arrival", submit)
+        driver.drain()
     except BaseException:
         for request_id in in_flight:
             engine.abort_request(request_id)

@@ -7,5 +7,6 @@ batch.py      resumable batch inference over a JSONL file (scripts/batch_infer.p
               appended crash-safe, resuming)
 ray_batch.py  the same batch run over engines in Ray actors
 
-`LLM.generate` (jaxcb/llm.py) drives the engine through driver.py too.
+`LLM.generate` (jaxcb/llm.py) and perplexity (jaxcb/eval/perplexity.py) drive the engine
+through driver.py too.
 """

@@ -92,7 +92,7 @@ class EngineActor:
     each call adds its batch to the shared engine and waits for it; one thread steps."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from jaxcb.runtime.setup import build_engine
+        from jaxcb.build import build_engine
 
         self.engine = build_engine(config)
         self._cond = threading.Condition()

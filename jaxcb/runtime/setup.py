@@ -1,14 +1,13 @@
-"""The composition root: from an EngineConfig to a ready engine.
+"""The device side of one engine, from an EngineConfig: what jaxcb/build.py's factory
+hands each LLMEngine.
 
-`build_engine(config)` is what `LLM`, the server and batch inference call. It decides
-everything device-side once, in order: the mesh (one device, or tensor_parallel_size devices;
-jax.distributed first if asked), the model (spec, params, tokenizer, EOS ids), the attention
-and matmul backends, the KV dtype and page count, the buckets, the runner with its compiled
-step per bucket (through the persistent compilation cache) and, for preemption by swap, its
-host swap pool (compiled copies, the device-host bandwidth measured), and then hands the host-side
-`LLMEngine` what it needs: the runner, the model's tokenizer and EOS ids, and an EngineInfo
-of the facts above. With data_parallel_size > 1 it builds one such engine per row of the
-(data, tensor) mesh and puts them behind a `ReplicatedEngine`.
+`build_runner(config)` decides everything device-side once, in order: the mesh (one device,
+or tensor_parallel_size devices), the model (spec, params, tokenizer, EOS ids), the device
+plan (runtime/plan.py: attention backend, KV dtype, buckets), the matmul backend, the KV
+pool's page count, the runner with its compiled step per bucket and sampling program per
+sequence-row count (through the persistent compilation cache) and, for preemption by swap,
+its host swap pool (compiled copies, the device-host bandwidth measured); it returns the
+runner, an EngineInfo of the facts above and the loaded model (tokenizer, EOS ids).
 """
 
 from __future__ import annotations
@@ -25,9 +24,7 @@ import jax.numpy as jnp
 from jaxcb import native
 from jaxcb.config import EngineConfig
 from jaxcb.engine.buckets import Bucket
-from jaxcb.engine.interface import Engine, EngineInfo
-from jaxcb.engine.llm_engine import LLMEngine
-from jaxcb.engine.replicated import ReplicatedEngine
+from jaxcb.engine.interface import EngineInfo
 from jaxcb.models import registry
 from jaxcb.models.base import abstract_from_infos
 from jaxcb.models.default_model import DEFAULT_NAME
@@ -42,65 +39,13 @@ from jaxcb.models.quant import (
     quantized_infos,
     weight_bytes,
 )
-from jaxcb.runtime import aot, compile_cache, distributed, sharding
+from jaxcb.runtime import aot, compile_cache, sharding
 from jaxcb.runtime.kv_cache import PoolSizing, kv_bytes_per_token, page_bytes
 from jaxcb.runtime.kv_swap import num_swap_pages
 from jaxcb.runtime.plan import DevicePlan, plan_device
 from jaxcb.runtime.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-
-def build_engine(config: EngineConfig | None = None, *, compile_progress: bool = False) -> Engine:
-    """One LLMEngine, or `data_parallel_size` replicas behind the same interface."""
-    config = config or EngineConfig()
-    if config.parallel.data_parallel_size == 1:
-        return build_llm_engine(config, compile_progress=compile_progress)
-    return build_replicated_engine(config, compile_progress=compile_progress)
-
-
-def build_llm_engine(
-    config: EngineConfig,
-    *,
-    compile_progress: bool = False,
-    devices: Sequence[jax.Device] | None = None,  # this replica's devices
-) -> LLMEngine:
-    """One engine on `devices` (default: the first tensor_parallel_size devices)."""
-    sharding.setup_distributed(config.parallel)
-    config = distributed.multi_controller_config(config)
-    runner, info, model = build_runner(config, devices=devices, compile_progress=compile_progress)
-    return LLMEngine(
-        config,
-        runner=runner,
-        info=info,
-        tokenizer=model.tokenizer,
-        eos_token_ids=model.eos_token_ids,
-    )
-
-
-def build_replicated_engine(
-    config: EngineConfig, *, compile_progress: bool = False
-) -> ReplicatedEngine:
-    """`data_parallel_size` engines, each on its own row of the (data, tensor) mesh."""
-    parallel = config.parallel
-    sharding.setup_distributed(parallel)
-    if jax.process_count() > 1:
-        raise ValueError(
-            f"data_parallel_size={parallel.data_parallel_size} over "
-            f"{jax.process_count()} processes: replicas are driven by one process; run one "
-            "job per host with data_parallel_size counting that host's replicas"
-        )
-    mesh = sharding.device_mesh(parallel.data_parallel_size, parallel.tensor_parallel_size)
-    replicas = []
-    for i, replica_mesh in enumerate(sharding.replica_meshes(mesh)):
-        devices = list(replica_mesh.devices.flat)
-        # Distinct seeds: unseeded requests on two replicas must not draw alike.
-        replica_config = config.replace(seed=config.seed + i)
-        replicas.append(
-            build_llm_engine(replica_config, compile_progress=compile_progress, devices=devices)
-        )
-        logger.info("data-parallel replica %d on %s", i, devices)
-    return ReplicatedEngine(config, replicas)
 
 
 def build_runner(

@@ -19,7 +19,7 @@ the layout is Megatron's:
 
 The rest of the step (norms, rope, sampling) is left to XLA's partitioner, which follows
 the parameters' shardings. Data parallelism is not in the step at all: each replica is an
-independent engine on its own row of the (data, tensor) mesh (runtime/setup.py builds them,
+independent engine on its own row of the (data, tensor) mesh (jaxcb/build.py builds them,
 engine/replicated.py routes requests between them).
 
 Multi-host: `setup_distributed` (runtime/distributed.py) wires `jax.distributed.initialize`,
@@ -251,7 +251,7 @@ def engine_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None =
     if parallel.data_parallel_size > 1 and devices is None:
         raise ValueError(
             f"data_parallel_size={parallel.data_parallel_size}: build the engine with "
-            "jaxcb.runtime.setup.build_engine (LLM and the server do), which gives each "
+            "jaxcb.build.build_engine (LLM and the server do), which gives each "
             "replica its devices"
         )
     mesh = replica_mesh(parallel.tensor_parallel_size, devices)

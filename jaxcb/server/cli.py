@@ -29,9 +29,10 @@ from types import FrameType
 import jax
 import uvicorn
 
+from jaxcb.build import build_engine
 from jaxcb.cli import add_engine_args, engine_config_from_args
 from jaxcb.engine.interface import Engine
-from jaxcb.runtime.setup import build_engine, model_name
+from jaxcb.runtime.setup import model_name
 from jaxcb.server.app import ServerSettings, build_app
 from jaxcb.server.engine_loop import EngineLoop
 from jaxcb.server.prompts import read_chat_template
