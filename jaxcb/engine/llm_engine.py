@@ -22,14 +22,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from jaxcb.config import EngineConfig
-from jaxcb.engine.buckets import pick_bucket
+from jaxcb.engine.buckets import Bucket, pick_bucket
 from jaxcb.engine.builders import build_itl_controller, build_scheduler, build_swapper
 from jaxcb.engine.detokenizer import IncrementalDetokenizer
 from jaxcb.engine.engine_stats import engine_stats
@@ -41,6 +40,7 @@ from jaxcb.engine.logprobs import append_sample_logprobs, record_prompt_logprobs
 from jaxcb.engine.page_pool import PagePool
 from jaxcb.engine.request import Request
 from jaxcb.engine.schedule import SchedulerOutput
+from jaxcb.engine.step_observer import StepObserver, StepTimes
 from jaxcb.engine.validation import check_params, check_prompt_length, encode_prompt
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
@@ -74,11 +74,13 @@ class LLMEngine(Engine):
         self._groups: dict[str, RequestGroup] = {}
         self._request_group: dict[int, RequestGroup] = {}  # id(child) -> group
         self._ids = itertools.count()
-        self._stats = Counter()
-        self._bucket_hist: Counter[int] = Counter()
-        self._records: list[StepRecord] | None = None  # record_steps() turns it on
         self.itl = build_itl_controller(config, info)  # None: the fixed token budget
-        self._last_step_end: float | None = None  # perf_counter() after the last step, if any ran
+        self.observer = StepObserver(
+            self.pool,
+            itl=self.itl,
+            swap_cost=self.swapper.cost if self.swapper is not None else None,
+        )
+        self._stats = self.observer.counts  # (requests, tokens, failures counted here too)
         # Async scheduling (engine/inflight.py): the step dispatched and not yet read back.
         self._sync_reason = sync_reason(
             config, runner, swap=self.swapper is not None, itl=self.itl is not None
@@ -209,32 +211,27 @@ class LLMEngine(Engine):
         if sched.is_empty:
             self._swap(sched)  # (a step that only preempts: its victims' pages still go out)
             return []
-        # (before the results: a chunk's `samples` compares with the request's tokens)
-        had_decode = self.itl is not None and sched.num_decode_tokens > 0
-        # A padded-batch baseline's padding is run too (engine/baselines.py); 0 otherwise.
-        bucket = pick_bucket(
-            self.info.buckets, sched.num_tokens + sched.num_padding_tokens, len(sched.chunks)
-        )
+        bucket = self._bucket(sched)
         prepared = self.runner.prepare(sched, bucket)
+        # (before the results: a chunk's `samples` compares with the request's tokens)
         samples = [c.samples for c in sched.chunks]
+        had_decode = sched.num_decode_tokens > 0
         t1 = time.perf_counter()
         swap_seconds = self._swap(sched)
         result = self.runner.execute(bucket, prepared)
         t2 = time.perf_counter()
-        if self.swapper is not None and self.swapper.cost is not None:
-            self.swapper.cost.observe_step(sched.num_tokens, t2 - t1 - swap_seconds)
         self.scheduler.update_after_step(sched)
         outputs = self._process_results(sched, result, samples)
         t3 = time.perf_counter()
-        self._count_step(
-            sched, bucket.num_tokens, budget, host=(t1 - t0) + (t3 - t2), device=t2 - t1
+        times = StepTimes(t0, t3, host=(t1 - t0) + (t3 - t2), device=t2 - t1, swap=swap_seconds)
+        self.observer.ran(
+            sched,
+            bucket.num_tokens,
+            budget,
+            times,
+            had_decode=had_decode,
+            still_running=bool(self.scheduler.running),
         )
-        if self.itl is not None:
-            # The ITL a decoding request sees: from the previous step's end (the caller's
-            # work between steps included) to this one's; nothing ran before: this step.
-            start = t0 if self._last_step_end is None else self._last_step_end
-            self.itl.feed(t3 - start, had_decode, bucket.num_tokens)
-            self._last_step_end = t3 if self.scheduler.running else None
         return outputs
 
     def _step_async(self) -> list[RequestOutput]:
@@ -255,12 +252,9 @@ class LLMEngine(Engine):
             if pending is not None:
                 more, seconds = self._retire()
                 outputs, waited = outputs + more, waited + seconds
-            self._stats["host_seconds"] += time.perf_counter() - t0 - waited
-            self._stats["device_seconds"] += waited
+            self.observer.idle(host=time.perf_counter() - t0 - waited, device=waited)
             return outputs
-        bucket = pick_bucket(
-            self.info.buckets, sched.num_tokens + sched.num_padding_tokens, len(sched.chunks)
-        )
+        bucket = self._bucket(sched)
         link_to_inflight(sched, pending)
         prepared = self.runner.prepare(sched, bucket)
         self._inflight = InFlightStep.dispatch(self.runner, sched, bucket, prepared)
@@ -272,7 +266,8 @@ class LLMEngine(Engine):
         if self._inflight.all_finished:
             waited += self._retire()[1]  # nothing of it is wanted: leave nothing in flight
         t1 = time.perf_counter()
-        self._count_step(sched, bucket.num_tokens, budget, host=t1 - t0 - waited, device=waited)
+        times = StepTimes(t0, t1, host=t1 - t0 - waited, device=waited)
+        self.observer.ran(sched, bucket.num_tokens, budget, times)
         return outputs
 
     def _retire(self, step: InFlightStep | None = None) -> tuple[list[RequestOutput], float]:
@@ -305,30 +300,11 @@ class LLMEngine(Engine):
         budget = self.itl.step_budget(num_decodes)
         return self.scheduler.schedule(token_budget=budget), budget
 
-    def _count_step(
-        self,
-        sched: SchedulerOutput,
-        bucket_tokens: int,
-        token_budget: int,
-        *,
-        host: float,
-        device: float,
-    ) -> None:
-        s = self._stats
-        s["steps"] += 1
-        s["tokens_scheduled"] += sched.num_tokens
-        s["token_slots"] += bucket_tokens
-        s["preemptions"] += len(sched.preempted)
-        s["recomputed_tokens"] += sched.num_recomputed_tokens
-        s["prefix_queries"] += sched.num_prefix_query_tokens
-        s["prefix_hits"] += sched.num_prefix_hit_tokens
-        s["host_seconds"] += host
-        s["device_seconds"] += device
-        self._bucket_hist[bucket_tokens] += 1
-        if self._records is not None:
-            self._records.append(
-                StepRecord.of(sched, bucket_tokens, self.pool.num_used, token_budget)
-            )
+    def _bucket(self, sched: SchedulerOutput) -> Bucket:
+        """The smallest bucket the step fits; a padded-batch baseline's padding is run too
+        (engine/baselines.py; 0 otherwise)."""
+        tokens = sched.num_tokens + sched.num_padding_tokens
+        return pick_bucket(self.info.buckets, tokens, len(sched.chunks))
 
     def _process_results(
         self, sched: SchedulerOutput, result: StepResult, samples: list[bool]
@@ -406,12 +382,12 @@ class LLMEngine(Engine):
     # ---- introspection ------------------------------------------------------------------
 
     def record_steps(self, on: bool = True) -> None:
-        self._records = [] if on else None
+        self.observer.records = [] if on else None
 
     def pop_step_records(self) -> list[StepRecord]:
-        records = self._records or []
-        if self._records is not None:
-            self._records = []
+        records = self.observer.records or []
+        if self.observer.records is not None:
+            self.observer.records = []
         return records
 
     def kv_usage(self) -> KVUsage:
@@ -447,4 +423,4 @@ class LLMEngine(Engine):
         return self.scheduler.reset_prefix_cache()
 
     def stats(self) -> dict[str, Any]:
-        return engine_stats(self, self._stats, self._bucket_hist)
+        return engine_stats(self, self._stats, self.observer.bucket_hist)
