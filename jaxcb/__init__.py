@@ -4,7 +4,7 @@ from jaxcb import LLM, SamplingParams
 outs = LLM().generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
 
 `LLM` is imported on first use (it brings jax, the models and the kernels), so importing a
-host-side module (`jaxcb.config`, `jaxcb.engine.scheduler`, ...) never starts jax.
+host-side module (`jaxcb.config`, `jaxcb.engine.sched.scheduler`, ...) never starts jax.
 """
 
 from typing import TYPE_CHECKING, Any

@@ -1,7 +1,7 @@
 """Static vs dynamic vs continuous batching, all three on jaxcb's own engine, one workload.
 
 The classic result, reproduced with the same model, kernels, buckets and KV pool, only the
-scheduler changed (`--batching`, see jaxcb/engine/baselines.py):
+scheduler changed (`--batching`, see jaxcb/engine/sched/baselines.py):
 
   static      a padded batch of up to max_num_seqs requests, prompts left-padded to the
               longest; it runs until its slowest request is done (finished rows stay as

@@ -128,7 +128,7 @@ def engine_stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[st
         tokens_scheduled=round(real),
         padding_fraction=(slots - real) / slots if slots else 0.0,
         preemptions=after["preemptions"] - before["preemptions"],
-        **{  # preemption by swap (engine/swap.py)
+        **{  # preemption by swap (engine/sched/swap.py)
             k: after[k] - before[k]
             for k in ("swapped_out_requests", "swap_fallbacks", "swap_seconds")
             if k in after

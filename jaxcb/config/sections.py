@@ -93,7 +93,7 @@ class SchedulerConfig:
     admission: str = "greedy"  # greedy | reserve (prompt + max_tokens) | predicted
     admission_quantile: float = 0.9  # predicted: quantile of observed output lengths reserved
     long_prefill_token_threshold: int = 0  # prefill tokens per request per step; 0: no cap
-    # ITL controller (engine/itl_controller.py): each step's token budget picked among the
+    # ITL controller (engine/sched/itl_controller.py): each step's token budget picked among the
     # token buckets from the measured inter-token latency; None: the fixed budget.
     itl_target_ms: float | None = None  # inter-token latency target, ms; None: controller off
     itl_percentile: float = 0.9  # ITL controller: percentile held under the target (p90, p99)

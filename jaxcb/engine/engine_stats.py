@@ -9,9 +9,9 @@ from typing import Any, Protocol
 from jaxcb.config import EngineConfig
 from jaxcb.engine.grammar import GrammarCompiler
 from jaxcb.engine.interface import EngineInfo, KVUsage
-from jaxcb.engine.itl_controller import ITLController
-from jaxcb.engine.scheduler import BaseScheduler
-from jaxcb.engine.swap import Swapper
+from jaxcb.engine.sched.itl_controller import ITLController
+from jaxcb.engine.sched.scheduler import BaseScheduler
+from jaxcb.engine.sched.swap import Swapper
 
 
 class StatsSource(Protocol):
@@ -76,7 +76,7 @@ def engine_stats(
         "grammars_compiled": engine.grammars.num_compiled,
         "grammar_compile_seconds": engine.grammars.compile_seconds,
         "grammar_cache_hits": engine.grammars.cache_hits,
-        # preemption by swap (engine/swap.py): victims whose pages went to host memory,
+        # preemption by swap (engine/sched/swap.py): victims whose pages went to host memory,
         # of them resumed, host pages held now, victims recomputed for want of host pages
         "swapped_out_requests": engine.swapper.num_swapped_out if engine.swapper else 0,
         "swapped_in_requests": engine.swapper.num_swapped_in if engine.swapper else 0,

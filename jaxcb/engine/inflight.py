@@ -34,7 +34,7 @@ from typing import Any
 from jaxcb.config import EngineConfig
 from jaxcb.engine.buckets import Bucket
 from jaxcb.engine.interface import Runner, StepResult
-from jaxcb.engine.schedule import SchedulerOutput
+from jaxcb.engine.sched.schedule import SchedulerOutput
 
 
 @dataclass

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxcb.config import EngineConfig
 from jaxcb.engine.buckets import Bucket
-from jaxcb.engine.schedule import SchedulerOutput
+from jaxcb.engine.sched.schedule import SchedulerOutput
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
 
@@ -75,7 +75,7 @@ class Runner(Protocol):
 
     def swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
         """Copy KV pages to host slots, (page, slot) pairs, then host slots into pages,
-        (slot, page) pairs (preemption by swap, engine/swap.py). The engine calls it after
+        (slot, page) pairs (preemption by swap, engine/sched/swap.py). The engine calls it after
         `schedule()` and before `execute`, so the copies out read the pages before the step
         (or a later one) writes them, and the copies in land before the step reads them."""
         ...
@@ -210,7 +210,7 @@ class KVUsage:
     num_cached: int  # cached prefix pages nobody holds (free to evict)
     peak_used: int  # with replicas: the sum of each one's peak, an upper bound
     num_evictions: int
-    num_swap_pages: int = 0  # host slots for swapped-out KV pages (engine/swap.py)
+    num_swap_pages: int = 0  # host slots for swapped-out KV pages (engine/sched/swap.py)
     num_swap_used: int = 0  # of them, held by swapped-out requests now
 
     @property

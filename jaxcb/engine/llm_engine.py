@@ -29,7 +29,6 @@ import numpy as np
 
 from jaxcb.config import EngineConfig
 from jaxcb.engine.buckets import Bucket, pick_bucket
-from jaxcb.engine.builders import build_itl_controller, build_scheduler, build_swapper
 from jaxcb.engine.detokenizer import IncrementalDetokenizer
 from jaxcb.engine.engine_stats import engine_stats
 from jaxcb.engine.grammar import GrammarCompiler
@@ -37,9 +36,10 @@ from jaxcb.engine.groups import RequestGroup, new_sample
 from jaxcb.engine.inflight import InFlightStep, link_to_inflight, sync_reason
 from jaxcb.engine.interface import Engine, EngineInfo, KVUsage, Runner, StepRecord, StepResult
 from jaxcb.engine.logprobs import append_sample_logprobs, record_prompt_logprobs
-from jaxcb.engine.page_pool import PagePool
 from jaxcb.engine.request import Request
-from jaxcb.engine.schedule import SchedulerOutput
+from jaxcb.engine.sched.factory import build_itl_controller, build_scheduler, build_swapper
+from jaxcb.engine.sched.page_pool import PagePool
+from jaxcb.engine.sched.schedule import SchedulerOutput
 from jaxcb.engine.step_observer import StepObserver, StepTimes
 from jaxcb.engine.validation import check_params, check_prompt_length, encode_prompt
 from jaxcb.outputs import RequestOutput
@@ -302,7 +302,7 @@ class LLMEngine(Engine):
 
     def _bucket(self, sched: SchedulerOutput) -> Bucket:
         """The smallest bucket the step fits; a padded-batch baseline's padding is run too
-        (engine/baselines.py; 0 otherwise)."""
+        (engine/sched/baselines.py; 0 otherwise)."""
         tokens = sched.num_tokens + sched.num_padding_tokens
         return pick_bucket(self.info.buckets, tokens, len(sched.chunks))
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxcb.engine.interface import StepResult
 from jaxcb.engine.request import Request
-from jaxcb.engine.schedule import ScheduledChunk
+from jaxcb.engine.sched.schedule import ScheduledChunk
 
 
 def top_entry(ids: np.ndarray, values: np.ndarray, k: int) -> dict[int, float]:

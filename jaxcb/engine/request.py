@@ -70,7 +70,7 @@ class Request:
     page_hashes: list[bytes] = field(default_factory=list)
     num_hashed_pages: int = 0
     num_cached_tokens: int | None = None
-    # Preempted by swap (engine/swap.py): the host slots holding the K/V of its first
+    # Preempted by swap (engine/sched/swap.py): the host slots holding the K/V of its first
     # ceil(num_computed_tokens / page_size) pages while it waits; None when not swapped out.
     swap_slots: list[int] | None = None
     # Computed tokens its last preemption by recompute dropped, until it is re-admitted (the

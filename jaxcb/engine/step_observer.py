@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxcb.engine.interface import StepRecord
-from jaxcb.engine.page_pool import PagePool
-from jaxcb.engine.schedule import SchedulerOutput
+from jaxcb.engine.sched.page_pool import PagePool
+from jaxcb.engine.sched.schedule import SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,8 @@ class StepTimes:
 
 class StepObserver:
     def __init__(self, pool: PagePool, *, itl: Any = None, swap_cost: Any = None) -> None:
-        """`itl`: the ITL controller (engine/itl_controller.py) to feed, if any;
-        `swap_cost`: the swap-or-recompute cost model (engine/swap.py) to feed, if any."""
+        """`itl`: the ITL controller (engine/sched/itl_controller.py) to feed, if any;
+        `swap_cost`: the swap-or-recompute cost model (engine/sched/swap.py) to feed, if any."""
         self.pool = pool
         self.itl = itl
         self.swap_cost = swap_cost

@@ -128,7 +128,7 @@ class HostSwapPool:
     K rows of some slots are one fancy-indexed take, in the token-row layout the KV write
     reads. A quantized pool's scales sit beside them, [layers, 2, slots, page_size, Hkv]
     float32, and move with their pages. The host side decides which slot holds which page
-    (engine/swap.py); here the pages only move. A step's pages go out in one gather (one
+    (engine/sched/swap.py); here the pages only move. A step's pages go out in one gather (one
     compiled call, its outputs fetched together) and come in through one compiled KV write
     (quantized pages: their codes and scales copied back bit for bit), each padded to a size of
     `swap_sizes`: 2 x len(sizes) small compiles, done at start-up."""

@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxcb.engine.buckets import Bucket
 from jaxcb.engine.interface import StepResult
-from jaxcb.engine.schedule import SchedulerOutput
+from jaxcb.engine.sched.schedule import SchedulerOutput
 from jaxcb.models.base import AttentionBackend, ModelSpec, Params
 from jaxcb.models.packed import prepare_cpu_params
 from jaxcb.runtime import sharding

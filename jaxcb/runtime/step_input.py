@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxcb.engine.buckets import Bucket
 from jaxcb.engine.grammar import fill_masks
-from jaxcb.engine.schedule import ScheduledChunk, SchedulerOutput
+from jaxcb.engine.sched.schedule import ScheduledChunk, SchedulerOutput
 from pallas_kernels.ragged_paged_attention import PADDING_SLOT
 
 FLAG_RANDOM, FLAG_PENALTY, FLAG_LOGPROBS, FLAG_TOP_LOGPROBS = 0, 1, 2, 3

@@ -28,11 +28,11 @@ from jaxcb.config import EngineConfig, SchedulerConfig
 from jaxcb.engine.buckets import make_buckets
 from jaxcb.engine.interface import EngineInfo, StepResult
 from jaxcb.engine.llm_engine import LLMEngine
-from jaxcb.engine.page_pool import PagePool, hash_page
-from jaxcb.engine.policies import OutputLengths, reserved_tokens
 from jaxcb.engine.request import Request, RequestStatus
-from jaxcb.engine.schedule import SchedulerOutput
-from jaxcb.engine.scheduler import Scheduler
+from jaxcb.engine.sched.page_pool import PagePool, hash_page
+from jaxcb.engine.sched.policies import OutputLengths, reserved_tokens
+from jaxcb.engine.sched.schedule import SchedulerOutput
+from jaxcb.engine.sched.scheduler import Scheduler
 from jaxcb.sampling_params import SamplingParams
 
 

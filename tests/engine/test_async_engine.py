@@ -22,7 +22,7 @@ from jaxcb.config import EngineConfig
 from jaxcb.engine.buckets import make_buckets
 from jaxcb.engine.interface import EngineInfo, StepResult
 from jaxcb.engine.llm_engine import LLMEngine
-from jaxcb.engine.schedule import SchedulerOutput
+from jaxcb.engine.sched.schedule import SchedulerOutput
 from jaxcb.sampling_params import SamplingParams
 
 EOS = 2

@@ -1,4 +1,4 @@
-"""The padded-batch baselines (engine/baselines.py), driven by a fake model (no jax).
+"""The padded-batch baselines (engine/sched/baselines.py), driven by a fake model (no jax).
 
 Their padding is checked against the closed forms of the module docstring on constructed
 cases, and every run checks the page invariant after each step and that every request got
@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from jaxcb.engine.baselines import (
-    DynamicBatchScheduler,
-    StaticBatchScheduler,
-    make_scheduler,
-)
-from jaxcb.engine.page_pool import PagePool
 from jaxcb.engine.request import Request
-from jaxcb.engine.scheduler import Scheduler
+from jaxcb.engine.sched.baselines import DynamicBatchScheduler, StaticBatchScheduler
+from jaxcb.engine.sched.factory import make_scheduler
+from jaxcb.engine.sched.page_pool import PagePool
+from jaxcb.engine.sched.scheduler import Scheduler
 from jaxcb.sampling_params import SamplingParams
 
 PAGE = 4

@@ -1,4 +1,4 @@
-"""The ITL controller (engine/itl_controller.py) on synthetic latency series, and the
+"""The ITL controller (engine/sched/itl_controller.py) on synthetic latency series, and the
 scheduler's per-step token budget it drives: the budget falls when the tail exceeds the
 target, rises while there is headroom, holds in between, never leaves the bucket set and
 never goes under the floor."""
@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxcb.config import SchedulerConfig
-from jaxcb.engine.itl_controller import ITLController
-from jaxcb.engine.page_pool import PagePool
 from jaxcb.engine.request import Request
-from jaxcb.engine.scheduler import Scheduler
+from jaxcb.engine.sched.itl_controller import ITLController
+from jaxcb.engine.sched.page_pool import PagePool
+from jaxcb.engine.sched.scheduler import Scheduler
 from jaxcb.sampling_params import SamplingParams
 
 BUCKETS = (16, 32, 64, 128, 256)

@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jaxcb.engine.page_pool import OutOfPagesError, PagePool, hash_page
+from jaxcb.engine.sched.page_pool import OutOfPagesError, PagePool, hash_page
 
 
 def test_rejects_empty_pool() -> None:

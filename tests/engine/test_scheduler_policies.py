@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_scheduler_properties import EOS, expected_output, fake_token, prompt_for
 
-from jaxcb.engine.page_pool import PagePool
-from jaxcb.engine.policies import PriorityPolicy, SRPFPolicy, make_policy
 from jaxcb.engine.request import Request, RequestStatus
-from jaxcb.engine.scheduler import Scheduler
+from jaxcb.engine.sched.page_pool import PagePool
+from jaxcb.engine.sched.policies import PriorityPolicy, SRPFPolicy, make_policy
+from jaxcb.engine.sched.scheduler import Scheduler
 from jaxcb.sampling_params import SamplingParams
 
 

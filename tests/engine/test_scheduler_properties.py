@@ -20,10 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxcb.engine.page_pool import PagePool, hash_page
 from jaxcb.engine.request import Request, RequestStatus
-from jaxcb.engine.schedule import SchedulerOutput
-from jaxcb.engine.scheduler import Scheduler
+from jaxcb.engine.sched.page_pool import PagePool, hash_page
+from jaxcb.engine.sched.schedule import SchedulerOutput
+from jaxcb.engine.sched.scheduler import Scheduler
 from jaxcb.sampling_params import SamplingParams
 
 EOS = 2

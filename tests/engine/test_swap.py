@@ -27,11 +27,11 @@ from test_scheduler_properties import (
     scenarios,
 )
 
-from jaxcb.engine.page_pool import PagePool
 from jaxcb.engine.request import Request, RequestStatus
-from jaxcb.engine.schedule import SchedulerOutput
-from jaxcb.engine.scheduler import Scheduler
-from jaxcb.engine.swap import SwapCostModel, Swapper, SwapSpace
+from jaxcb.engine.sched.page_pool import PagePool
+from jaxcb.engine.sched.schedule import SchedulerOutput
+from jaxcb.engine.sched.scheduler import Scheduler
+from jaxcb.engine.sched.swap import SwapCostModel, Swapper, SwapSpace
 
 # ---- the host slots -----------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from jaxcb.engine.buckets import Bucket
 from jaxcb.engine.request import Request
-from jaxcb.engine.schedule import ScheduledChunk, SchedulerOutput
+from jaxcb.engine.sched.schedule import ScheduledChunk, SchedulerOutput
 from jaxcb.runtime.step_input import (
     FLAG_LOGPROBS,
     FLAG_PENALTY,

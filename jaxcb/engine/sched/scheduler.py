@@ -9,7 +9,7 @@ Each call to `schedule()` decides one step:
    leaves `watermark_pages` free for the running requests' growth (unless none runs).
 If a running request needs a page and none is free, the policy picks a running request to
 preempt: its pages are released and it goes back to the waiting queue, to be recomputed
-later, or, preempted by swap (`preemption_mode`, engine/swap.py), to be resumed with its
+later, or, preempted by swap (`preemption_mode`, engine/sched/swap.py), to be resumed with its
 K/V copied back from host memory. No request is admitted in a step that preempted.
 
 Admission modes (`admission`) decide how many free pages the head of the queue needs:
@@ -47,17 +47,17 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from jaxcb.engine.page_pool import PagePool, hash_page
-from jaxcb.engine.policies import (
+from jaxcb.engine.request import Request, RequestStatus
+from jaxcb.engine.sched.page_pool import PagePool, hash_page
+from jaxcb.engine.sched.policies import (
     ADMISSION_MODES,
     OutputLengths,
     SchedulingPolicy,
     make_policy,
     reserved_tokens,
 )
-from jaxcb.engine.request import Request, RequestStatus
-from jaxcb.engine.schedule import ScheduledChunk, SchedulerOutput
-from jaxcb.engine.swap import Swapper
+from jaxcb.engine.sched.schedule import ScheduledChunk, SchedulerOutput
+from jaxcb.engine.sched.swap import Swapper
 
 
 class BaseScheduler(abc.ABC):

@@ -1,16 +1,19 @@
-"""What LLMEngine builds for itself from the config, on the host side: the scheduler (with
-its policy and admission), the swapper for preemption by swap, and the ITL controller."""
+"""The scheduler wing's one factory: what LLMEngine builds for itself from the config, on
+the host side: the scheduler (continuous, or a padded-batch baseline; with its policy and
+admission), the swapper for preemption by swap, and the ITL controller."""
 
 from __future__ import annotations
 
-from jaxcb.config import EngineConfig
-from jaxcb.engine.baselines import make_scheduler
+from typing import Any
+
+from jaxcb.config import BATCHING_MODES, EngineConfig
 from jaxcb.engine.interface import EngineInfo
-from jaxcb.engine.itl_controller import ITLController
-from jaxcb.engine.page_pool import PagePool
-from jaxcb.engine.policies import make_policy
-from jaxcb.engine.scheduler import BaseScheduler
-from jaxcb.engine.swap import SwapCostModel, Swapper, SwapSpace
+from jaxcb.engine.sched.baselines import DynamicBatchScheduler, StaticBatchScheduler
+from jaxcb.engine.sched.itl_controller import ITLController
+from jaxcb.engine.sched.page_pool import PagePool
+from jaxcb.engine.sched.policies import make_policy
+from jaxcb.engine.sched.scheduler import BaseScheduler, Scheduler
+from jaxcb.engine.sched.swap import SwapCostModel, Swapper, SwapSpace
 
 
 def build_scheduler(
@@ -42,6 +45,36 @@ def build_scheduler(
         admission_quantile=sched.admission_quantile,
         swapper=swapper,
     )
+
+
+def make_scheduler(
+    batching: str,
+    *,
+    enable_prefix_caching: bool = False,
+    long_prefill_token_threshold: int = 0,
+    watermark_pages: int = 0,
+    admission: str = "greedy",
+    admission_quantile: float = 0.9,
+    swapper: Swapper | None = None,
+    **base: Any,  # BaseScheduler's: page_pool, page_size, max_num_seqs, ...
+) -> BaseScheduler:
+    """The scheduler for `batching`: the real (continuous) one, or a padded-batch baseline
+    (to which prefix caching, the prefill threshold, the watermark and the admission mode
+    do not apply: they reserve whole sequences)."""
+    if batching == "continuous":
+        return Scheduler(
+            enable_prefix_caching=enable_prefix_caching,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            watermark_pages=watermark_pages,
+            admission=admission,
+            admission_quantile=admission_quantile,
+            swapper=swapper,
+            **base,
+        )
+    classes = {"static": StaticBatchScheduler, "dynamic": DynamicBatchScheduler}
+    if batching not in classes:
+        raise ValueError(f"batching must be one of {list(BATCHING_MODES)}, got {batching!r}")
+    return classes[batching](**base)
 
 
 def build_swapper(config: EngineConfig, info: EngineInfo) -> Swapper | None:

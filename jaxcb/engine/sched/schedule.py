@@ -49,7 +49,7 @@ class SchedulerOutput:
     # Prefix cache, over the requests admitted this step: tokens looked up, tokens found.
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
-    # Padding slots a padded-batch baseline (engine/baselines.py) adds to the step; 0 here.
+    # Padding slots a padded-batch baseline (engine/sched/baselines.py) adds to the step; 0 here.
     num_padding_tokens: int = 0
     # Preemption by swap: K/V pages to copy to host slots, (page, slot), and back, (slot,
     # page). The runner does both before the step runs, out first (Runner.swap): a victim's

@@ -2,8 +2,8 @@
 
 They exist to be compared with the real scheduler (`scheduler.batching`: continuous | static
 | dynamic; `scripts/compare_batching.py`). Both are `BaseScheduler`s (scheduler.py), as the
-continuous `Scheduler` is, so `LLMEngine` runs them unchanged; `make_scheduler` picks one from
-the config.
+continuous `Scheduler` is, so `LLMEngine` runs them unchanged; `factory.make_scheduler` picks
+one from the config.
 
 Both model a *padded batch*: a rectangle of `rows x width` token slots in which every row is one
 request, and every slot a real token does not fill is padding that still costs compute. The
@@ -35,41 +35,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxcb.config import BATCHING_MODES
 from jaxcb.engine.request import Request, RequestStatus
-from jaxcb.engine.schedule import ScheduledChunk, SchedulerOutput
-from jaxcb.engine.scheduler import BaseScheduler, Scheduler
-from jaxcb.engine.swap import Swapper
-
-
-def make_scheduler(
-    batching: str,
-    *,
-    enable_prefix_caching: bool = False,
-    long_prefill_token_threshold: int = 0,
-    watermark_pages: int = 0,
-    admission: str = "greedy",
-    admission_quantile: float = 0.9,
-    swapper: Swapper | None = None,
-    **base: Any,  # BaseScheduler's: page_pool, page_size, max_num_seqs, ...
-) -> BaseScheduler:
-    """The scheduler for `batching`: the real (continuous) one, or a padded-batch baseline
-    (to which prefix caching, the prefill threshold, the watermark and the admission mode
-    do not apply: they reserve whole sequences)."""
-    if batching == "continuous":
-        return Scheduler(
-            enable_prefix_caching=enable_prefix_caching,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            watermark_pages=watermark_pages,
-            admission=admission,
-            admission_quantile=admission_quantile,
-            swapper=swapper,
-            **base,
-        )
-    classes = {"static": StaticBatchScheduler, "dynamic": DynamicBatchScheduler}
-    if batching not in classes:
-        raise ValueError(f"batching must be one of {list(BATCHING_MODES)}, got {batching!r}")
-    return classes[batching](**base)
+from jaxcb.engine.sched.schedule import ScheduledChunk, SchedulerOutput
+from jaxcb.engine.sched.scheduler import BaseScheduler
 
 
 class _PaddedBatchScheduler(BaseScheduler):
