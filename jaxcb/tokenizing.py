@@ -30,7 +30,7 @@ def own_tokenizer(engine: Any) -> Any | None:
     """A new instance of the engine's tokenizer (None if it has none), for one other thread."""
     if engine.tokenizer is None:
         return None
-    from jaxcb.models.loader import load_tokenizer
+    from jaxcb.models.loading.loader import load_tokenizer
 
     return load_tokenizer(Path(engine.config.tokenizer or engine.info.model_path))
 

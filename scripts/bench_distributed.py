@@ -222,7 +222,7 @@ def cpu_model() -> str:
 
 
 def write_bench_model(path: Path) -> None:
-    from jaxcb.models.default_model import CONFIG, write_random_llama
+    from jaxcb.models.loading.default_model import CONFIG, write_random_llama
 
     write_random_llama(path, dict(CONFIG, **BENCH_CONFIG), seed=0, std=0.2)
 

@@ -182,7 +182,7 @@ def pair(text: str, flag: str, parser: argparse.ArgumentParser) -> tuple[int, in
 
 
 def load_workload(args: argparse.Namespace, parser: argparse.ArgumentParser, model_dir: Path):
-    from jaxcb.models.loader import read_hf_config
+    from jaxcb.models.loading.loader import read_hf_config
 
     vocab = read_hf_config(model_dir).get("vocab_size", 32000)
     try:

@@ -12,7 +12,7 @@ float16 scales (models/quant.py; a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks as the 
 them), and an engine loading it runs them so. `LLM("/path/to/jaxcb_ckpt")`, `serve.py
 --model ...` and every script load it like a Hugging Face directory, and restore each array
 straight into its target sharding (with tensor_parallel_size > 1, each device reads only its
-shard). See models/checkpoint.py.
+shard). See models/loading/checkpoint.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import logging
 import sys
 import time
 
-from jaxcb.models.checkpoint_convert import convert_checkpoint
+from jaxcb.models.loading.checkpoint_convert import convert_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,7 @@ def run_script(name: str, args: list[str], env: dict[str, str]) -> subprocess.Co
     )
 
 
-#: The built-in tiny random-weight Llama (jaxcb.models.default_model), what most tests run.
+#: The built-in tiny random-weight Llama (jaxcb.models.loading.default_model), what most tests run.
 TINY_MODEL = "jaxcb-tiny-random-llama-v1"
 
 TINY = dict(

@@ -146,8 +146,8 @@ def test_production_code_never_imports_the_benchmarks() -> None:
 
 
 def _resolve(imported: str) -> str | None:
-    """The module of ours an imported name lives in ("jaxcb.models.loader.load_params" ->
-    "jaxcb.models.loader"), or None for a third-party one."""
+    """The module of ours an imported name lives in ("jaxcb.models.loading.loader.load_params" ->
+    "jaxcb.models.loading.loader"), or None for a third-party one."""
     while imported and imported not in GRAPH:
         imported = imported.rpartition(".")[0]
     return imported or None

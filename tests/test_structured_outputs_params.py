@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from jaxcb import SamplingParams
 from jaxcb.engine.grammar import GrammarCompiler, mask_words
-from jaxcb.models.default_model import CONFIG, default_model_dir
+from jaxcb.models.loading.default_model import CONFIG, default_model_dir
 from jaxcb.sampling import apply_token_mask
 from jaxcb.structured_outputs import StructuredOutputsParams
 

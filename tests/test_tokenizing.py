@@ -14,8 +14,8 @@ from jaxcb.tokenizing import max_token_chars, min_num_tokens
 
 @pytest.fixture(scope="module")
 def builtin_tokenizer():
-    from jaxcb.models.default_model import default_model_dir
-    from jaxcb.models.loader import load_tokenizer
+    from jaxcb.models.loading.default_model import default_model_dir
+    from jaxcb.models.loading.loader import load_tokenizer
 
     return load_tokenizer(default_model_dir())
 

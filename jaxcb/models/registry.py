@@ -26,7 +26,7 @@ import jax
 
 from jaxcb.models import gemma, llama, moe, phi3
 from jaxcb.models.base import ModelSpec, Params, abstract_from_infos, is_param_info
-from jaxcb.models.gguf import GGUFFile
+from jaxcb.models.loading.gguf import GGUFFile
 from jaxcb.models.weights import ModelLoadError
 
 #: family name (ModelSpec.family) -> its module

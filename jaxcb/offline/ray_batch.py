@@ -219,7 +219,7 @@ class RayEngine(Engine):
         self.info: EngineInfo = info
         self.tokenizer = None
         if has_tokenizer:
-            from jaxcb.models.loader import load_tokenizer
+            from jaxcb.models.loading.loader import load_tokenizer
 
             self.tokenizer = load_tokenizer(Path(config.tokenizer or info.model_path))
 

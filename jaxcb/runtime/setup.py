@@ -27,8 +27,8 @@ from jaxcb.engine.buckets import Bucket
 from jaxcb.engine.interface import EngineInfo
 from jaxcb.models import registry
 from jaxcb.models.base import abstract_from_infos
-from jaxcb.models.default_model import DEFAULT_NAME
-from jaxcb.models.loader import LoadedModel, load_model
+from jaxcb.models.loading.default_model import DEFAULT_NAME
+from jaxcb.models.loading.loader import LoadedModel, load_model
 from jaxcb.models.packed import matmul_backend, matmul_report
 from jaxcb.models.quant import (
     check_stored,

@@ -24,10 +24,10 @@ import pytest
 from helpers import hf_greedy
 
 from jaxcb import LLM, SamplingParams, native
-from jaxcb.models.default_model import smollm2_gguf
-from jaxcb.models.gguf import GGUFFile
 from jaxcb.models.llama import params_from_hf
-from jaxcb.models.loader import load_model
+from jaxcb.models.loading.default_model import smollm2_gguf
+from jaxcb.models.loading.gguf import GGUFFile
+from jaxcb.models.loading.loader import load_model
 from jaxcb.models.weights import CheckpointTensors
 
 MAX_TOKENS = 32

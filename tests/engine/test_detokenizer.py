@@ -36,7 +36,7 @@ HYPOTHESIS = settings(
 def _byte_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
-    from jaxcb.models.default_model import save_byte_tokenizer
+    from jaxcb.models.loading.default_model import save_byte_tokenizer
 
     save_byte_tokenizer(path)
     return AutoTokenizer.from_pretrained(str(path))

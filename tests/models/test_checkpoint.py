@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from jaxcb import LLM, SamplingParams
-from jaxcb.models.checkpoint import MARKER, is_orbax_checkpoint
-from jaxcb.models.checkpoint_convert import convert_hf_checkpoint
-from jaxcb.models.default_model import default_model_dir
-from jaxcb.models.loader import load_model
+from jaxcb.models.loading.checkpoint import MARKER, is_orbax_checkpoint
+from jaxcb.models.loading.checkpoint_convert import convert_hf_checkpoint
+from jaxcb.models.loading.default_model import default_model_dir
+from jaxcb.models.loading.loader import load_model
 from jaxcb.models.weights import ModelLoadError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,7 +168,8 @@ def test_int8_checkpoint_of_a_tied_table_without_its_head(tmp_path: Path, monkey
     serves as the head too."""
     from helpers import make_hf_model
 
-    from jaxcb.models import checkpoint_convert, quant
+    from jaxcb.models import quant
+    from jaxcb.models.loading import checkpoint_convert
 
     hf_dir = tmp_path / "tied"
     make_hf_model("qwen3", hf_dir)

@@ -14,7 +14,7 @@ from helpers import make_hf_model
 from jaxcb import LLM, SamplingParams
 from jaxcb.models import registry
 from jaxcb.models.gemma import GemmaSpec
-from jaxcb.models.loader import load_params
+from jaxcb.models.loading.loader import load_params
 
 GEMMA3_1B = {  # the layout of google/gemma-3-1b-it's config.json (transformers 4.50)
     "architectures": ["Gemma3ForCausalLM"],

@@ -26,11 +26,11 @@ from helpers import make_hf_model, random_prompts
 
 from jaxcb import LLM, SamplingParams
 from jaxcb.models import registry
-from jaxcb.models.checkpoint import MARKER
-from jaxcb.models.checkpoint_convert import convert_checkpoint
-from jaxcb.models.default_model import smollm2_gguf
-from jaxcb.models.gguf import GGUFFile
-from jaxcb.models.loader import load_gguf_block_grids, load_model, load_tokenizer
+from jaxcb.models.loading.checkpoint import MARKER
+from jaxcb.models.loading.checkpoint_convert import convert_checkpoint
+from jaxcb.models.loading.default_model import smollm2_gguf
+from jaxcb.models.loading.gguf import GGUFFile
+from jaxcb.models.loading.loader import load_gguf_block_grids, load_model, load_tokenizer
 from jaxcb.models.quant import dequantize_np, quantize_params
 from jaxcb.models.weights import CheckpointTensors, ModelLoadError, read_safetensors
 from jaxcb.tokenizing import own_tokenizer
@@ -280,7 +280,7 @@ def test_gemma_gguf_config_rules() -> None:
     llama.cpp reads it (every n-th layer global, or a flag per layer); an older file's
     per-expert tensors are refused by name."""
     from jaxcb.models import gemma, moe
-    from jaxcb.models.gguf import GGUFMetadata
+    from jaxcb.models.loading.gguf import GGUFMetadata
 
     def spec(arch: str, hidden: int, layers: int = 12, **extra: object):
         keys = {
@@ -400,7 +400,7 @@ def test_gguf_loading_needs_no_torch(llama_dir, tmp_path) -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"  # any `import torch` now fails
         "import numpy as np\n"
-        "from jaxcb.models.loader import load_model\n"
+        "from jaxcb.models.loading.loader import load_model\n"
         f"model = load_model({str(path)!r}, tokenizer_path=None, dtype=np.float32)\n"
         "print(model.tokenizer('hello there')['input_ids'], model.eos_token_ids)\n"
     )

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from helpers import make_hf_model
 
-from jaxcb.models import default_model
-from jaxcb.models.loader import load_model, load_params, resolve_model, spec_from_hf_config
+from jaxcb.models.loading import default_model
+from jaxcb.models.loading.loader import load_model, load_params, resolve_model, spec_from_hf_config
 from jaxcb.models.weights import ModelLoadError, read_safetensors
 
 

@@ -11,7 +11,7 @@ import pytest
 from jaxcb.config import EngineConfig
 from jaxcb.models import registry
 from jaxcb.models.base import abstract_from_infos
-from jaxcb.models.default_model import CONFIG
+from jaxcb.models.loading.default_model import CONFIG
 from jaxcb.models.quant import (
     CODE_OFFSET,
     GROUP_SIZE,

@@ -18,9 +18,9 @@ jax.config.update("jax_num_cpu_devices", 8)  # before any device is touched
 import numpy as np  # noqa: E402
 
 from jaxcb import LLM, SamplingParams  # noqa: E402
-from jaxcb.models.checkpoint_convert import convert_hf_checkpoint  # noqa: E402
-from jaxcb.models.default_model import CONFIG, save_byte_tokenizer, write_random_llama  # noqa: E402
-from jaxcb.models.loader import load_model  # noqa: E402
+from jaxcb.models.loading.checkpoint_convert import convert_hf_checkpoint  # noqa: E402
+from jaxcb.models.loading.default_model import CONFIG, save_byte_tokenizer, write_random_llama  # noqa: E402
+from jaxcb.models.loading.loader import load_model  # noqa: E402
 from jaxcb.runtime import sharding  # noqa: E402
 
 # 8 query heads in 4 KV groups: TP 1, 2 and 4 divide it, 8 does not.

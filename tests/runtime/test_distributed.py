@@ -41,7 +41,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random llama with 4 KV heads (TP 2 and 4 divide it) and two layers, without
     tokenizer files: the workers send token ids, and each process saves the seconds that
     importing transformers' tokenizers costs."""
-    from jaxcb.models.default_model import CONFIG, write_random_llama
+    from jaxcb.models.loading.default_model import CONFIG, write_random_llama
 
     path = tmp_path_factory.mktemp("distributed") / "tiny"
     config = dict(
@@ -61,7 +61,7 @@ def text_model(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same model with its byte tokenizer, for batch_infer.py's text prompts."""
     import shutil
 
-    from jaxcb.models.default_model import save_byte_tokenizer
+    from jaxcb.models.loading.default_model import save_byte_tokenizer
 
     path = tmp_path_factory.mktemp("distributed-text") / "tiny"
     shutil.copytree(model, path)
@@ -150,7 +150,7 @@ def test_four_processes_orbax_async_give_the_tokens_of_one(
     """TP 4 over four processes, one device each (about 20 s on a 2-core runner), from a
     jaxcb (orbax) checkpoint, each process restoring its own shards straight into the mesh,
     with async scheduling (a step ahead of the device: still the same steps everywhere)."""
-    from jaxcb.models.checkpoint_convert import convert_hf_checkpoint
+    from jaxcb.models.loading.checkpoint_convert import convert_hf_checkpoint
 
     orbax_dir = convert_hf_checkpoint(model, tmp_path / "tiny-orbax")
     want = reference

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcb import LLM
 from jaxcb.config import EngineConfig, ParallelConfig
-from jaxcb.models.default_model import CONFIG
+from jaxcb.models.loading.default_model import CONFIG
 from jaxcb.models.registry import param_infos, spec_from_hf_config
 from jaxcb.runtime import sharding
 

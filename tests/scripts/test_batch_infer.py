@@ -234,8 +234,8 @@ def test_a_too_long_line_goes_to_the_errors_file_unread(tmp_path: Path) -> None:
 
 
 def test_a_prompt_too_long_by_its_characters_is_not_tokenized(tmp_path: Path) -> None:
-    from jaxcb.models.default_model import default_model_dir
-    from jaxcb.models.loader import load_tokenizer
+    from jaxcb.models.loading.default_model import default_model_dir
+    from jaxcb.models.loading.loader import load_tokenizer
     from jaxcb.offline.batch_input import Prepare
 
     prepare = Prepare(

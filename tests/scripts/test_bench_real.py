@@ -19,7 +19,7 @@ from jaxcb.bench.smollm2 import resolve_gguf
 from jaxcb.bench.systems import BenchContext
 from jaxcb.bench.text_workload import Topic, take_passage
 from jaxcb.bench.workloads import TEXT_FIXED_LEN, BenchRequest, make_workload, single_request
-from jaxcb.models.default_model import default_model_dir
+from jaxcb.models.loading.default_model import default_model_dir
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 

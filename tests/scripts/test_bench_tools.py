@@ -14,7 +14,7 @@ import pytest
 
 from jaxcb.bench.systems import BenchContext, VLLMSystem, vllm_environment
 from jaxcb.bench.workloads import make_workload
-from jaxcb.models.default_model import default_model_dir
+from jaxcb.models.loading.default_model import default_model_dir
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 SMALL = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--num-pages", "160",

@@ -17,7 +17,7 @@ import pytest
 from helpers import make_hf_model
 
 from jaxcb.eval.perplexity import perplexity, sliding_windows
-from jaxcb.models.default_model import save_byte_tokenizer
+from jaxcb.models.loading.default_model import save_byte_tokenizer
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "eval_ppl.py"
 MAX_LENGTH, STRIDE = 96, 40

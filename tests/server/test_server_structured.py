@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from jaxcb.models.default_model import NAME as MODEL
+from jaxcb.models.loading.default_model import NAME as MODEL
 
 jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxcb.models.gguf import GGUFFile
+from jaxcb.models.loading.gguf import GGUFFile
 from jaxcb.models.weights import ModelLoadError
 
 #: special token -> the metadata key of its id (tokenizer.ggml.<key>)

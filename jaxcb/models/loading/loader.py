@@ -2,8 +2,8 @@
 params, tokenizer and EOS ids.
 
 A model path is a Hugging Face directory (config.json + safetensors), a jaxcb orbax
-checkpoint (scripts/convert_checkpoint.py; models/checkpoint.py), both holding config.json,
-or a GGUF file (models/gguf.py), whose metadata holds the config, tokenizer and chat template.
+checkpoint (scripts/convert_checkpoint.py; loading/checkpoint.py), both holding config.json,
+or a GGUF file (loading/gguf.py), whose metadata holds the config, tokenizer and chat template.
 """
 
 from __future__ import annotations
@@ -19,12 +19,16 @@ import numpy as np
 
 from jaxcb.models import registry
 from jaxcb.models.base import ModelSpec, Params, is_param_info
-from jaxcb.models.checkpoint import checkpoint_quantization, is_orbax_checkpoint, restore_params
-from jaxcb.models.default_model import NAME as TINY_NAME
-from jaxcb.models.default_model import SMOLLM2_NAME, builtin_model
-from jaxcb.models.gguf import BLOCK_OFFSETS, GGUFFile, is_gguf_path
-from jaxcb.models.gguf_tokenizer import gguf_tokenizer
-from jaxcb.models.hub import download, looks_like_hub_id
+from jaxcb.models.loading.checkpoint import (
+    checkpoint_quantization,
+    is_orbax_checkpoint,
+    restore_params,
+)
+from jaxcb.models.loading.default_model import NAME as TINY_NAME
+from jaxcb.models.loading.default_model import SMOLLM2_NAME, builtin_model
+from jaxcb.models.loading.gguf import BLOCK_OFFSETS, GGUFFile, is_gguf_path
+from jaxcb.models.loading.gguf_tokenizer import gguf_tokenizer
+from jaxcb.models.loading.hub import download, looks_like_hub_id
 from jaxcb.models.registry import spec_from_gguf, spec_from_hf_config
 from jaxcb.models.weights import (
     CheckpointTensors,

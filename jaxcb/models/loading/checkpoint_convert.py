@@ -1,4 +1,4 @@
-"""Writing jaxcb checkpoints (models/checkpoint.py has the format and reads them): a Hugging
+"""Writing jaxcb checkpoints (models/loading/checkpoint.py has the format and reads them): a Hugging
 Face directory or a GGUF file converted into the params pytree of its family, optionally
 quantized, saved with orbax beside the model files. `scripts/convert_checkpoint.py` runs it."""
 
@@ -11,9 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from jaxcb.models.base import Params
-from jaxcb.models.checkpoint import FORMAT, MARKER, PARAMS_DIR, SIDE_FILES, VERSION
-from jaxcb.models.gguf import is_gguf_path
-from jaxcb.models.loader import load_gguf_for, load_params, read_hf_config, spec_from_hf_config
+from jaxcb.models.loading.checkpoint import FORMAT, MARKER, PARAMS_DIR, SIDE_FILES, VERSION
+from jaxcb.models.loading.gguf import is_gguf_path
+from jaxcb.models.loading.loader import (
+    load_gguf_for,
+    load_params,
+    read_hf_config,
+    spec_from_hf_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +88,8 @@ def convert_gguf_checkpoint(
     metadata."""
     import tempfile
 
-    from jaxcb.models.gguf import GGUFFile
-    from jaxcb.models.gguf_tokenizer import gguf_tokenizer
+    from jaxcb.models.loading.gguf import GGUFFile
+    from jaxcb.models.loading.gguf_tokenizer import gguf_tokenizer
     from jaxcb.models.quant import quantize_params
     from jaxcb.models.registry import param_infos, spec_from_gguf
 

@@ -11,7 +11,7 @@ The params are stored already fused and transposed into their family's layout (i
 array straight into the target sharding (`restore_params` with a tensor-parallel mesh reads
 1/N of the bytes per device, and on a multi-host mesh each host reads only what its devices
 hold).
-This module reads one (the loader's side); models/checkpoint_convert.py writes one
+This module reads one (the loader's side); models/loading/checkpoint_convert.py writes one
 (`scripts/convert_checkpoint.py`), from a Hugging Face directory or a GGUF file (its tensors
 dequantized; config.json, generation_config.json and tokenizer files written from its
 metadata); `LLM(path)` loads any of these formats.
