@@ -158,7 +158,9 @@ class ModelRunner:
             ),
         )
         self._sample = jax.jit(
-            functools.partial(step_module.sample_step, num_top_logprobs=num_top_logprobs),
+            functools.partial(
+                step_module.sample_step, num_top_logprobs=num_top_logprobs, platform=platform
+            ),
             donate_argnums=(2,),  # the step's next-step token buffer, rewritten
             in_shardings=(logits_sharding, *(self._replicated,) * 3),
             out_shardings=self._replicated,
