@@ -21,7 +21,7 @@ import time
 import urllib.request
 from typing import Any
 
-from jaxcb.offline.ray_batch import actor_env, import_ray
+from jaxcb.ray_support import actor_env, import_ray
 
 logger = logging.getLogger(__name__)
 

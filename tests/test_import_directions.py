@@ -13,8 +13,9 @@ functions included), so that a lazy import cannot hide a loop:
                         owns its HTTP client, the engine the step-trace format
     no cycles           no module reaches itself through imports, lazy ones included (a
                         package's own __init__ excepted: importing jaxcb.x imports jaxcb)
-    leaves              config, sampling_params, structured_outputs, outputs, paths import no
-                        other jaxcb module (but sampling_params its structured_outputs)
+    leaves              config, sampling_params, structured_outputs, outputs, paths,
+                        ray_support import no other jaxcb module (but sampling_params its
+                        structured_outputs)
 """
 
 from __future__ import annotations
@@ -122,7 +123,14 @@ RULES = {
             ["jaxcb"],
             ("jaxcb.config", "jaxcb.sampling_params", "jaxcb.structured_outputs"),
         )
-        for leaf in ("config", "sampling_params", "structured_outputs", "outputs", "paths")
+        for leaf in (
+            "config",
+            "sampling_params",
+            "structured_outputs",
+            "outputs",
+            "paths",
+            "ray_support",
+        )
     },
 }
 

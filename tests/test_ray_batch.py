@@ -16,7 +16,7 @@ import pytest
 
 from jaxcb.config import EngineConfig
 from jaxcb.offline.batch import run_batch
-from jaxcb.offline.ray_batch import RAY_MISSING, import_ray
+from jaxcb.ray_support import RAY_MISSING, import_ray
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_LINES = 48
@@ -40,7 +40,8 @@ def _kill_when(output: Path, min_lines: int, pid: int, deadline: float) -> None:
 
 
 def test_killed_actor_exactly_once(tmp_path: Path) -> None:
-    from jaxcb.offline.ray_batch import RayEngine, import_ray
+    from jaxcb.offline.ray_batch import RayEngine
+    from jaxcb.ray_support import import_ray
 
     try:
         ray = import_ray(loopback=True)  # before ray is imported: the cluster on loopback
