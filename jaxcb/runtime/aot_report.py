@@ -250,6 +250,7 @@ def report(build: AotBuild, *, context_len: int | None = None) -> AotReport:
         build.pool.num_pages * page_values * kv_dtype.itemsize // build.tensor_parallel_size
     )
     rows = []
+    sampling_bytes_of: dict[int, int] = {}  # by S: one sampling program serves its buckets
     for bucket in build.buckets:
         compiled = runner.compiled_step(bucket)
         mem = compiled.memory_analysis()
@@ -258,7 +259,9 @@ def report(build: AotBuild, *, context_len: int | None = None) -> AotReport:
         # A step that samples or asks for logprobs runs the sampling program of its S after
         # the step: its traffic counts in the all-options bytes, its buffers in the peak.
         sampler = runner.compiled_sampler(bucket.num_seqs)
-        sampling_bytes = hbm_traffic.hbm_bytes(sampler.as_text())
+        if bucket.num_seqs not in sampling_bytes_of:
+            sampling_bytes_of[bucket.num_seqs] = hbm_traffic.hbm_bytes(sampler.as_text())
+        sampling_bytes = sampling_bytes_of[bucket.num_seqs]
         compute_s = cost.flops / target.peak_flops
         memory_s = cost.greedy_hbm_bytes / target.hbm_bandwidth
         seconds = max(compute_s, memory_s)

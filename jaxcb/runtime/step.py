@@ -38,12 +38,12 @@ from jaxcb.sampling import SamplingOutput, argmax_last_axis, sample
 TRACE_COUNT = [0]
 
 #: The flags under which a step's tokens are not its greedy tokens, or need more than them.
-SAMPLING_FLAGS = (FLAG_RANDOM, FLAG_PENALTY, FLAG_LOGPROBS, FLAG_MASK)
+SAMPLING_FLAGS = np.array([FLAG_RANDOM, FLAG_PENALTY, FLAG_LOGPROBS, FLAG_MASK])
 
 
 def needs_sampling(flags: np.ndarray) -> bool:
     """Whether a step with these flags (StepInput.flags, on the host) runs `sample_step`."""
-    return bool(np.any(flags[list(SAMPLING_FLAGS)] > 0))
+    return bool(np.any(flags[SAMPLING_FLAGS] > 0))
 
 
 def step(
@@ -101,7 +101,7 @@ def step(
         attention=attention,
         num_compute_tokens=inp.num_compute_tokens,
         # `sample_step` reads the logits; greedy rows need only their argmax.
-        need_logits=jnp.any(inp.flags[np.array(SAMPLING_FLAGS)] > 0),
+        need_logits=jnp.any(inp.flags[SAMPLING_FLAGS] > 0),
     )
     for sharding in logits_shardings:
         logits = jax.lax.with_sharding_constraint(logits, sharding)
