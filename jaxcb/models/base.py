@@ -14,7 +14,9 @@ A family is one module (llama.py, ...) registered in registry.py. It declares:
             attention, num_compute_tokens, need_logits)
                      -> (logits, greedy ids | None, caches, hidden): hidden is the final
                      normed hidden state of every token row, which the step turns into
-                     prompt logprobs through the output head (runtime/prompt_logprobs.py)
+                     prompt logprobs through the output head (runtime/prompt_logprobs.py);
+                     layer i reads and writes its pages through `layer_metadata(meta,
+                     kv_caches, i, spec.num_layers)`
 
 Conventions every family keeps, so that the CPU weight packing (packed.py) and the sharding
 rules work for all: the token embedding is params["embed"] [V, H] with axes ("vocab",
@@ -34,17 +36,22 @@ query group's G query heads, then K, then V), "gate_up", "head_dim".
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention import write_kv
+from pallas_kernels.ragged_paged_attention import PADDING_SLOT, write_kv
 
 Params = dict[str, Any]
-# per layer (k_pages, v_pages), or quantized pages' (k_pages, v_pages, k_scales, v_scales)
-KVCache = list[tuple[jax.Array, ...]]
+# The page pool of every layer: (k_pages, v_pages), or quantized pages' (k_pages, v_pages,
+# k_scales, v_scales); pages [Hkv, L * P, page_size, D], scales [Hkv, L * P, page_size].
+# Layer l owns pages l * P ... (l + 1) * P - 1 (`layer_metadata`): one array per K and V for
+# all layers, whatever the layer count, so the step takes and returns a handful of arrays.
+KVCache = tuple[jax.Array, ...]
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,23 @@ class AttentionMetadata:
     cu_q_lens: jax.Array  # i32[S + 1]
     num_seqs: jax.Array  # i32[1]
     slot_mapping: jax.Array  # i32[T]
+
+
+def layer_metadata(
+    meta: AttentionMetadata, kv_caches: KVCache, layer: int | jax.Array, num_layers: int
+) -> AttentionMetadata:
+    """`meta` for layer `layer`'s share of the pool: the page table and the slots (which
+    count a layer's P pages from 0) moved up by layer x P pages; padding slots stay out of
+    range. `layer` may be traced (a scan over the layers)."""
+    pages_per_layer = kv_caches[0].shape[1] // num_layers
+    slots_per_layer = pages_per_layer * kv_caches[0].shape[2]
+    slot = meta.slot_mapping
+    in_layer = (slot >= 0) & (slot < slots_per_layer)
+    return dataclasses.replace(
+        meta,
+        page_indices=meta.page_indices + layer * pages_per_layer,
+        slot_mapping=jnp.where(in_layer, slot + layer * slots_per_layer, PADDING_SLOT),
+    )
 
 
 AttentionFn = Callable[..., jax.Array]

@@ -184,14 +184,13 @@ def forward(
     scale = jnp.asarray(math.sqrt(spec.hidden_size), _embed_dtype(params)).astype(jnp.float32)
     x = embed_tokens(params, input_ids) * scale  # [T, H]
     activation = ACTIVATIONS[spec.activation]
-    new_caches: KVCache = []
     for i, layer in enumerate(params["layers"]):
         rope = global_rope if spec.sliding_windows[i] is None else local_rope
-        attn, caches = llama.attention_block(
+        attn, kv_caches = llama.attention_block(
             layer,
             rms_norm(x, layer["attn_norm"], eps),
             rope,
-            kv_caches[i],
+            kv_caches,
             meta,
             spec,
             attention,
@@ -199,7 +198,6 @@ def forward(
             real_tokens,
             soft_cap=spec.attn_logit_soft_cap,
         )
-        new_caches.append(caches)
         x = x + rms_norm(matmul(attn, layer["wo"], real_tokens), layer["post_attn_norm"], eps)
         h = llama.mlp(layer, rms_norm(x, layer["mlp_norm"], eps), real_tokens, activation)
         x = x + rms_norm(h, layer["post_mlp_norm"], eps)
@@ -207,7 +205,7 @@ def forward(
     logits, greedy = lm_head(params, hidden[logits_indices], meta.num_seqs[0], need_logits)
     if spec.final_logit_soft_cap is not None:  # monotonic: the greedy tokens stay
         logits = soft_cap(logits, spec.final_logit_soft_cap)
-    return logits, greedy, new_caches, hidden
+    return logits, greedy, kv_caches, hidden
 
 
 def _embed_dtype(params: Params) -> Any:

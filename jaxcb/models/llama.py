@@ -27,6 +27,7 @@ from jaxcb.models.base import (
     ModelSpec,
     ParamInfo,
     Params,
+    layer_metadata,
 )
 from jaxcb.models.layers import apply_rope, precision, rms_norm, rope_for
 from jaxcb.models.packed import embed_tokens, lm_head, matmul, normed, packed_swiglu
@@ -354,27 +355,25 @@ def forward(
     # The residual stream stays float32 whatever the weights' dtype; only matmul inputs and
     # the KV pages take the narrow dtype.
     x = embed_tokens(params, input_ids)  # [T, H]
-    new_caches: KVCache = []
     for i, layer in enumerate(params["layers"]):
         # (left to the int8 / int4 kernels of the next matmul where they take it: `normed`)
         h = normed(x, layer["attn_norm"], spec.rms_norm_eps, layer["wqkv"])
-        attn, caches = attention_block(
-            layer, h, rope, kv_caches[i], meta, spec, attention, i, real_tokens
+        attn, kv_caches = attention_block(
+            layer, h, rope, kv_caches, meta, spec, attention, i, real_tokens
         )
-        new_caches.append(caches)
         x = x + matmul(attn, layer["wo"], real_tokens)
         h = normed(x, layer["mlp_norm"], spec.rms_norm_eps, layer["w_gate_up"])
         x = x + mlp(layer, h, real_tokens)
     hidden = rms_norm(x, params["final_norm"], spec.rms_norm_eps)  # [T, H]
     logits, greedy = lm_head(params, hidden[logits_indices], meta.num_seqs[0], need_logits)
-    return logits, greedy, new_caches, hidden
+    return logits, greedy, kv_caches, hidden
 
 
 def attention_block(
     layer: Params,
     h: jax.Array,  # f32[T, H]: the normed residual
     rope: tuple[jax.Array, jax.Array],
-    caches: tuple[jax.Array, ...],
+    caches: KVCache,
     meta: AttentionMetadata,
     spec: ModelSpec,
     attention: AttentionBackend,
@@ -383,10 +382,12 @@ def attention_block(
     *,
     soft_cap: float | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """The layer's attention output [T, Hq * D] (before wo) and its updated KV pages (and
-    their scales, for quantized pages: `caches` is then (k, v, k_scales, v_scales)).
-    `soft_cap`: attention scores become soft_cap * tanh(score / soft_cap) (Gemma 2)."""
+    """Layer `index`'s attention output [T, Hq * D] (before wo) and the pool with its new
+    K/V written (`caches`: every layer's pages, and their scales for quantized pages: then
+    (k, v, k_scales, v_scales)). `soft_cap`: attention scores become
+    soft_cap * tanh(score / soft_cap) (Gemma 2)."""
     num_tokens, g, d = h.shape[0], spec.group_size, spec.head_dim
+    meta = layer_metadata(meta, caches, index, spec.num_layers)
     qkv = matmul(h, layer["wqkv"], real_tokens)  # [T, Hkv * (G + 2) * D]
     qkv = qkv.reshape(num_tokens, spec.num_kv_heads, g + 2, d)  # [T, Hkv, G + 2, D]
     if "bqkv" in layer:

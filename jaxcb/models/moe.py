@@ -339,13 +339,11 @@ def forward(
     real_tokens = num_compute_tokens[0]
     rope = rope_for(spec, positions)
     x = embed_tokens(params, input_ids)  # [T, H], float32 throughout
-    new_caches: KVCache = []
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
-        attn, caches = llama.attention_block(
-            layer, h, rope, kv_caches[i], meta, spec, attention, i, real_tokens
+        attn, kv_caches = llama.attention_block(
+            layer, h, rope, kv_caches, meta, spec, attention, i, real_tokens
         )
-        new_caches.append(caches)
         x = x + matmul(attn, layer["wo"], real_tokens)
         h = rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
         if spec.sparse_layers[i]:
@@ -354,7 +352,7 @@ def forward(
             x = x + llama.mlp(layer, h, real_tokens)
     hidden = rms_norm(x, params["final_norm"], spec.rms_norm_eps)  # [T, H]
     logits, greedy = lm_head(params, hidden[logits_indices], meta.num_seqs[0], need_logits)
-    return logits, greedy, new_caches, hidden
+    return logits, greedy, kv_caches, hidden
 
 
 def sparse_mlp(layer: Params, h: jax.Array, spec: MoESpec, real_tokens: jax.Array) -> jax.Array:

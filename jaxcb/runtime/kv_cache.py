@@ -47,8 +47,9 @@ SCALE_BYTES = 4  # a quantized row's float32 scale
 
 @dataclass
 class DeviceState:
-    # per layer (k_pages, v_pages), each [Hkv, P, page_size, D]; quantized pages also carry
-    # (k_scales, v_scales), each f32[Hkv, P, page_size]
+    # (k_pages, v_pages) of every layer, each [Hkv, L * P, page_size, D] (layer l's pages
+    # at l * P ...: models/base.py's layer_metadata); quantized pages also carry (k_scales,
+    # v_scales), each f32[Hkv, L * P, page_size]
     kv_caches: KVCache
 
 
@@ -214,11 +215,12 @@ def abstract_state(
     sharding: jax.sharding.Sharding,
 ) -> DeviceState:
     """The state's shapes and shardings, no memory: for compiling for an absent target."""
-    layer = tuple(
-        jax.ShapeDtypeStruct(shape, kind, sharding=where)
-        for shape, kind, where in _layer_arrays(spec, num_pages, page_size, dtype, sharding)
+    return DeviceState(
+        tuple(
+            jax.ShapeDtypeStruct(shape, kind, sharding=where)
+            for shape, kind, where in _pool_arrays(spec, num_pages, page_size, dtype, sharding)
+        )
     )
-    return DeviceState([layer for _ in range(spec.num_layers)])
 
 
 def init_state(
@@ -229,15 +231,16 @@ def init_state(
     dtype: jnp.dtype,
     sharding: jax.sharding.Sharding | None = None,
 ) -> DeviceState:
-    """Zeroed K and V pages per layer (and zero scales for quantized pages), created in
-    place on their devices (`sharding`: the pages', by KV head for tensor parallelism;
-    None: the default device)."""
-    arrays = _layer_arrays(spec, num_pages, page_size, dtype, sharding)
-    makers = [
-        jax.jit(functools.partial(jnp.zeros, shape, kind), out_shardings=where)
-        for shape, kind, where in arrays
-    ]
-    return DeviceState([tuple(zeros() for zeros in makers) for _ in range(spec.num_layers)])
+    """Zeroed K and V pages of `num_pages` per layer (and zero scales for quantized pages),
+    created in place on their devices (`sharding`: the pages', by KV head for tensor
+    parallelism; None: the default device)."""
+    arrays = _pool_arrays(spec, num_pages, page_size, dtype, sharding)
+    return DeviceState(
+        tuple(
+            jax.jit(functools.partial(jnp.zeros, shape, kind), out_shardings=where)()
+            for shape, kind, where in arrays
+        )
+    )
 
 
 def scales_sharding(pages: jax.sharding.Sharding | None) -> jax.sharding.Sharding | None:
@@ -248,16 +251,16 @@ def scales_sharding(pages: jax.sharding.Sharding | None) -> jax.sharding.Shardin
     return pages
 
 
-def _layer_arrays(
+def _pool_arrays(
     spec: ModelSpec,
     num_pages: int,
     page_size: int,
     dtype: Any,
     sharding: jax.sharding.Sharding | None,
 ) -> list[tuple[tuple[int, ...], jnp.dtype, jax.sharding.Sharding | None]]:
-    """(shape, dtype, sharding) of one layer's K and V pages, then (quantized pages) of
-    their scales."""
-    shape = kv_pages_shape(num_pages, page_size, spec.num_kv_heads, spec.head_dim)
+    """(shape, dtype, sharding) of the K and V pages of every layer (`num_pages` each), then
+    (quantized pages) of their scales."""
+    shape = kv_pages_shape(spec.num_layers * num_pages, page_size, spec.num_kv_heads, spec.head_dim)
     arrays = [(shape, jnp.dtype(dtype), sharding)] * 2
     if is_quantized_kv(dtype):
         arrays += [(shape[:3], jnp.dtype(jnp.float32), scales_sharding(sharding))] * 2

@@ -33,7 +33,7 @@ SWAP_TRACE_COUNT = [0]
 #: Bytes the start-up bandwidth measurement copies each way (about; whole pages).
 SWAP_PROBE_BYTES = 16 << 20
 
-PagesKV = list[tuple[jax.Array, ...]]  # per layer (K, V[, K scales, V scales]) of some pages
+PagesKV = tuple[jax.Array, ...]  # (K, V[, K scales, V scales]) of some pages, every layer
 
 
 def num_swap_pages(swap_space_gb: float, page_bytes: int) -> int:
@@ -51,22 +51,35 @@ def swap_sizes(pages_per_seq: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def gather_pages(state: DeviceState, page_ids: jax.Array) -> PagesKV:
-    """Per layer, the K and V of `page_ids` (i32[N]): [Hkv, N, page_size, D] each (and a
-    quantized pool's K and V scales, [Hkv, N, page_size]).
+def every_layer(ids: jax.Array, num_layers: int, per_layer: int) -> jax.Array:
+    """Ids counted within a layer's share of the pool (pages, or slots: `per_layer` of
+    them a layer) as ids of the whole pool, layer-major: [L * N]. Out-of-range ids
+    (PADDING_SLOT) stay out of range."""
+    in_layer = (ids >= 0) & (ids < per_layer)
+    offsets = jnp.arange(num_layers, dtype=ids.dtype)[:, None] * per_layer
+    return jnp.where(in_layer[None], ids[None] + offsets, PADDING_SLOT).reshape(-1)
 
-    One output per layer and K/V rather than one stacked array: XLA's CPU backend copies a
-    stack or a transpose of them at a few hundred MB/s, against memcpy speed for the plain
-    gathers (SmolLM2, 64 pages: 10 ms, against 73 ms stacked)."""
+
+def gather_pages(state: DeviceState, page_ids: jax.Array, *, num_layers: int) -> PagesKV:
+    """The K and V of `page_ids` (i32[N], a layer's page numbers) in every layer:
+    [Hkv, L * N, page_size, D] each, layer-major (and a quantized pool's K and V scales,
+    [Hkv, L * N, page_size]).
+
+    One plain gather per array, not a stack or a transpose: XLA's CPU backend copies those
+    at a few hundred MB/s, against memcpy speed for a gather (SmolLM2, 64 pages: 10 ms,
+    against 73 ms stacked)."""
     SWAP_TRACE_COUNT[0] += 1
-    return [tuple(x[:, page_ids] for x in layer) for layer in state.kv_caches]
+    pool = state.kv_caches
+    ids = every_layer(page_ids, num_layers, pool[0].shape[1] // num_layers)
+    return tuple(x[:, ids] for x in pool)
 
 
 def scatter_pages(
     state: DeviceState,
-    pages: PagesKV,  # per layer (K, V), [N * page_size, Hkv, D] each: token rows
-    slot_mapping: jax.Array,  # i32[N * page_size]: page * page_size + offset; PADDING_SLOT
+    pages: PagesKV,  # (K, V), [L * N * page_size, Hkv, D] each: token rows, layer-major
+    slot_mapping: jax.Array,  # i32[N * page_size]: a layer's page * page_size + offset
     *,
+    num_layers: int,
     write_kv: Callable[..., tuple[jax.Array, ...]],
     copy_kv: Callable[..., tuple[jax.Array, jax.Array]] | None = None,
 ) -> DeviceState:
@@ -78,19 +91,19 @@ def scatter_pages(
     the KV write would quantize them again, and a dequantized row does not always quantize
     back to the same codes."""
     SWAP_TRACE_COUNT[0] += 1
+    pool = state.kv_caches
+    slots_per_layer = pool[0].shape[1] // num_layers * pool[0].shape[2]
+    slots = every_layer(slot_mapping, num_layers, slots_per_layer)
 
     def copy(k_pool, v_pool, k_rows, v_rows):
         if copy_kv is not None:
-            return copy_kv(k_pool, v_pool, k_rows, v_rows, slot_mapping)
-        return put_rows(k_pool, k_rows, slot_mapping), put_rows(v_pool, v_rows, slot_mapping)
+            return copy_kv(k_pool, v_pool, k_rows, v_rows, slots)
+        return put_rows(k_pool, k_rows, slots), put_rows(v_pool, v_rows, slots)
 
-    caches = []
-    for layer, rows in zip(state.kv_caches, pages, strict=True):
-        if len(layer) == 2:
-            caches.append(write_kv(*layer, *rows, slot_mapping))
-        else:  # (K, V) codes, then (K, V) scales
-            caches.append((*copy(*layer[:2], *rows[:2]), *copy(*layer[2:], *rows[2:])))
-    return DeviceState(caches)
+    if len(pool) == 2:
+        return DeviceState(tuple(write_kv(*pool, *pages, slots)))
+    # (K, V) codes, then (K, V) scales
+    return DeviceState((*copy(*pool[:2], *pages[:2]), *copy(*pool[2:], *pages[2:])))
 
 
 def put_rows(
@@ -162,22 +175,24 @@ class HostSwapPool:
         heads = sharding_module.kv_pages_sharding(mesh).spec[0]  # the KV-head mesh axis
         gathered = NamedSharding(mesh, PartitionSpec(heads, None, None, None))  # [Hkv, N, ..]
         rows = NamedSharding(mesh, PartitionSpec(None, heads, None))  # [T, Hkv, D]
-        gathered_layer, rows_layer = (gathered, gathered), (rows, rows)
+        gathered_pool, rows_pool = (gathered, gathered), (rows, rows)
         if self.scales is not None:  # [Hkv, N, page_size] and [T, Hkv]
             gathered_scales = NamedSharding(mesh, PartitionSpec(heads, None, None))
             scale_rows = NamedSharding(mesh, PartitionSpec(None, heads))
-            gathered_layer += (gathered_scales, gathered_scales)
-            rows_layer += (scale_rows, scale_rows)
+            gathered_pool += (gathered_scales, gathered_scales)
+            rows_pool += (scale_rows, scale_rows)
         replicated = NamedSharding(mesh, PartitionSpec())
         self._gather = jax.jit(
-            gather_pages,
+            functools.partial(gather_pages, num_layers=spec.num_layers),
             in_shardings=(state_shardings, replicated),
-            out_shardings=[gathered_layer] * spec.num_layers,
+            out_shardings=gathered_pool,
         )
         self._scatter = jax.jit(
-            functools.partial(scatter_pages, write_kv=write_kv, copy_kv=copy_kv),
+            functools.partial(
+                scatter_pages, num_layers=spec.num_layers, write_kv=write_kv, copy_kv=copy_kv
+            ),
             donate_argnames=("state",),
-            in_shardings=(state_shardings, [rows_layer] * spec.num_layers, replicated),
+            in_shardings=(state_shardings, rows_pool, replicated),
             out_shardings=state_shardings,
         )
         self._gathers: dict[int, jax.stages.Compiled] = {}
@@ -188,16 +203,16 @@ class HostSwapPool:
         t0 = time.perf_counter()
         for n in self.sizes:
             ids = jax.ShapeDtypeStruct((n,), jnp.int32)
+            num_rows = self.num_layers * n * self.page_size
             rows = jax.ShapeDtypeStruct(
-                (n * self.page_size, self.num_kv_heads, self.head_dim), self.pages.dtype
+                (num_rows, self.num_kv_heads, self.head_dim), self.pages.dtype
             )
-            layer = (rows, rows)
+            pages = (rows, rows)
             if self.scales is not None:
-                scales = jax.ShapeDtypeStruct((n * self.page_size, self.num_kv_heads), jnp.float32)
-                layer += (scales, scales)
+                scales = jax.ShapeDtypeStruct((num_rows, self.num_kv_heads), jnp.float32)
+                pages += (scales, scales)
             slots = jax.ShapeDtypeStruct((n * self.page_size,), jnp.int32)
             self._gathers[n] = self._gather.lower(state, ids).compile()
-            pages = [layer] * self.num_layers
             self._scatters[n] = self._scatter.lower(state, pages, slots).compile()
         seconds = time.perf_counter() - t0
         logger.info(
@@ -225,11 +240,13 @@ class HostSwapPool:
             ids[:count] = pages[start : start + count]
             into = slots[start : start + count]
             gathered = jax.device_get(self._gathers[size](state, ids))
-            for layer, arrays in enumerate(gathered):
-                for i, x in enumerate(arrays[:2]):  # [Hkv, N, ps, D] -> slots of [ps, Hkv, D]
-                    self.pages[layer, i, into] = np.asarray(x)[:, :count].transpose(1, 2, 0, 3)
-                for i, x in enumerate(arrays[2:]):  # [Hkv, N, ps] -> slots of [ps, Hkv]
-                    self.scales[layer, i, into] = np.asarray(x)[:, :count].transpose(1, 2, 0)
+            heads, layers = self.num_kv_heads, self.num_layers
+            for i, x in enumerate(gathered[:2]):  # [Hkv, L * N, ps, D] -> [L, slots, ps, Hkv, D]
+                x = np.asarray(x).reshape(heads, layers, size, *x.shape[2:])[:, :, :count]
+                self.pages[:, i, into] = x.transpose(1, 2, 3, 0, 4)
+            for i, x in enumerate(gathered[2:]):  # [Hkv, L * N, ps] -> [L, slots, ps, Hkv]
+                x = np.asarray(x).reshape(heads, layers, size, *x.shape[2:])[:, :, :count]
+                self.scales[:, i, into] = x.transpose(1, 2, 3, 0)
 
     def swap_in(
         self, state: DeviceState, slots: Sequence[int], pages: Sequence[int]
@@ -243,15 +260,10 @@ class HostSwapPool:
             take[:count] = slots[start : start + count]
             slot_mapping = np.full((size, self.page_size), PADDING_SLOT, np.int32)
             slot_mapping[:count] = pages[start : start + count, None] * self.page_size + offsets
-            rows = (size * self.page_size, self.num_kv_heads, self.head_dim)
-            data = [
-                tuple(self.pages[layer, i, take].reshape(rows) for i in (0, 1))
-                + tuple(
-                    self.scales[layer, i, take].reshape(rows[:2])
-                    for i in ((0, 1) if self.scales is not None else ())
-                )
-                for layer in range(self.num_layers)
-            ]
+            rows = (self.num_layers * size * self.page_size, self.num_kv_heads, self.head_dim)
+            data = tuple(self.pages[:, i, take].reshape(rows) for i in (0, 1))
+            if self.scales is not None:
+                data += tuple(self.scales[:, i, take].reshape(rows[:2]) for i in (0, 1))
             state = self._scatters[size](state, data, slot_mapping.reshape(-1))
         return state
 

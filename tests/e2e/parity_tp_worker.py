@@ -51,7 +51,7 @@ def main(work: Path, families: list[str]) -> None:
             "got": [o.token_ids for o in outs],
             "preemptions": llm.stats()["preemptions"],
             # the KV pool split by head over both devices: the run was tensor parallel
-            "kv_shards": len(llm.engine.runner.state.kv_caches[0][0].addressable_shards),
+            "kv_shards": len(llm.engine.runner.state.kv_caches[0].addressable_shards),
         }
         llm.engine.check_page_invariant()
         del llm

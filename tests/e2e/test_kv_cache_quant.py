@@ -113,7 +113,7 @@ def test_kv_dtypes_a_backend_cannot_take(caplog):
 def test_quantized_pages_preempted_and_swapped_give_the_same_tokens(engines):
     """Recompute and swap against the pool that never preempts: token for token."""
     large, recompute, swap = engines["large"], engines["recompute"], engines["swap"]
-    state = large.engine.runner.state.kv_caches[0]
+    state = large.engine.runner.state.kv_caches
     assert len(state) == 4 and state[2].dtype == jnp.float32  # codes, then their scales
     assert str(state[0].dtype) == {"int8": "int8", "fp8": "float8_e4m3fn"}[engines["dtype"]]
     traces, swap_traces = step_module.TRACE_COUNT[0], kv_swap.SWAP_TRACE_COUNT[0]

@@ -73,7 +73,7 @@ def run(model: Path, *, server: bool = False, **overrides) -> dict:
         if o.prompt_logprobs is not None
     ]
     for replica in replicas:
-        k_pages, *rest = replica.runner.state.kv_caches[0]
+        k_pages, *rest = replica.runner.state.kv_caches
         params = replica.runner.params
         named = {"embed": params["embed"], "lm_head": params["lm_head"], **params["layers"][0]}
         report["replicas"].append(
@@ -81,6 +81,7 @@ def run(model: Path, *, server: bool = False, **overrides) -> dict:
                 "devices": sorted(d.id for d in k_pages.sharding.device_set),
                 "kv_spec": spec_of(k_pages),
                 "kv_shape": list(k_pages.shape),
+                "num_layers": replica.runner.spec.num_layers,
                 "kv_shard_shapes": [list(s.data.shape) for s in k_pages.addressable_shards],
                 # a quantized pool's K scales (None: float pages)
                 "kv_scales_spec": spec_of(rest[1]) if len(rest) == 3 else None,

@@ -85,10 +85,10 @@ def test_same_prompt_logprobs_as_one_device(report: dict, name: str) -> None:
 @pytest.mark.parametrize(("name", "tp"), [("tp2", 2), ("tp4", 4), ("tp4-xla", 4)])
 def test_kv_pool_is_sharded_by_kv_head(report: dict, name: str, tp: int) -> None:
     (replica,) = report[name]["replicas"]
-    num_kv_heads, num_pages, page_size, head_dim = replica["kv_shape"]
-    assert (num_kv_heads, num_pages, page_size, head_dim) == (4, 64, 16, 16)
+    pages = 64 * replica["num_layers"]  # every layer's 64 pages in one array
+    assert replica["kv_shape"] == [4, pages, 16, 16]  # [Hkv, L * P, page_size, D]
     assert replica["kv_spec"] == ["tensor", None, None, None]
-    assert replica["kv_shard_shapes"] == [[4 // tp, 64, 16, 16]] * tp
+    assert replica["kv_shard_shapes"] == [[4 // tp, pages, 16, 16]] * tp
     assert len(replica["devices"]) == tp
 
 
