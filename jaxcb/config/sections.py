@@ -225,13 +225,19 @@ class KernelConfig:
     greedy_screen: with a float32 native kernel ("avx512", "avx2"), steps whose rows are all
     greedy (no sampling, penalties or logprobs) find each row's token with a bf16 LM head
     and recompute in float32 only the few columns that could hold its maximum: the same
-    tokens as the float32 LM head at about half its cost (a bf16 copy of lm_head in memory)."""
+    tokens as the float32 LM head at about half its cost (a bf16 copy of lm_head in memory).
+
+    scan_layers: the step runs the layers as a lax.scan over their stacked weights, so a
+    layer is compiled once whatever the model's depth (models/stacking.py); false unrolls
+    them (one copy of the layer per layer in every program), for comparison. None: the
+    platform's default (runtime/plan.py)."""
 
     SECTION: ClassVar[str] = "kernels"
 
     attention: str = "auto"  # auto | native | xla | pallas | pallas-tpu | pallas-gpu
     matmul: str = "auto"  # auto | amx | avx512_bf16 | avx512 | avx2_bf16 | avx2 | xla
     greedy_screen: bool = True
+    scan_layers: bool | None = None  # None: the platform's default (scanned everywhere)
 
     def __post_init__(self) -> None:
         _check_types(self)

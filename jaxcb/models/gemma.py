@@ -39,6 +39,7 @@ from jaxcb.models import llama
 from jaxcb.models.base import AttentionBackend, AttentionMetadata, KVCache, ModelSpec, Params
 from jaxcb.models.layers import rms_norm, rope_for, soft_cap
 from jaxcb.models.packed import embed_tokens, lm_head, matmul
+from jaxcb.models.stacking import run_layers
 from jaxcb.models.weights import CheckpointTensors, ConfigFields, ModelLoadError, cast
 
 #: Hugging Face class -> variant
@@ -171,6 +172,7 @@ def forward(
     attention: AttentionBackend,
     num_compute_tokens: jax.Array,  # i32[1]
     need_logits: jax.Array,  # bool[]
+    scan_layers: bool = True,
 ) -> tuple[jax.Array, jax.Array | None, KVCache, jax.Array]:
     """One forward pass over a packed ragged batch; the contract of llama.forward."""
     real_tokens = num_compute_tokens[0]
@@ -184,23 +186,31 @@ def forward(
     scale = jnp.asarray(math.sqrt(spec.hidden_size), _embed_dtype(params)).astype(jnp.float32)
     x = embed_tokens(params, input_ids) * scale  # [T, H]
     activation = ACTIVATIONS[spec.activation]
-    for i, layer in enumerate(params["layers"]):
-        rope = global_rope if spec.sliding_windows[i] is None else local_rope
+
+    def layer_fn(layer: Params, carry: tuple, i: Any, kind: int) -> tuple:
+        x, kv_caches = carry
+        window = spec.sliding_windows[kind]
         attn, kv_caches = llama.attention_block(
             layer,
             rms_norm(x, layer["attn_norm"], eps),
-            rope,
+            global_rope if window is None else local_rope,
             kv_caches,
             meta,
             spec,
             attention,
             i,
             real_tokens,
+            sliding_window=window,
             soft_cap=spec.attn_logit_soft_cap,
         )
         x = x + rms_norm(matmul(attn, layer["wo"], real_tokens), layer["post_attn_norm"], eps)
         h = llama.mlp(layer, rms_norm(x, layer["mlp_norm"], eps), real_tokens, activation)
-        x = x + rms_norm(h, layer["post_mlp_norm"], eps)
+        return x + rms_norm(h, layer["post_mlp_norm"], eps), kv_caches
+
+    # (local and global layers alternate: the scan's body holds one period of the pattern)
+    x, kv_caches = run_layers(
+        params["layers"], (x, kv_caches), layer_fn, kinds=spec.sliding_windows, scan=scan_layers
+    )
     hidden = rms_norm(x, params["final_norm"], eps)  # [T, H]
     logits, greedy = lm_head(params, hidden[logits_indices], meta.num_seqs[0], need_logits)
     if spec.final_logit_soft_cap is not None:  # monotonic: the greedy tokens stay

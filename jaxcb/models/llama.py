@@ -30,7 +30,15 @@ from jaxcb.models.base import (
     layer_metadata,
 )
 from jaxcb.models.layers import apply_rope, precision, rms_norm, rope_for
-from jaxcb.models.packed import embed_tokens, lm_head, matmul, normed, packed_swiglu
+from jaxcb.models.packed import (
+    embed_tokens,
+    lm_head,
+    matmul,
+    native_weight,
+    normed,
+    packed_swiglu,
+)
+from jaxcb.models.stacking import run_layers
 from jaxcb.models.weights import CheckpointTensors, ConfigFields, ModelLoadError, cast
 
 #: Hugging Face class -> variant
@@ -341,10 +349,13 @@ def forward(
     attention: AttentionBackend,
     num_compute_tokens: jax.Array,  # i32[1]
     need_logits: jax.Array,  # bool[]: whether anything but the greedy tokens is read
+    scan_layers: bool = True,
 ) -> tuple[jax.Array, jax.Array | None, KVCache, jax.Array]:
     """One forward pass over a packed ragged batch: f32[S, V] logits, their greedy tokens
     (i32[S]) when the LM head's kernel computes them on the way (else None), new caches,
     and the final normed hidden states of every token row (f32[T, H], for prompt logprobs).
+    `scan_layers`: the layers run as a lax.scan over their stacked weights (compiled once),
+    else unrolled (models/stacking.py).
 
     The native matmuls compute only the first `num_compute_tokens` token rows (the real ones,
     plus a batching baseline's padding, which is charged that way) and the first num_seqs
@@ -355,15 +366,30 @@ def forward(
     # The residual stream stays float32 whatever the weights' dtype; only matmul inputs and
     # the KV pages take the narrow dtype.
     x = embed_tokens(params, input_ids)  # [T, H]
-    for i, layer in enumerate(params["layers"]):
+
+    def layer_fn(layer: Params, carry: tuple, i: Any, kind: int) -> tuple:
+        x, kv_caches = carry
         # (left to the int8 / int4 kernels of the next matmul where they take it: `normed`)
         h = normed(x, layer["attn_norm"], spec.rms_norm_eps, layer["wqkv"])
         attn, kv_caches = attention_block(
-            layer, h, rope, kv_caches, meta, spec, attention, i, real_tokens
+            layer,
+            h,
+            rope,
+            kv_caches,
+            meta,
+            spec,
+            attention,
+            i,
+            real_tokens,
+            sliding_window=spec.sliding_windows[kind],
         )
         x = x + matmul(attn, layer["wo"], real_tokens)
         h = normed(x, layer["mlp_norm"], spec.rms_norm_eps, layer["w_gate_up"])
-        x = x + mlp(layer, h, real_tokens)
+        return x + mlp(layer, h, real_tokens), kv_caches
+
+    x, kv_caches = run_layers(
+        params["layers"], (x, kv_caches), layer_fn, kinds=spec.sliding_windows, scan=scan_layers
+    )
     hidden = rms_norm(x, params["final_norm"], spec.rms_norm_eps)  # [T, H]
     logits, greedy = lm_head(params, hidden[logits_indices], meta.num_seqs[0], need_logits)
     return logits, greedy, kv_caches, hidden
@@ -377,14 +403,16 @@ def attention_block(
     meta: AttentionMetadata,
     spec: ModelSpec,
     attention: AttentionBackend,
-    index: int,
+    index: Any,
     real_tokens: jax.Array,
     *,
+    sliding_window: int | None = None,
     soft_cap: float | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """Layer `index`'s attention output [T, Hq * D] (before wo) and the pool with its new
-    K/V written (`caches`: every layer's pages, and their scales for quantized pages: then
-    (k, v, k_scales, v_scales)). `soft_cap`: attention scores become
+    """Layer `index`'s (an int, or traced in a scan) attention output [T, Hq * D] (before
+    wo) and the pool with its new K/V written (`caches`: every layer's pages, and their
+    scales for quantized pages: then (k, v, k_scales, v_scales)). `sliding_window`: the
+    layer's (None: full attention). `soft_cap`: attention scores become
     soft_cap * tanh(score / soft_cap) (Gemma 2)."""
     num_tokens, g, d = h.shape[0], spec.group_size, spec.head_dim
     meta = layer_metadata(meta, caches, index, spec.num_layers)
@@ -413,7 +441,7 @@ def attention_block(
         meta.cu_q_lens,
         meta.num_seqs,
         sm_scale=spec.sm_scale,
-        sliding_window=spec.sliding_windows[index],
+        sliding_window=sliding_window,
         soft_cap=soft_cap,
         **dict(zip(("k_scales", "v_scales"), scales, strict=False)),
     )  # [T, Hq, D]
@@ -431,8 +459,8 @@ def mlp(
     w = layer["w_gate_up"]  # [H, 2, I]
     swiglu = packed_swiglu(w) if activation is jax.nn.silu else None
     if swiglu is not None:  # the activation in the matmul's epilogue
-        act = swiglu(h, *w.values(), real_tokens)
-    elif isinstance(w, dict):  # packed as [H, 2 * I]
+        act = swiglu(h, real_tokens)
+    elif isinstance(w, dict) or native_weight(w) is not None:  # packed [H, 2 * I]; quantized
         gate_up = matmul(h, w, real_tokens).reshape(h.shape[0], 2, -1)
         act = activation(gate_up[:, 0]) * gate_up[:, 1]
     else:

@@ -56,6 +56,7 @@ from jaxcb.models.base import (
 )
 from jaxcb.models.layers import dense, rms_norm, rope_for
 from jaxcb.models.packed import embed_tokens, grouped_matmul, grouped_swiglu, lm_head, matmul
+from jaxcb.models.stacking import run_layers
 from jaxcb.models.weights import CheckpointTensors, ConfigFields, ModelLoadError, cast
 
 #: Hugging Face class -> variant (its config.json model_type)
@@ -334,22 +335,39 @@ def forward(
     attention: AttentionBackend,
     num_compute_tokens: jax.Array,  # i32[1]
     need_logits: jax.Array,  # bool[]: whether anything but the greedy tokens is read
+    scan_layers: bool = True,
 ) -> tuple[jax.Array, jax.Array | None, KVCache, jax.Array]:
     """One forward pass over a packed ragged batch; the contract of llama.forward."""
     real_tokens = num_compute_tokens[0]
     rope = rope_for(spec, positions)
     x = embed_tokens(params, input_ids)  # [T, H], float32 throughout
-    for i, layer in enumerate(params["layers"]):
+
+    def layer_fn(layer: Params, carry: tuple, i: Any, kind: int) -> tuple:
+        x, kv_caches = carry
         h = rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
         attn, kv_caches = llama.attention_block(
-            layer, h, rope, kv_caches, meta, spec, attention, i, real_tokens
+            layer,
+            h,
+            rope,
+            kv_caches,
+            meta,
+            spec,
+            attention,
+            i,
+            real_tokens,
+            sliding_window=spec.sliding_windows[kind],
         )
         x = x + matmul(attn, layer["wo"], real_tokens)
         h = rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
-        if spec.sparse_layers[i]:
-            x = x + sparse_mlp(layer, h, spec, real_tokens)
-        else:
-            x = x + llama.mlp(layer, h, real_tokens)
+        if spec.sparse_layers[kind]:
+            return x + sparse_mlp(layer, h, spec, real_tokens), kv_caches
+        return x + llama.mlp(layer, h, real_tokens), kv_caches
+
+    # (dense and sparse layers hold different weights: separate stacked runs)
+    kinds = tuple(zip(spec.sliding_windows, spec.sparse_layers, strict=True))
+    x, kv_caches = run_layers(
+        params["layers"], (x, kv_caches), layer_fn, kinds=kinds, scan=scan_layers
+    )
     hidden = rms_norm(x, params["final_norm"], spec.rms_norm_eps)  # [T, H]
     logits, greedy = lm_head(params, hidden[logits_indices], meta.num_seqs[0], need_logits)
     return logits, greedy, kv_caches, hidden

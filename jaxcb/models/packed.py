@@ -26,7 +26,51 @@ from jaxcb.models.quant import CODE_OFFSET, is_quantized, quantized_matmul
 
 logger = logging.getLogger(__name__)
 
-Weight = jax.Array | dict[str, jax.Array]
+
+class LayerWeight(NamedTuple):
+    """Layer `index` of a weight packed for a native kernel and stacked over a run of layers
+    ({kernel: [n, ...packed]}, models/stacking.py): the kernel takes the stack and the index
+    and reads that layer in place (`at_layer` makes these)."""
+
+    kernel: str
+    stack: jax.Array
+    index: Any  # int, or an i32 scalar traced in a scan over the layers
+
+
+Weight = jax.Array | dict[str, jax.Array] | LayerWeight
+
+
+def at_layer(stack: Params, index: Any) -> Params:
+    """Layer `index` (an int, or traced) of a run's params stacked over its layers: a weight
+    packed for a native kernel as a LayerWeight (read in place by the kernel), every other
+    array its slice (norms, biases; and on XLA every matmul weight, whose slice XLA fuses
+    into the op that reads it on accelerators)."""
+
+    def one(w: Any) -> Any:
+        if (packed := _packed(w)) is not None:
+            return LayerWeight(packed[0], packed[1], index)
+        return jax.tree_util.tree_map(lambda a: a[index], w)
+
+    return {name: one(w) for name, w in stack.items()}
+
+
+def _packed(w: Any) -> tuple[str, jax.Array] | None:
+    """(kernel, packed array) of a {kernel: packed} weight for a native kernel; else None."""
+    if isinstance(w, dict) and len(w) == 1 and not is_quantized(w):
+        ((kernel, packed),) = w.items()
+        if kernel in native.ALL_PACKED:
+            return kernel, packed
+    return None
+
+
+def native_weight(w: Any) -> tuple[str, jax.Array, Any] | None:
+    """(kernel, packed, layer index or None) of a weight a native kernel runs: {kernel:
+    packed}, or a LayerWeight of a stack of them; None for a plain or XLA-quantized one."""
+    if isinstance(w, LayerWeight):
+        return w.kernel, w.stack, w.index
+    if (packed := _packed(w)) is not None:
+        return (*packed, None)
+    return None
 
 
 class Normed(NamedTuple):
@@ -55,10 +99,9 @@ def normed(x: jax.Array, weight: jax.Array, eps: float, w: Weight) -> jax.Array 
 
 
 def _norm_kernel(w: Weight) -> str | None:
-    if isinstance(w, dict) and not is_quantized(w):
-        ((kernel, _),) = w.items()
-        if kernel in native.NORM_TARGETS:
-            return kernel
+    found = native_weight(w)
+    if found is not None and found[0] in native.NORM_TARGETS:
+        return found[0]
     return None
 
 
@@ -68,16 +111,19 @@ def matmul(x: jax.Array | Normed, w: Weight, rows: jax.Array | None = None) -> j
     `rows` (i32 scalar): how many leading rows of x are real, the rest a bucket's padding;
     the native kernels skip the padding and return zeros there, XLA computes it. x may be
     a `Normed` (rms_norm(x) left to the kernel)."""
+    found = native_weight(w)
     if isinstance(x, Normed):
-        if (kernel := _norm_kernel(w)) is not None:
-            ((_, packed),) = w.items()
-            return native.packed_norm_matmul(kernel, x.x, x.weight, x.eps, packed, rows)
+        if _norm_kernel(w) is not None:
+            kernel, packed, layer = found
+            return native.packed_norm_matmul(
+                kernel, x.x, x.weight, x.eps, packed, rows, layer=layer
+            )
         x = x.value()
+    if found is not None:
+        kernel, packed, layer = found
+        return native.ALL_PACKED[kernel].kernel(x, packed, rows, layer)
     if is_quantized(w):
         return quantized_matmul(x, w)
-    if isinstance(w, dict):
-        ((kernel, packed),) = w.items()
-        return native.ALL_PACKED[kernel].kernel(x, packed, rows)
     return dense(x, w.reshape(w.shape[0], -1))
 
 
@@ -90,11 +136,11 @@ def grouped_matmul(x: jax.Array, w: Weight, group_sizes: jax.Array) -> jax.Array
     group's rows through its own expert only (native.packed_grouped_matmul); a plain array goes
     to jax.lax.ragged_dot, which XLA's CPU backend computes densely (every row times every
     expert, masked). Quantized (int8) expert weights are not supported."""
+    if (found := native_weight(w)) is not None:
+        kernel, packed, layer = found
+        return native.packed_grouped_matmul(kernel, x, packed, group_sizes, layer)
     if is_quantized(w):
         raise NotImplementedError("quantized expert weights: grouped_matmul takes float ones")
-    if isinstance(w, dict):
-        ((kernel, packed),) = w.items()
-        return native.packed_grouped_matmul(kernel, x, packed, group_sizes)
     groups, rows_in = w.shape[0], w.shape[1]
     return jax.lax.ragged_dot(
         x.astype(w.dtype),
@@ -115,10 +161,11 @@ def grouped_swiglu(x: jax.Array, w: Weight, group_sizes: jax.Array) -> jax.Array
     path), else one grouped matmul gives both halves. Plain, gate and up are two grouped
     matmuls over w's halves, never one over a merged 2 * I axis: tensor parallelism shards
     I, and a merged axis would not split evenly."""
-    if isinstance(w, dict) and not is_quantized(w):
-        ((kernel, packed),) = w.items()
-        if native.GROUPED_TARGETS[kernel].swiglu and packed.shape[1] % 2 == 0:
-            return native.packed_grouped_swiglu(kernel, x, packed, group_sizes)
+    if (found := native_weight(w)) is not None:
+        kernel, packed, layer = found
+        blocks = packed.shape[1 if layer is None else 2]  # (a stack's axis 0: its layers)
+        if native.GROUPED_TARGETS[kernel].swiglu and blocks % 2 == 0:
+            return native.packed_grouped_swiglu(kernel, x, packed, group_sizes, layer)
         gate_up = grouped_matmul(x, w, group_sizes).reshape(x.shape[0], 2, -1)
         return jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
     gate = grouped_matmul(x, w[:, :, 0], group_sizes)
@@ -132,32 +179,33 @@ def matmul_and_argmax(
     """`matmul(x, w, rows)` and, when the weight's native kernel takes it from its
     accumulators on the way out, the argmax of each result row (i32, first index on ties);
     else None."""
-    if isinstance(w, dict) and not is_quantized(w):
-        ((kernel, packed),) = w.items()
-        argmax = native.ALL_PACKED[kernel].argmax
+    found = native_weight(w)
+    if found is not None and found[2] is None:  # (an output head: never a layer's)
+        argmax = native.ALL_PACKED[found[0]].argmax
         if argmax is not None:
-            return argmax(x, packed, rows)
+            return argmax(x, found[1], rows)
     return matmul(x, w, rows), None
 
 
 def packed_swiglu(w: Weight) -> Callable[..., jax.Array] | None:
     """For a gate_up weight packed for a native kernel that fuses silu(gate) * up into its
-    epilogue: that fused kernel (x, packed, rows) -> act; else None."""
-    if not isinstance(w, dict) or is_quantized(w):
+    epilogue: that fused kernel (x, rows) -> act; else None."""
+    found = native_weight(w)
+    if found is None:
         return None
-    ((kernel, packed),) = w.items()
+    kernel, packed, layer = found
     fused = native.ALL_PACKED[kernel].swiglu
-    if fused is None or packed.shape[0] % 2:
+    if fused is None or packed.shape[0 if layer is None else 1] % 2:
         return None
 
-    def swiglu(x: jax.Array | Normed, packed: jax.Array, rows: Any = None) -> jax.Array:
+    def swiglu(x: jax.Array | Normed, rows: Any = None) -> jax.Array:
         if isinstance(x, Normed):
             if kernel in native.NORM_TARGETS:
                 return native.packed_norm_matmul(
-                    kernel, x.x, x.weight, x.eps, packed, rows, swiglu=True
+                    kernel, x.x, x.weight, x.eps, packed, rows, swiglu=True, layer=layer
                 )
             x = x.value()
-        return fused(x, packed, rows)
+        return fused(x, packed, rows, layer)
 
     return swiglu
 

@@ -34,6 +34,28 @@ inline uint16_t F32ToBf16(float f) {  // round to nearest even, NaN kept NaN
   return static_cast<uint16_t>(u >> 16);
 }
 
+// One layer of a weight stacked over the layers, [L, ...]: the matmul kernels take the whole
+// stack and the layer's index (i32[1]) and read that layer in place, so a step that loops
+// over the layers (a scan, or one call per layer) never copies a layer's weights out.
+struct LayerOf {
+  const char* data;
+  ffi::Span<const int64_t> dims;  // the layer's own dims (the stack's without L)
+  int64_t bytes;
+};
+
+// Layer layer[0] of stack w; false if w has no layer axis or the index is out of range.
+template <typename B>
+bool SliceLayer(const B& w, const ffi::Buffer<ffi::S32>& layer, LayerOf* out) {
+  auto d = w.dimensions();
+  if (d.size() < 2 || layer.element_count() != 1) return false;
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= d[0]) return false;
+  out->bytes = static_cast<int64_t>(w.size_bytes()) / d[0];
+  out->data = reinterpret_cast<const char*>(w.untyped_data()) + l * out->bytes;
+  out->dims = d.last(d.size() - 1);
+  return true;
+}
+
 // Runs body(i) for i in [0, n) on the caller and XLA's intra-op pool. The caller works too and
 // only waits for items some worker has already taken, so a busy pool cannot deadlock it.
 template <typename Body>

@@ -15,7 +15,7 @@ weights have no grouped kernel.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,7 @@ from jaxcb.native.build import (
     GROUPED_SWIGLU_BF16_WIDE_TARGET,
     GROUPED_SWIGLU_F32_TARGET,
 )
-from jaxcb.native.ops import PACKED_MATMULS, _kernel_input
+from jaxcb.native.ops import PACKED_MATMULS, _kernel_input, layer_operands
 
 
 class GroupedTargets(NamedTuple):
@@ -76,40 +76,41 @@ def _call(
     fused: bool,
     out: jax.ShapeDtypeStruct,
     x: jax.Array,
-    w_packed: jax.Array,
+    w: jax.Array,
+    index: jax.Array,
     group_sizes: jax.Array,
 ) -> jax.Array:
     spec = PACKED_MATMULS[kernel]
-    if w_packed.shape[0] != group_sizes.shape[0]:
-        raise ValueError(
-            f"{w_packed.shape[0]} experts' weights but {group_sizes.shape[0]} group sizes"
-        )
+    if w.shape[1] != group_sizes.shape[0]:
+        raise ValueError(f"{w.shape[1]} experts' weights but {group_sizes.shape[0]} group sizes")
     targets = GROUPED_TARGETS[kernel]
     call = jax.ffi.ffi_call(spec.target(targets.swiglu if fused else targets.matmul), out)
-    return call(_kernel_input(spec, x), w_packed, group_sizes.astype(jnp.int32))
+    return call(_kernel_input(spec, x), w, index, group_sizes.astype(jnp.int32))
 
 
 def packed_grouped_matmul(
-    kernel: str, x: jax.Array, w_packed: jax.Array, group_sizes: jax.Array
+    kernel: str, x: jax.Array, w_packed: jax.Array, group_sizes: jax.Array, layer: Any = None
 ) -> jax.Array:
     """x [M, K], rows sorted by group, times their group's matrix: w_packed is
     `pack_experts(kernel, w)`, group_sizes i32[G] the rows of each group in order. f32[M, N];
-    rows past sum(group_sizes) (a bucket's padding) are not computed and come out zero."""
-    n = w_packed.shape[1] * 16
-    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return _call(kernel, False, out, x, w_packed, group_sizes)
+    rows past sum(group_sizes) (a bucket's padding) are not computed and come out zero.
+    `layer`: w_packed stacks every layer's experts, layer `layer`'s read in place
+    (ops.layer_operands)."""
+    w, index, shape = layer_operands(w_packed, layer)
+    out = jax.ShapeDtypeStruct((x.shape[0], shape[1] * 16), jnp.float32)
+    return _call(kernel, False, out, x, w, index, group_sizes)
 
 
 def packed_grouped_swiglu(
-    kernel: str, x: jax.Array, w_packed: jax.Array, group_sizes: jax.Array
+    kernel: str, x: jax.Array, w_packed: jax.Array, group_sizes: jax.Array, layer: Any = None
 ) -> jax.Array:
     """silu(gate) * up of each row through its group's [K, 2 * I] gate_up matrix (gate columns,
-    then up; I a multiple of 16), as `packed_grouped_matmul`: [M, I] in the kernel's act_dtype
-    (bf16 after vdpbf16ps, as the dense fused SwiGLU writes it)."""
+    then up; I a multiple of 16), as `packed_grouped_matmul` (`layer` too): [M, I] in the
+    kernel's act_dtype (bf16 after vdpbf16ps, as the dense fused SwiGLU writes it)."""
     if GROUPED_TARGETS[kernel].swiglu is None:
         raise ValueError(f"{kernel} has no fused grouped SwiGLU (its grouped matmul does)")
-    if w_packed.shape[1] % 2:
-        raise ValueError(f"swiglu needs [K, 2 * I] weights, I a multiple of 16: {w_packed.shape}")
-    i = w_packed.shape[1] * 8
-    out = jax.ShapeDtypeStruct((x.shape[0], i), PACKED_MATMULS[kernel].act_dtype)
-    return _call(kernel, True, out, x, w_packed, group_sizes)
+    w, index, shape = layer_operands(w_packed, layer)
+    if shape[1] % 2:
+        raise ValueError(f"swiglu needs [K, 2 * I] weights, I a multiple of 16: {shape}")
+    out = jax.ShapeDtypeStruct((x.shape[0], shape[1] * 8), PACKED_MATMULS[kernel].act_dtype)
+    return _call(kernel, True, out, x, w, index, group_sizes)

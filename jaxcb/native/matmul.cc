@@ -189,12 +189,16 @@ inline int64_t AmxItems(ffi::ThreadPool& pool, int64_t pairs) {
 }
 
 ffi::Error MatmulAmxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a,
-                         ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::S32> rows,
-                         ffi::Result<ffi::AnyBuffer> out) {
+                         ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::S32> layer,
+                         ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> out) {
   auto ad = a.dimensions();
-  auto wd = w.dimensions();
-  if (ad.size() != 2 || wd.size() != 4 || wd[2] != 16 || wd[3] != 32 || wd[1] * 32 != ad[1]) {
-    return ffi::Error::InvalidArgument("a must be [M, K] and w [N/16, K/32, 16, 32]");
+  LayerOf wl;
+  const bool sliced = SliceLayer(w, layer, &wl);
+  auto wd = wl.dims;
+  if (!sliced || ad.size() != 2 || wd.size() != 4 || wd[2] != 16 || wd[3] != 32 ||
+      wd[1] * 32 != ad[1]) {
+    return ffi::Error::InvalidArgument(
+        "a must be [M, K], w [L, N/16, K/32, 16, 32] and layer i32[1] in range");
   }
   if (!AmxEnabled()) return ffi::Error::Internal("the kernel refused AMX state (arch_prctl)");
   const int64_t m = RealRows(ad, rows), k = ad[1], n_blocks = wd[0];
@@ -208,7 +212,7 @@ ffi::Error MatmulAmxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a,
     std::memcpy(padded.data(), a_data, m * k * sizeof(uint16_t));
     a_data = padded.data();
   }
-  const uint16_t* w_data = reinterpret_cast<const uint16_t*>(w.typed_data());
+  const uint16_t* w_data = reinterpret_cast<const uint16_t*>(wl.data);
   float* out_data = static_cast<float*>(out->untyped_data());
   const int64_t pairs = (n_blocks + 1) / 2, items = AmxItems(pool, pairs);
   ParallelFor(pool, items, [&](int64_t item) {
@@ -623,21 +627,31 @@ ffi::Error ShapeError() {
                                          : "a must be [M, K] and w [N/16, K, 16]");
 }
 
+template <Kind kKind>
+ffi::Error LayerShapeError() {
+  return ffi::Error::InvalidArgument(
+      kKind != Kind::kF32
+          ? "a must be [M, K], w [L, N/16, K/32, 16, 32] and layer i32[1] in range"
+          : "a must be [M, K], w [L, N/16, K, 16] and layer i32[1] in range");
+}
+
 template <Kind kKind, bool kSwiglu>
 ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<KindTypes<kKind>::kA> a,
-                            ffi::Buffer<KindTypes<kKind>::kW> w, ffi::Buffer<ffi::S32> rows,
-                            ffi::Result<ffi::AnyBuffer> out) {
+                            ffi::Buffer<KindTypes<kKind>::kW> w, ffi::Buffer<ffi::S32> layer,
+                            ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> out) {
   auto ad = a.dimensions();
-  auto wd = w.dimensions();
-  if (!PackedShapesOk<kKind>(ad, wd)) return ShapeError<kKind>();
+  LayerOf wl;
+  if (!SliceLayer(w, layer, &wl) || !PackedShapesOk<kKind>(ad, wl.dims)) {
+    return LayerShapeError<kKind>();
+  }
+  auto wd = wl.dims;
   if (kSwiglu && wd[0] % 2) {
     return ffi::Error::InvalidArgument("swiglu: w must hold as many up blocks as gate blocks");
   }
   const int64_t m = RealRows(ad, rows);
   ZeroRowsFrom(*out, ad[0], m);
   if (m == 0) return ffi::Error::Success();
-  PackedMatmul<kKind, kSwiglu>(pool, reinterpret_cast<const char*>(a.untyped_data()),
-                               reinterpret_cast<const char*>(w.untyped_data()),
+  PackedMatmul<kKind, kSwiglu>(pool, reinterpret_cast<const char*>(a.untyped_data()), wl.data,
                                out->untyped_data(), m, ad[1], wd[0]);
   return ffi::Error::Success();
 }
@@ -677,15 +691,19 @@ void GroupedRun(ffi::ThreadPool& pool, const std::vector<int64_t>& first, const 
 // The grouped matmul's FFI handler: checks, the rows of each group, the tile shape.
 template <Kind kKind, bool kSwiglu>
 ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<KindTypes<kKind>::kA> a,
-                             ffi::Buffer<KindTypes<kKind>::kW> w,
+                             ffi::Buffer<KindTypes<kKind>::kW> w, ffi::Buffer<ffi::S32> layer,
                              ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out) {
   auto ad = a.dimensions();
-  auto wd = w.dimensions();
+  LayerOf wl;
+  const bool sliced = SliceLayer(w, layer, &wl);
+  auto wd = wl.dims;
   const int64_t groups = group_sizes.element_count();
-  if (wd.size() < 2 || wd[0] != groups || !PackedShapesOk<kKind>(ad, wd.last(wd.size() - 1))) {
+  if (!sliced || wd.size() < 2 || wd[0] != groups ||
+      !PackedShapesOk<kKind>(ad, wd.last(wd.size() - 1))) {
     return ffi::Error::InvalidArgument(
-        kKind != Kind::kF32 ? "a must be [M, K], group_sizes [G] and w [G, N/16, K/32, 16, 32]"
-                            : "a must be [M, K], group_sizes [G] and w [G, N/16, K, 16]");
+        kKind != Kind::kF32
+            ? "a must be [M, K], group_sizes [G], w [L, G, N/16, K/32, 16, 32], layer i32[1]"
+            : "a must be [M, K], group_sizes [G], w [L, G, N/16, K, 16], layer i32[1]");
   }
   if (kSwiglu && wd[1] % 2) {
     return ffi::Error::InvalidArgument("swiglu: w must hold as many up blocks as gate blocks");
@@ -695,9 +713,9 @@ ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<KindTypes<kKind>:
   ZeroRowsFrom(*out, ad[0], m);
   if (m == 0) return ffi::Error::Success();
   const char* a_data = reinterpret_cast<const char*>(a.untyped_data());
-  const char* w_data = reinterpret_cast<const char*>(w.untyped_data());
+  const char* w_data = wl.data;
   char* out_data = static_cast<char*>(out->untyped_data());
-  const int64_t w_bytes = w.size_bytes() / groups;  // one expert's packed weight
+  const int64_t w_bytes = wl.bytes / groups;  // one expert's packed weight
   int64_t most = 0;  // the largest group's rows pick the tile shape
   for (int64_t g = 0; g < groups; ++g) most = std::max(most, first[g + 1] - first[g]);
   AtTileShape<kKind>(most, [&](auto tall) {
@@ -716,16 +734,19 @@ ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<KindTypes<kKind>:
 constexpr int64_t kAmxMinRows = 16;
 
 ffi::Error GroupedMatmulAmxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a,
-                                ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::S32> group_sizes,
+                                ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::S32> layer,
+                                ffi::Buffer<ffi::S32> group_sizes,
                                 ffi::Result<ffi::AnyBuffer> out) {
   using DotPlan = PackedPlan<Kind::kBf16Dot, false>;
   auto ad = a.dimensions();
-  auto wd = w.dimensions();
+  LayerOf wl;
+  const bool sliced = SliceLayer(w, layer, &wl);
+  auto wd = wl.dims;
   const int64_t groups = group_sizes.element_count();
-  if (ad.size() != 2 || wd.size() != 5 || wd[0] != groups || wd[3] != 16 || wd[4] != 32 ||
-      wd[2] * 32 != ad[1]) {
+  if (!sliced || ad.size() != 2 || wd.size() != 5 || wd[0] != groups || wd[3] != 16 ||
+      wd[4] != 32 || wd[2] * 32 != ad[1]) {
     return ffi::Error::InvalidArgument(
-        "a must be [M, K], group_sizes [G] and w [G, N/16, K/32, 16, 32]");
+        "a must be [M, K], group_sizes [G], w [L, G, N/16, K/32, 16, 32] and layer i32[1]");
   }
   if (!AmxEnabled()) return ffi::Error::Internal("the kernel refused AMX state (arch_prctl)");
   const std::vector<int64_t> first = GroupRows(group_sizes, ad[0]);
@@ -748,7 +769,7 @@ ffi::Error GroupedMatmulAmxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a,
     std::memcpy(padded.data(), a_data, m * k * sizeof(uint16_t));
     a_data = padded.data();
   }
-  const uint16_t* w_data = reinterpret_cast<const uint16_t*>(w.typed_data());
+  const uint16_t* w_data = reinterpret_cast<const uint16_t*>(wl.data);
   float* out_data = static_cast<float*>(out->untyped_data());
   const int64_t w_elems = wd[1] * wd[2] * 16 * 32;  // one expert's packed weight
   const int64_t pairs = (n_blocks + 1) / 2, amx_runs = AmxItems(pool, pairs);
@@ -981,7 +1002,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbMatmulAmx, MatmulAmxImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // a [M, K]
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w packed
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w [L, ...packed]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer [1]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // real rows [1]
                                   .Ret<ffi::AnyBuffer>());        // f32 [M, N]
 #endif
@@ -990,7 +1012,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbGroupedMatmulAmx, GroupedMatmulAmxImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // a [M, K]
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w [G, ...packed]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w [L, G, ...packed]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer [1]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // group sizes [G]
                                   .Ret<ffi::AnyBuffer>());        // f32 [M, N]
 #endif
@@ -1002,6 +1025,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbGroupedMatmulAmx, GroupedMatmulAmxImpl,
                                     .Ctx<ffi::ThreadPool>()                                  \
                                     .Arg<ffi::Buffer<KindTypes<Kind::kind>::kA>>() /* a */   \
                                     .Arg<ffi::Buffer<KindTypes<Kind::kind>::kW>>() /* w */   \
+                                    .Arg<ffi::Buffer<ffi::S32>>() /* layer [1] */            \
                                     .Arg<ffi::Buffer<ffi::S32>>() /* real rows [1] */        \
                                     .Ret<ffi::AnyBuffer>());
 
@@ -1017,13 +1041,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbGroupedMatmulAmx, GroupedMatmulAmxImpl,
                                     .Ret<ffi::Buffer<ffi::F32>>()                            \
                                     .Ret<ffi::Buffer<ffi::S32>>());
 
-// Grouped: (a [M, K], w [G, ...packed], group_sizes i32[G]) -> as the plain ones.
+// Grouped: (a [M, K], w [L, G, ...packed], layer i32[1], group_sizes i32[G]) -> as the
+// plain ones.
 #define JAXCB_GROUPED_MATMUL(name, kind, swiglu)                                             \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (GroupedMatmulImpl<Kind::kind, swiglu>),               \
                                 ffi::Ffi::Bind()                                             \
                                     .Ctx<ffi::ThreadPool>()                                  \
                                     .Arg<ffi::Buffer<KindTypes<Kind::kind>::kA>>() /* a */   \
                                     .Arg<ffi::Buffer<KindTypes<Kind::kind>::kW>>() /* w */   \
+                                    .Arg<ffi::Buffer<ffi::S32>>() /* layer [1] */            \
                                     .Arg<ffi::Buffer<ffi::S32>>() /* group sizes [G] */      \
                                     .Ret<ffi::AnyBuffer>());
 
@@ -1055,7 +1081,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbMatmulArgmaxScreenedF32, MatmulArgmaxScreened
                                 ffi::Ffi::Bind()                                             \
                                     .Ctx<ffi::ThreadPool>()                                  \
                                     .Arg<ffi::Buffer<ffi::F32>>() /* a [M, K] */             \
-                                    .Arg<ffi::Buffer<ffi::U8>>() /* w (pack_int8 / 4) */     \
+                                    .Arg<ffi::Buffer<ffi::U8>>() /* w [L, ...pack_int8/4] */ \
+                                    .Arg<ffi::Buffer<ffi::S32>>() /* layer [1] */            \
                                     .Arg<ffi::Buffer<ffi::S32>>() /* real rows [1] */        \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 
@@ -1066,7 +1093,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbMatmulArgmaxScreenedF32, MatmulArgmaxScreened
                                     .Ctx<ffi::ThreadPool>()                                  \
                                     .Arg<ffi::Buffer<ffi::F32>>() /* a [M, K] */             \
                                     .Arg<ffi::AnyBuffer>() /* norm weight f32 / bf16 [K] */  \
-                                    .Arg<ffi::Buffer<ffi::U8>>() /* w (pack_int8 / 4) */     \
+                                    .Arg<ffi::Buffer<ffi::U8>>() /* w [L, ...pack_int8/4] */ \
+                                    .Arg<ffi::Buffer<ffi::S32>>() /* layer [1] */            \
                                     .Arg<ffi::Buffer<ffi::S32>>() /* real rows [1] */        \
                                     .Ret<ffi::Buffer<ffi::F32>>()                            \
                                     .Attr<float>("eps"));

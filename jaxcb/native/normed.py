@@ -22,7 +22,7 @@ from jaxcb.native.build import (
     NORM_SWIGLU_INT4_TARGET,
     NORM_SWIGLU_INT8_TARGET,
 )
-from jaxcb.native.ops import ALL_PACKED, _real_rows
+from jaxcb.native.ops import ALL_PACKED, _real_rows, layer_operands
 
 #: packed kernel name -> (its norm-fused matmul target, its norm-fused SwiGLU target)
 NORM_TARGETS = {
@@ -40,16 +40,19 @@ def packed_norm_matmul(
     rows: Any = None,
     *,
     swiglu: bool = False,
+    layer: Any = None,
 ) -> jax.Array:
     """`packed_matmul(kernel, rms_norm(x, weight, eps), w_packed, rows)` (`swiglu`: the fused
     SwiGLU's, [M, I]) in one call of `kernel` (a NORM_TARGETS name): x f32[M, K], weight [K]
     (bfloat16 as it is, else float32); only the real rows are normed and multiplied, the rest
-    come out zero."""
+    come out zero. `layer`: w_packed is every layer's stack, layer `layer`'s read in place
+    (ops.layer_operands)."""
     spec = ALL_PACKED[kernel]
     matmul_target, swiglu_target = NORM_TARGETS[kernel]
-    blocks = w_packed.shape[0]
+    w, index, shape = layer_operands(w_packed, layer)
+    blocks = shape[0]
     if swiglu and blocks % 2:
-        raise ValueError(f"swiglu needs a [K, 2 * I] weight, I a multiple of 16: {w_packed.shape}")
+        raise ValueError(f"swiglu needs a [K, 2 * I] weight, I a multiple of 16: {shape}")
     n = blocks * 8 if swiglu else blocks * 16
     call = jax.ffi.ffi_call(
         spec.target(swiglu_target if swiglu else matmul_target),
@@ -58,7 +61,8 @@ def packed_norm_matmul(
     return call(
         x.astype(jnp.float32),
         weight if weight.dtype == jnp.bfloat16 else weight.astype(jnp.float32),
-        w_packed,
+        w,
+        index,
         _real_rows(x, rows),
         eps=np.float32(eps),
     )

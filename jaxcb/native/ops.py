@@ -204,21 +204,36 @@ def _kernel_input(spec: PackedMatmul, x: jax.Array) -> jax.Array:
     return x.astype(spec.dtype).astype(spec.x_dtype)
 
 
+def layer_operands(w_packed: jax.Array, layer: Any) -> tuple[jax.Array, jax.Array, tuple[int, ...]]:
+    """(the weight as a stack over layers, the layer's index as i32[1], one layer's shape):
+    the per-layer kernels take a [L, ...] stack of every layer's packed weight and the index
+    of the one to read in place (a step looping over the layers copies no weights out);
+    `layer` None: w_packed is one layer's weight, sent as a stack of one."""
+    if layer is None:
+        return w_packed[None], jnp.zeros((1,), jnp.int32), w_packed.shape
+    return w_packed, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), w_packed.shape[1:]
+
+
 #: Work-item slots of the argmax matmuls' partial results (the kernel uses at most this many
 #: items; more than enough to keep a few cores busy on an LM head).
 ARGMAX_SLOTS = 64
 
 
-def packed_matmul(kernel: str, x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:
+def packed_matmul(
+    kernel: str, x: jax.Array, w_packed: jax.Array, rows: Any = None, layer: Any = None
+) -> jax.Array:
     """x [M, K] @ w [K, N] on the native kernel `kernel` (a PACKED_MATMULS name), w packed by
     its `pack`: f32[M, N], accumulated in float32. `rows` (i32 scalar or [1], default M): only
-    the first `rows` rows of x are real; the others are not computed and come out zero."""
+    the first `rows` rows of x are real; the others are not computed and come out zero.
+    `layer` (an int or i32 scalar, may be traced): w_packed is a [L, ...] stack of every
+    layer's packed weight and layer `layer`'s is read in place (`layer_operands`)."""
     spec = ALL_PACKED[kernel]
-    n = w_packed.shape[0] * 16
+    w, index, shape = layer_operands(w_packed, layer)
+    n = shape[0] * 16
     call = jax.ffi.ffi_call(
         spec.target(spec.matmul_target), jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     )
-    return call(_kernel_input(spec, x), w_packed, _real_rows(x, rows))
+    return call(_kernel_input(spec, x), w, index, _real_rows(x, rows))
 
 
 def packed_matmul_argmax(
@@ -244,18 +259,22 @@ def packed_matmul_argmax(
     return out, jnp.take_along_axis(best_idx, slot[:, None], axis=1)[:, 0]
 
 
-def packed_swiglu(kernel: str, x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:
+def packed_swiglu(
+    kernel: str, x: jax.Array, w_packed: jax.Array, rows: Any = None, layer: Any = None
+) -> jax.Array:
     """silu(gate) * up for gate_up = x @ w, w [K, 2 * I] (gate columns, then up) packed for
     `kernel`: its matmul with the activation in the epilogue, [M, I] in the kernel's
-    `act_dtype` (bf16 after vdpbf16ps: the next matmul's input as it is); `rows` as there."""
+    `act_dtype` (bf16 after vdpbf16ps: the next matmul's input as it is); `rows` and
+    `layer` as there."""
     spec = ALL_PACKED[kernel]
-    if w_packed.shape[0] % 2:
-        raise ValueError(f"swiglu needs a [K, 2 * I] weight, I a multiple of 16: {w_packed.shape}")
-    i = w_packed.shape[0] * 8
+    w, index, shape = layer_operands(w_packed, layer)
+    if shape[0] % 2:
+        raise ValueError(f"swiglu needs a [K, 2 * I] weight, I a multiple of 16: {shape}")
+    i = shape[0] * 8
     call = jax.ffi.ffi_call(
         spec.target(spec.swiglu_target), jax.ShapeDtypeStruct((x.shape[0], i), spec.act_dtype)
     )
-    return call(_kernel_input(spec, x), w_packed, _real_rows(x, rows))
+    return call(_kernel_input(spec, x), w, index, _real_rows(x, rows))
 
 
 def matmul_argmax_screened_f32(
@@ -334,11 +353,14 @@ class PackedMatmul(NamedTuple):
     def available(self) -> bool:
         return self.unavailable_reason() is None
 
-    # (x, packed weight, rows=None) -> f32[M, N]
-    def kernel(self, x: jax.Array, w_packed: jax.Array, rows: Any = None) -> jax.Array:
-        return packed_matmul(self.name, x, w_packed, rows)
+    # (x, packed weight, rows=None, layer=None) -> f32[M, N]
+    def kernel(
+        self, x: jax.Array, w_packed: jax.Array, rows: Any = None, layer: Any = None
+    ) -> jax.Array:
+        return packed_matmul(self.name, x, w_packed, rows, layer)
 
-    # (x, packed [K, 2 * I] gate_up weight, rows=None) -> silu(gate) * up, or None (not fused)
+    # (x, packed [K, 2 * I] gate_up weight, rows=None, layer=None) -> silu(gate) * up, or None
+    # (not fused)
     @property
     def swiglu(self) -> Callable[..., jax.Array] | None:
         return None if self.swiglu_target is None else functools.partial(packed_swiglu, self.name)

@@ -415,17 +415,19 @@ inline void RmsNormRows(const float* a, const float* g, float eps, int64_t m, in
 // not normed): the checks and the call shared by both entry points.
 template <int kBits, bool kSwiglu>
 ffi::Error QuantMatmulEntry(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& a, const float* g,
-                            float eps, ffi::Buffer<ffi::U8>& w, ffi::Buffer<ffi::S32>& rows,
-                            ffi::Result<ffi::Buffer<ffi::F32>>& out) {
+                            float eps, ffi::Buffer<ffi::U8>& w, ffi::Buffer<ffi::S32>& layer,
+                            ffi::Buffer<ffi::S32>& rows, ffi::Result<ffi::Buffer<ffi::F32>>& out) {
   auto ad = a.dimensions();
-  auto wd = w.dimensions();
+  LayerOf wl;
+  const bool sliced = SliceLayer(w, layer, &wl);
+  auto wd = wl.dims;
   // int8 weights come in both forms, told apart by their group bytes (576, or 544 symmetric)
   const bool sym = kBits == 8 && wd.size() == 3 && wd[2] == CodeLayout<8, true>::kGroupBytes;
-  if (ad.size() != 2 || wd.size() != 3 ||
+  if (!sliced || ad.size() != 2 || wd.size() != 3 ||
       (wd[2] != CodeLayout<kBits>::kGroupBytes && !sym) || wd[1] * kQuantGroup != ad[1]) {
-    return ffi::Error::InvalidArgument(kBits == 8
-                                           ? "a must be [M, K] and w [N/16, K/32, 576 or 544]"
-                                           : "a must be [M, K] and w [N/16, K/32, 320]");
+    return ffi::Error::InvalidArgument(
+        kBits == 8 ? "a must be [M, K], w [L, N/16, K/32, 576 or 544] and layer i32[1]"
+                   : "a must be [M, K], w [L, N/16, K/32, 320] and layer i32[1]");
   }
   if (kSwiglu && wd[0] % 2) {
     return ffi::Error::InvalidArgument("swiglu: w must hold as many up blocks as gate blocks");
@@ -442,7 +444,7 @@ ffi::Error QuantMatmulEntry(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& a, con
     RmsNormRows(x, g, eps, m, k, normed.data());
     x = normed.data();
   }
-  const char* wp = reinterpret_cast<const char*>(w.untyped_data());
+  const char* wp = wl.data;
   if constexpr (kBits == 8) {
     if (sym) {
       QuantMatmul<8, true, kSwiglu>(pool, x, wp, o, m, k, wd[0]);
@@ -455,9 +457,9 @@ ffi::Error QuantMatmulEntry(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& a, con
 
 template <int kBits, bool kSwiglu>
 ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
-                           ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> rows,
-                           ffi::Result<ffi::Buffer<ffi::F32>> out) {
-  return QuantMatmulEntry<kBits, kSwiglu>(pool, a, nullptr, 0.0f, w, rows, out);
+                           ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> layer,
+                           ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  return QuantMatmulEntry<kBits, kSwiglu>(pool, a, nullptr, 0.0f, w, layer, rows, out);
 }
 
 // The same with a's rows RMS-normed first (weight g [K], float32 or bfloat16 as the model
@@ -465,8 +467,9 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
 // three XLA ops of its own (and a fourth converting g).
 template <int kBits, bool kSwiglu>
 ffi::Error NormMatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::AnyBuffer g,
-                               ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> rows,
-                               ffi::Result<ffi::Buffer<ffi::F32>> out, float eps) {
+                               ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> layer,
+                               ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                               float eps) {
   const int64_t k = a.dimensions().back();
   const bool bf16 = g.element_type() == ffi::DataType::BF16;
   if (static_cast<int64_t>(g.element_count()) != k ||
@@ -484,5 +487,5 @@ ffi::Error NormMatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ff
     }
     g32 = widened.data();
   }
-  return QuantMatmulEntry<kBits, kSwiglu>(pool, a, g32, eps, w, rows, out);
+  return QuantMatmulEntry<kBits, kSwiglu>(pool, a, g32, eps, w, layer, rows, out);
 }

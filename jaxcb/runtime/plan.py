@@ -33,6 +33,7 @@ class DevicePlan:
     attention: AttentionBackend
     kv_dtype: jnp.dtype
     buckets: tuple[Bucket, ...]
+    scan_layers: bool  # the layers as a lax.scan (models/stacking.py), else unrolled
 
     @property
     def pages_per_seq(self) -> int:
@@ -47,6 +48,7 @@ class DevicePlan:
             max_model_len=self.max_model_len,
             attention=self.attention,
             num_top_logprobs=MAX_TOP_LOGPROBS,
+            scan_layers=self.scan_layers,
             mesh=mesh,
         )
 
@@ -78,7 +80,13 @@ def plan_device(config: EngineConfig, spec: ModelSpec, platform: str) -> DeviceP
         sched.max_num_batched_tokens, smallest=smallest_token_bucket(platform)
     )
     buckets = make_buckets(token_buckets, sched.max_num_seqs, sched.seq_buckets)
-    return DevicePlan(config, spec, platform, max_model_len, attention, kv_dtype, buckets)
+    scan = config.kernels.scan_layers
+    scan = SCAN_LAYERS_DEFAULT if scan is None else scan
+    return DevicePlan(config, spec, platform, max_model_len, attention, kv_dtype, buckets, scan)
+
+
+#: kernels.scan_layers when the config leaves it unset: scanned on every platform.
+SCAN_LAYERS_DEFAULT = True
 
 
 def _kv_dtype(config: EngineConfig, attention: AttentionBackend, platform: str) -> jnp.dtype:

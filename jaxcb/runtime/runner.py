@@ -32,6 +32,7 @@ from jaxcb.engine.interface import StepResult
 from jaxcb.engine.sched.schedule import SchedulerOutput
 from jaxcb.models.base import AttentionBackend, ModelSpec, Params
 from jaxcb.models.packed import prepare_cpu_params
+from jaxcb.models.stacking import stack_layers
 from jaxcb.runtime import sharding
 from jaxcb.runtime import step as step_module
 from jaxcb.runtime.distributed import collective
@@ -84,6 +85,7 @@ class ModelRunner:
         greedy_screen: bool = True,
         num_swap_pages: int = 0,
         abstract: bool = False,
+        scan_layers: bool = True,
     ) -> None:
         """`infos`: the params' declarations (the family's `param_infos`: shapes, logical
         axes). `pack_matmuls`: a native matmul kernel ("amx", "avx512_bf16", "avx512") to run
@@ -94,7 +96,9 @@ class ModelRunner:
         HostSwapPool). `abstract`: `params` are jax.ShapeDtypeStructs and no KV pool is
         allocated; such a runner only compiles (`compile`, `compiled_step`) and cannot run a
         step: for a target that is not present (runtime/aot.py, on its compile-only
-        devices), or to measure the compiled step's memory before the pool is sized."""
+        devices), or to measure the compiled step's memory before the pool is sized.
+        `scan_layers`: the step loops over the layers with a lax.scan (models/stacking.py),
+        else unrolls them."""
         self.spec = spec
         self.page_size = page_size
         self.pages_per_seq = pages_per_seq
@@ -114,6 +118,7 @@ class ModelRunner:
                 platform=platform,
                 tied=spec.tie_word_embeddings,
             )
+        params, infos = stack_layers(params, infos)  # one array per weight per run of layers
         rules = sharding.rules_for(spec, tp)
         self._replicated = sharding.replicated(mesh)
         if pack_matmuls:  # one device: packed weights are never sharded
@@ -143,6 +148,7 @@ class ModelRunner:
             attention=attention,
             num_top_logprobs=num_top_logprobs,
             logits_shardings=logits_shardings,
+            scan_layers=scan_layers,
         )
         logits_sharding = logits_shardings[-1] if logits_shardings else self._replicated
         self._step = jax.jit(

@@ -51,6 +51,7 @@ TENSOR_AXIS = "tensor"  # mesh axis tensor parallelism shards over
 
 #: logical axis name -> mesh axis (None: replicated on every device of the replica).
 RULES: dict[str, str | None] = {
+    "layers": None,  # a stack of layers' weights (models/stacking.py): whole on every device
     "vocab": TENSOR_AXIS,  # embedding rows, lm_head columns
     "embed": None,  # the hidden size: the residual stream is whole on every device
     "q_heads": TENSOR_AXIS,  # query heads (o-projection rows are heads x head_dim)

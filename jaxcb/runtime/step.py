@@ -55,6 +55,7 @@ def step(
     attention: AttentionBackend,
     num_top_logprobs: int,
     logits_shardings: tuple[jax.sharding.Sharding, ...] = (),
+    scan_layers: bool = True,
 ) -> tuple[jax.Array, PromptLogprobsOutput, jax.Array, DeviceState, jax.Array]:
     """The greedy tokens (i32[S]), the prompt logprobs asked for (zeros unless some row
     asked), the logits (f32[S, V]: `sample_step` draws from them; only their bf16 screen
@@ -102,6 +103,7 @@ def step(
         num_compute_tokens=inp.num_compute_tokens,
         # `sample_step` reads the logits; greedy rows need only their argmax.
         need_logits=jnp.any(inp.flags[SAMPLING_FLAGS] > 0),
+        scan_layers=scan_layers,
     )
     for sharding in logits_shardings:
         logits = jax.lax.with_sharding_constraint(logits, sharding)

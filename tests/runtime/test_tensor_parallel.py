@@ -59,8 +59,9 @@ def test_int8_weights_split_like_their_float_weights(report: dict) -> None:
     params = replica["params"]
     for name in ("wqkv", "wo", "w_gate_up", "w_down"):
         assert params[name]["q"] == params[name]["scale"] == params[name]["min"], name
-    assert params["wqkv"]["q"] == [None, "tensor", None, None]  # by KV head
-    assert params["wo"]["q"] == ["tensor", None]  # by input (query heads): whole groups
+    # (after the layer axis of the stack, never sharded)
+    assert params["wqkv"]["q"] == [None, None, "tensor", None, None]  # by KV head
+    assert params["wo"]["q"] == [None, "tensor", None]  # by input (query heads): whole groups
 
 
 def test_quantized_kv_pages_and_scales_split_by_kv_head(report: dict) -> None:
@@ -97,11 +98,12 @@ def test_params_follow_the_logical_rules(report: dict) -> None:
     assert params == {
         "embed": ["tensor", None],  # vocab
         "lm_head": [None, "tensor"],  # vocab
-        "wqkv": [None, "tensor", None, None],  # KV heads
-        "wo": ["tensor", None],  # query heads
-        "w_gate_up": [None, None, "tensor"],  # MLP intermediate
-        "w_down": ["tensor", None],
-        "attn_norm": [None],
+        # layer weights stacked [L, ...]: the layer axis is never sharded
+        "wqkv": [None, None, "tensor", None, None],  # KV heads
+        "wo": [None, "tensor", None],  # query heads
+        "w_gate_up": [None, None, None, "tensor"],  # MLP intermediate
+        "w_down": [None, "tensor", None],
+        "attn_norm": [None, None],
     }
 
 
