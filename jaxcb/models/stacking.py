@@ -94,7 +94,7 @@ def segments(kinds: Sequence[Hashable]) -> list[tuple[int, int, int]]:
     """(start, count, period) pieces of a run of layers whose static `kinds` (what makes the
     forward trace a layer differently) repeat with `period` over `count` layers, count a
     multiple of period: from the start, the piece covering the most layers with a period of
-    at most MAX_PERIOD (the shortest period on a tie)."""
+    at most MAX_PERIOD that repeats at least twice (the shortest period on a tie)."""
     out: list[tuple[int, int, int]] = []
     i, n = 0, len(kinds)
     while i < n:
@@ -104,7 +104,7 @@ def segments(kinds: Sequence[Hashable]) -> list[tuple[int, int, int]]:
             while k < n and kinds[k] == kinds[k - period]:
                 k += 1
             count = (k - i) // period * period
-            if count > best_count:
+            if count > best_count and (period == 1 or count >= 2 * period):  # (repeated)
                 best_period, best_count = period, count
         out.append((i, best_count, best_period))
         i += best_count

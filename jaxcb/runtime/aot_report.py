@@ -136,15 +136,16 @@ def step_cost(
         figures = _jax.hlo_module_cost_analysis(cpu, module)
         flops += float(figures.get("flops", 0.0))
         xla_bytes += float(figures.get("bytes accessed", 0.0))
-    num_calls = text.count(TRITON_CALL)
-    if num_calls:
+    call_sites = text.count(TRITON_CALL)
+    if call_sites:
+        num_calls = hbm_traffic.kernel_calls(text)  # (a scan's call: once per layer)
         if declared_calls != num_calls:
             raise ValueError(
-                f"the compiled step has {num_calls} Triton calls, its jaxpr {declared_calls} "
+                f"the compiled step makes {num_calls} Triton calls, its jaxpr {declared_calls} "
                 "Pallas calls: cannot tell which cost estimate is whose"
             )
-        flops += num_calls + declared_flops  # each call counted -1
-        xla_bytes += num_calls + declared_bytes
+        flops += call_sites + declared_flops  # each call site counted -1
+        xla_bytes += call_sites + declared_bytes
     xla_bytes -= inplace_scatter_overcount(text, kv_array_bytes)
     source += "; flops: HLO cost analysis (CPU client) + the Triton kernels' declared flops"
     return StepCost(flops, hbm, greedy, xla_bytes, source)

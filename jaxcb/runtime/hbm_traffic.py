@@ -18,8 +18,11 @@ layout; S(1) is VMEM, S(2) SMEM), with what a TPU program does in place or in pa
   once; `*-done`, bitcasts, tuples and parameters move nothing;
 - Pallas kernels (Mosaic's `tpu_custom_call`, Triton calls on GPU) count 0 here: the
   caller adds the `pl.CostEstimate` they declare;
-- a while loop's body and condition count once (XLA's cost model does the same; the trip
-  count is not static), a conditional its heaviest branch.
+- a while loop's body and condition count once per trip where the trip count shows (a scan
+  over the layers: XLA's `known_trip_count`, or its condition `i < N`), else once; a
+  conditional its heaviest branch;
+- a lone slice or dynamic slice (a layer's weights sliced out of their stack and copied)
+  reads and writes the slice, not the whole stack.
 
 It is a model of traffic, not a measurement: fusions that re-read an HBM operand (a
 matmul whose weight does not fit VMEM, tiled over both sides) count it once.
@@ -49,6 +52,27 @@ _SLICING = {"dynamic-slice", "slice", "gather"}
 #: Pallas kernels' custom calls (Mosaic on TPU, Triton on GPU): counted by the caller.
 KERNEL_CALLS = ('custom_call_target="tpu_custom_call"', 'custom_call_target="__gpu$xla.gpu.triton"')
 _IN_PLACE = {"scatter", "dynamic-update-slice"}
+_TRIP_COUNT = re.compile(r"known_trip_count\W+n\W+(\d+)")
+_CONDITION = re.compile(r"condition=%([\w.\-]+)")
+_INT_CONSTANT = re.compile(r"^s32\[\]\S*$")
+
+
+def trip_count(inst: Instruction, computations: dict[str, list[Instruction]]) -> int:
+    """How many times a while loop runs its body: XLA's known_trip_count where it writes one
+    (GPU), else a scan's condition `counter < N` read off the condition computation (TPU;
+    jax's scans count from 0), else 1."""
+    if found := _TRIP_COUNT.search(inst.attrs):
+        return int(found.group(1))
+    condition = _CONDITION.search(inst.attrs)
+    body = computations.get(condition.group(1), []) if condition else []
+    root = body[-1] if body else None
+    if root is None or root.op != "compare" or "direction=LT" not in root.attrs:
+        return 1
+    constants = {
+        i.name: i.args for i in body if i.op == "constant" and _INT_CONSTANT.match(i.shape)
+    }
+    bound = constants.get(root.operands[-1]) if len(root.operands) == 2 else None
+    return int(bound) if bound is not None and bound.isdigit() else 1
 
 
 @dataclass
@@ -155,7 +179,8 @@ class _Walker:
         if op in _FREE:
             return 0
         if op == "while":
-            return sum(self.computation(c) for c in _CALLS.findall(inst.attrs))
+            trips = trip_count(inst, self.computations)
+            return trips * sum(self.computation(c) for c in _CALLS.findall(inst.attrs))
         if op == "conditional":
             names = [n for group, one in _BRANCHES.findall(inst.attrs) for n in (group, one) if n]
             branches = [b.strip().lstrip("%") for n in names for b in n.split(",")]
@@ -171,6 +196,8 @@ class _Walker:
         if op in _IN_PLACE:
             update = self.operand_bytes(inst.operands[-1])
             return 2 * update + sum(self.operand_bytes(o) for o in inst.operands[1:-1])
+        if op in ("slice", "dynamic-slice"):  # (the offsets are scalars)
+            return 2 * shape_bytes(inst.shape)
         return shape_bytes(inst.shape) + sum(self.operand_bytes(o) for o in inst.operands)
 
     def async_copy(self, inst: Instruction) -> int:
@@ -225,6 +252,23 @@ class _Walker:
             else:
                 return full
         return total if inst.users else 0
+
+
+class _KernelCalls(_Walker):
+    """Pallas kernel calls one run makes (a conditional's most), loops by their trips."""
+
+    def instruction(self, inst: Instruction) -> int:
+        if inst.op in ("while", "conditional", "call"):
+            return super().instruction(inst)
+        return int(inst.op == "custom-call" and any(k in inst.attrs for k in KERNEL_CALLS))
+
+
+def kernel_calls(hlo_text: str) -> int:
+    """How many Pallas kernel calls one run of the optimized module makes: each call site
+    times the trip count of the loops around it (a scan over the layers calls its attention
+    kernel once per layer)."""
+    computations, entry = parse_module(hlo_text)
+    return _KernelCalls(computations).computation(entry)
 
 
 def hbm_bytes(hlo_text: str, *, branch: str = "max") -> int:

@@ -233,7 +233,8 @@ def test_every_isa_level_gives_the_same_products(bits):
         )
         for rows in (2, 6):  # the integer path and the dequantizing one
             real = jnp.full(1, rows, jnp.int32)
-            got = np.asarray(call(jnp.asarray(x), jnp.asarray(packed), real))
+            layer = jnp.zeros(1, jnp.int32)  # (a stack of one layer: ops.layer_operands)
+            got = np.asarray(call(jnp.asarray(x), jnp.asarray(packed)[None], layer, real))
             assert_products(got[:rows], x[:rows], qw)
 
 

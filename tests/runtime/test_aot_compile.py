@@ -16,7 +16,7 @@ import pytest
 from jaxcb.config import EngineConfig
 from jaxcb.engine.buckets import Bucket
 from jaxcb.models import registry
-from jaxcb.runtime import aot, aot_report
+from jaxcb.runtime import aot, aot_report, hbm_traffic
 from pallas_kernels.gpu_targets import cuda_plugin_installed
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -106,7 +106,8 @@ def test_step_compiles_for_target(model_dir, target, family, tp, backend, kernel
         # The KV pool is donated: every one of its bytes is aliased, output to argument.
         assert b.alias_bytes == rep.kv_pool_bytes
         assert b.argument_bytes >= rep.params_bytes + rep.kv_pool_bytes
-        assert b.temp_bytes > 0 and b.program_bytes > 0
+        # (a tiny model's scanned layers may keep every temporary in TPU VMEM: temp 0)
+        assert b.temp_bytes >= 0 and b.program_bytes > 0
         assert b.flops > 0 and 0 < b.greedy_bytes <= b.bytes_accessed
         assert b.xla_bytes_accessed > 0
         assert 0.5 < b.bytes_vs_ideal <= b.all_options_vs_ideal < 100  # against the ideal
@@ -115,9 +116,10 @@ def test_step_compiles_for_target(model_dir, target, family, tp, backend, kernel
         )
         assert b.decode_tokens_per_s == pytest.approx(b.num_seqs / b.roofline_seconds)
     assert rep.fits and rep.peak_bytes <= rep.memory_limit_bytes
-    # Attention went through the Pallas kernel (Mosaic / Triton), one call per layer.
+    # Attention went through the Pallas kernel (Mosaic / Triton), one call per layer, from
+    # one call site: the layers are a scan.
     hlo = build.runner.compiled_step(build.buckets[0]).as_text()
-    assert hlo.count(kernel_call) == spec.num_layers
+    assert hlo.count(kernel_call) == 1 and hbm_traffic.kernel_calls(hlo) == spec.num_layers
     text = aot_report.format_report(rep)
     assert "(32, 8)" in text and text.splitlines()[-1].startswith("fits:")
 
@@ -143,7 +145,7 @@ def test_quantized_kv_pool_compiles_for_target(model_dir, target, kv_dtype, kern
     for b in rep.buckets:  # (TPU pads the small scale arrays' tiles: a little more there)
         assert rep.kv_pool_bytes <= b.alias_bytes < 1.05 * rep.kv_pool_bytes and b.fits
     hlo = build.runner.compiled_step(build.buckets[0]).as_text()
-    assert hlo.count(kernel_call) == build.spec.num_layers
+    assert hbm_traffic.kernel_calls(hlo) == build.spec.num_layers and kernel_call in hlo
 
 
 @needs_tpu

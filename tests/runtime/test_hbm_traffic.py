@@ -96,7 +96,9 @@ def test_each_instruction_counted_as_a_tpu_program_moves_it():
     dot = 8 * row + out  # its input and its output; the weight is in VMEM
     scatter = 8 * 4 + 8 * row + 2 * 8 * row  # ids, update read; the rows written in place
     heavy = 2 * out + 2 * out  # exponential and negate: each reads and writes [8, 256]
-    loop = (4 + 4 + 4) + (4 + 4 + 1)  # the body's add, the condition's compare: once each
+    # the body's add and the condition's compare, per trip: 3 (its condition `c < 3`, read
+    # as a scan's: counting from 0)
+    loop = 3 * ((4 + 4 + 4) + (4 + 4 + 1))
     light = prefetch + gather + dot + scatter + loop
     assert hbm_bytes(MODULE, branch="min") == light
     assert hbm_bytes(MODULE) == light + heavy
