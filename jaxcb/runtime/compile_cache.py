@@ -12,7 +12,7 @@ from jaxcb.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
-STEP_ENTRY_PREFIX = "jit_step-"  # cache files of the step function
+STEP_ENTRY_PREFIX = "jit_packed_step-"  # cache files of the step function (step.packed_step)
 
 
 def configure(setting: str) -> Path | None:

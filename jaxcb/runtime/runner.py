@@ -42,12 +42,16 @@ from jaxcb.runtime.prompt_logprobs import PromptLogprobsOutput
 from jaxcb.runtime.step_input import (
     FLAG_PROMPT_TOP_LOGPROBS,
     FLAG_TOP_LOGPROBS,
+    LARGE_FIELDS,
+    Layout,
     StepInput,
     all_tokens_allowed,
     empty_step_input,
     no_penalties,
+    pack_small,
     pack_step_input,
     sampling_input,
+    small_layout,
 )
 from jaxcb.sampling import SamplingOutput
 
@@ -143,7 +147,7 @@ class ModelRunner:
         # in_shardings.
         logits_shardings = sharding.logits_shardings(mesh, rules)
         step = functools.partial(
-            step_module.step,
+            step_module.packed_step,
             spec=spec,
             attention=attention,
             num_top_logprobs=num_top_logprobs,
@@ -153,8 +157,13 @@ class ModelRunner:
         logits_sharding = logits_shardings[-1] if logits_shardings else self._replicated
         self._step = jax.jit(
             step,
+            static_argnums=(5,),  # the StepInput buffers' layout
             donate_argnames=("state",),
-            in_shardings=(self.param_shardings, state_shardings, self._replicated),
+            in_shardings=(
+                self.param_shardings,
+                state_shardings,
+                *(self._replicated,) * 3,  # StepInput: two buffers and its large arrays
+            ),
             out_shardings=(
                 self._replicated,  # the greedy tokens
                 self._replicated,
@@ -187,6 +196,7 @@ class ModelRunner:
             )
         self.max_model_len = max_model_len
         self._compiled: dict[Bucket, jax.stages.Compiled] = {}
+        self._layouts: dict[Bucket, Layout] = {}  # where StepInput's arrays sit in its buffers
         self._compiled_samplers: dict[int, jax.stages.Compiled] = {}  # by sequence rows S
         self._no_penalty_tokens: dict[Bucket, tuple[jax.Array, jax.Array]] = {}
         self._all_tokens: dict[Bucket, jax.Array] = {}  # token masks allowing every id
@@ -277,7 +287,10 @@ class ModelRunner:
             self.num_sampled_rows,
             vocab_size=self.spec.vocab_size,
         )
-        return self._step.trace(self.params, self.state, example)
+        self._layouts[bucket] = layout = small_layout(example)
+        ints, floats = pack_small(example)
+        large = tuple(getattr(example, name) for name in LARGE_FIELDS)
+        return self._step.trace(self.params, self.state, ints, floats, large, layout)
 
     def trace_sampler(self, num_seqs: int) -> jax.stages.Traced:
         """The sampling program traced for S sequence rows (any bucket of that S)."""
@@ -326,8 +339,10 @@ class ModelRunner:
             self._sampled = jax.device_put(np.zeros(rows, np.int32), self._replicated)
         inp.prev_token_ids = self._sampled
         self._fill_sampling_defaults(bucket, inp)  # (the step's input tree has them too)
+        ints, floats = pack_small(inp)
+        large = tuple(getattr(inp, name) for name in LARGE_FIELDS)
         greedy_ids, prompt_out, logits, self.state, self._sampled = self._compiled[bucket](
-            self.params, self.state, inp
+            self.params, self.state, ints, floats, large
         )  # step()
         out = None
         if step_module.needs_sampling(inp.flags):

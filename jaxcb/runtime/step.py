@@ -15,6 +15,8 @@ in place.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,8 +30,10 @@ from jaxcb.runtime.step_input import (
     FLAG_MASK,
     FLAG_PENALTY,
     FLAG_RANDOM,
+    Layout,
     SamplingInput,
     StepInput,
+    unpack_small,
 )
 from jaxcb.sampling import SamplingOutput, argmax_last_axis, sample
 
@@ -120,6 +124,20 @@ def step(
     greedy_ids = greedy_ids.astype(jnp.int32)
     sampled = jax.lax.dynamic_update_slice(inp.prev_token_ids, greedy_ids, (0,))
     return greedy_ids, prompt_out, logits, DeviceState(kv_caches), sampled
+
+
+def packed_step(
+    params: Params,
+    state: DeviceState,
+    ints: jax.Array,  # i32[N]: StepInput's small int arrays (step_input.pack_small)
+    floats: jax.Array,  # f32[M]: its small float arrays
+    large: tuple,  # its LARGE_FIELDS arrays
+    layout: Layout,  # (static: where each array sits in the buffers)
+    **kwargs: Any,
+) -> tuple[jax.Array, PromptLogprobsOutput, jax.Array, DeviceState, jax.Array]:
+    """`step` on a StepInput sent as two buffers and its large arrays (what the runner
+    compiles: a handful of input arrays rather than one per field)."""
+    return step(params, state, unpack_small(ints, floats, large, layout), **kwargs)
 
 
 def sample_step(

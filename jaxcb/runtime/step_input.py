@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxcb.engine.buckets import Bucket
@@ -119,6 +120,59 @@ def sampling_input(inp: StepInput) -> SamplingInput:
     """The sampling rows of a packed step (its penalty and mask arrays filled in)."""
     names = [f.name for f in dataclasses.fields(SamplingInput)]
     return SamplingInput(**{name: getattr(inp, name) for name in names})
+
+
+#: StepInput's arrays that go to the device as they are (large, or already there); the
+#: rest travel in two buffers (`pack_small`): one int32, one float32.
+LARGE_FIELDS = ("penalty_tokens", "penalty_counts", "prev_token_ids", "token_mask")
+FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+INT_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(StepInput)
+    if f.name not in LARGE_FIELDS and f.name not in FLOAT_FIELDS
+)
+
+#: Where each small array sits in its buffer: ((name, shape), ...) per buffer, in field
+#: order; hashable (a static argument of the jitted step, one per bucket's shapes).
+Layout = tuple[tuple[tuple[str, tuple[int, ...]], ...], tuple[tuple[str, tuple[int, ...]], ...]]
+
+
+def small_layout(inp: StepInput) -> Layout:
+    """The layout of `inp`'s small arrays in the two buffers `pack_small` fills."""
+    return (
+        tuple((name, getattr(inp, name).shape) for name in INT_FIELDS),
+        tuple((name, getattr(inp, name).shape) for name in FLOAT_FIELDS),
+    )
+
+
+def pack_small(inp: StepInput) -> tuple[np.ndarray, np.ndarray]:
+    """(i32 buffer, f32 buffer) holding `inp`'s small arrays back to back (rng_keys' uint32
+    bits as int32): the step takes a handful of arrays whatever StepInput's field count,
+    and PjRt handles each array of a call on every step."""
+    ints = np.concatenate([getattr(inp, name).view(np.int32).ravel() for name in INT_FIELDS])
+    floats = np.concatenate([getattr(inp, name).ravel() for name in FLOAT_FIELDS])
+    return ints, floats.astype(np.float32, copy=False)
+
+
+def unpack_small(ints: jax.Array, floats: jax.Array, large: tuple, layout: Layout) -> StepInput:
+    """The StepInput `pack_small` packed (traced: static slices of the two buffers), with
+    the LARGE_FIELDS arrays `large` in their order."""
+    fields: dict[str, jax.Array] = dict(zip(LARGE_FIELDS, large, strict=True))
+    for buffer, part in zip((ints, floats), layout, strict=True):
+        start = 0
+        for name, shape in part:
+            size = int(np.prod(shape, dtype=np.int64))
+            fields[name] = buffer[start : start + size].reshape(shape)
+            start += size
+    fields["rng_keys"] = jax.lax.bitcast_convert_type(fields["rng_keys"], jnp.uint32)
+    return StepInput(**fields)
 
 
 def empty_step_input(
