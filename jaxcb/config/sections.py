@@ -229,15 +229,15 @@ class KernelConfig:
 
     scan_layers: the step runs the layers as a lax.scan over their stacked weights, so a
     layer is compiled once whatever the model's depth (models/stacking.py); false unrolls
-    them (one copy of the layer per layer in every program), for comparison. None: the
-    platform's default (runtime/plan.py)."""
+    them over per-layer weights and KV pools (one copy of the layer per layer in every
+    program). None: the platform's default (runtime/plan.py's scan_layers_default)."""
 
     SECTION: ClassVar[str] = "kernels"
 
     attention: str = "auto"  # auto | native | xla | pallas | pallas-tpu | pallas-gpu
     matmul: str = "auto"  # auto | amx | avx512_bf16 | avx512 | avx2_bf16 | avx2 | xla
     greedy_screen: bool = True
-    scan_layers: bool | None = None  # None: the platform's default (scanned everywhere)
+    scan_layers: bool | None = None  # None: the platform's (scanned on CPU, else unrolled)
 
     def __post_init__(self) -> None:
         _check_types(self)

@@ -51,7 +51,9 @@ Params = dict[str, Any]
 # k_scales, v_scales); pages [Hkv, L * P, page_size, D], scales [Hkv, L * P, page_size].
 # Layer l owns pages l * P ... (l + 1) * P - 1 (`layer_metadata`): one array per K and V for
 # all layers, whatever the layer count, so the step takes and returns a handful of arrays.
-KVCache = tuple[jax.Array, ...]
+# Unrolled layers (kernels.scan_layers false) keep the older form: a list of such tuples, one
+# per layer, each over its own P pages.
+KVCache = tuple[jax.Array, ...] | list[tuple[jax.Array, ...]]
 
 
 @dataclass(frozen=True)

@@ -415,7 +415,10 @@ def attention_block(
     layer's (None: full attention). `soft_cap`: attention scores become
     soft_cap * tanh(score / soft_cap) (Gemma 2)."""
     num_tokens, g, d = h.shape[0], spec.group_size, spec.head_dim
-    meta = layer_metadata(meta, caches, index, spec.num_layers)
+    per_layer = isinstance(caches, list)  # (unrolled layers: a pool per layer)
+    pool = caches[index] if per_layer else caches
+    if not per_layer:
+        meta = layer_metadata(meta, caches, index, spec.num_layers)
     qkv = matmul(h, layer["wqkv"], real_tokens)  # [T, Hkv * (G + 2) * D]
     qkv = qkv.reshape(num_tokens, spec.num_kv_heads, g + 2, d)  # [T, Hkv, G + 2, D]
     if "bqkv" in layer:
@@ -428,9 +431,7 @@ def attention_block(
         k = rms_norm(k, layer["k_norm"], spec.rms_norm_eps)
     q = apply_rope(q, rope)
     k = apply_rope(k, rope)
-    k_pages, v_pages, *scales = attention.write_kv(
-        *caches[:2], k, v, meta.slot_mapping, *caches[2:]
-    )
+    k_pages, v_pages, *scales = attention.write_kv(*pool[:2], k, v, meta.slot_mapping, *pool[2:])
     # q in the pages' float dtype; with quantized pages (codes and scales) q stays float.
     out = attention.attend(
         q if scales else q.astype(k_pages.dtype),
@@ -445,7 +446,10 @@ def attention_block(
         soft_cap=soft_cap,
         **dict(zip(("k_scales", "v_scales"), scales, strict=False)),
     )  # [T, Hq, D]
-    return out.reshape(num_tokens, -1), (k_pages, v_pages, *scales)
+    pool = (k_pages, v_pages, *scales)
+    if per_layer:
+        return out.reshape(num_tokens, -1), [*caches[:index], pool, *caches[index + 1 :]]
+    return out.reshape(num_tokens, -1), pool
 
 
 def mlp(

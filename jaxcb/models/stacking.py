@@ -125,13 +125,18 @@ def run_layers(
     """carry after every layer in order: `layer_fn(layer, carry, index, kind_index)` with the
     layer's params (`at_layer`), its index (an int, or traced inside a scan: for what may
     vary, such as its pages), and the index of a layer of the same kind (an int: for what
-    the trace depends on, such as its sliding window). `layers`: the stacked runs; `kinds`:
-    each layer's static kind (its `segments` are scanned when `scan`, else unrolled)."""
+    the trace depends on, such as its sliding window). `scan`: `layers` are the stacked runs
+    (`stack_layers`) and each run's `segments` by `kinds` (each layer's static kind) are
+    scanned; else `layers` are the loaders' per-layer params, unrolled."""
+    if not scan:
+        for i, layer in enumerate(layers):
+            carry = layer_fn(layer, carry, i, i)
+        return carry
     first = 0
     for stack in layers:
         n = run_length(stack)
         for start, count, period in segments(kinds[first : first + n]):
-            if not scan or count == period:
+            if count == period:
                 for j in range(start, start + count):
                     carry = layer_fn(at_layer(stack, j), carry, first + j, first + j)
                 continue

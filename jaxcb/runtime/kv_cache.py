@@ -47,9 +47,10 @@ SCALE_BYTES = 4  # a quantized row's float32 scale
 
 @dataclass
 class DeviceState:
-    # (k_pages, v_pages) of every layer, each [Hkv, L * P, page_size, D] (layer l's pages
-    # at l * P ...: models/base.py's layer_metadata); quantized pages also carry (k_scales,
-    # v_scales), each f32[Hkv, L * P, page_size]
+    # Stacked (what a scan over the layers carries): (k_pages, v_pages) of every layer, each
+    # [Hkv, L * P, page_size, D] (layer l's pages at l * P ...: models/base.py's
+    # layer_metadata); quantized pages also carry (k_scales, v_scales), each
+    # f32[Hkv, L * P, page_size]. Unrolled layers: a list of those per layer, [Hkv, P, ...].
     kv_caches: KVCache
 
 
@@ -213,14 +214,12 @@ def abstract_state(
     page_size: int,
     dtype: jnp.dtype,
     sharding: jax.sharding.Sharding,
+    stacked: bool = True,
 ) -> DeviceState:
     """The state's shapes and shardings, no memory: for compiling for an absent target."""
-    return DeviceState(
-        tuple(
-            jax.ShapeDtypeStruct(shape, kind, sharding=where)
-            for shape, kind, where in _pool_arrays(spec, num_pages, page_size, dtype, sharding)
-        )
-    )
+    arrays = _pool_arrays(spec, num_pages, page_size, dtype, sharding, stacked)
+    pool = tuple(jax.ShapeDtypeStruct(shape, kind, sharding=where) for shape, kind, where in arrays)
+    return DeviceState(pool if stacked else [pool] * spec.num_layers)
 
 
 def init_state(
@@ -230,17 +229,20 @@ def init_state(
     page_size: int,
     dtype: jnp.dtype,
     sharding: jax.sharding.Sharding | None = None,
+    stacked: bool = True,
 ) -> DeviceState:
     """Zeroed K and V pages of `num_pages` per layer (and zero scales for quantized pages),
     created in place on their devices (`sharding`: the pages', by KV head for tensor
-    parallelism; None: the default device)."""
-    arrays = _pool_arrays(spec, num_pages, page_size, dtype, sharding)
-    return DeviceState(
-        tuple(
-            jax.jit(functools.partial(jnp.zeros, shape, kind), out_shardings=where)()
-            for shape, kind, where in arrays
-        )
-    )
+    parallelism; None: the default device). `stacked`: one array per K and V for every
+    layer (what a scan over the layers carries), else a (K, V) pair per layer."""
+    arrays = _pool_arrays(spec, num_pages, page_size, dtype, sharding, stacked)
+    makers = [
+        jax.jit(functools.partial(jnp.zeros, shape, kind), out_shardings=where)
+        for shape, kind, where in arrays
+    ]
+    if stacked:
+        return DeviceState(tuple(zeros() for zeros in makers))
+    return DeviceState([tuple(zeros() for zeros in makers) for _ in range(spec.num_layers)])
 
 
 def scales_sharding(pages: jax.sharding.Sharding | None) -> jax.sharding.Sharding | None:
@@ -257,10 +259,12 @@ def _pool_arrays(
     page_size: int,
     dtype: Any,
     sharding: jax.sharding.Sharding | None,
+    stacked: bool,
 ) -> list[tuple[tuple[int, ...], jnp.dtype, jax.sharding.Sharding | None]]:
-    """(shape, dtype, sharding) of the K and V pages of every layer (`num_pages` each), then
-    (quantized pages) of their scales."""
-    shape = kv_pages_shape(spec.num_layers * num_pages, page_size, spec.num_kv_heads, spec.head_dim)
+    """(shape, dtype, sharding) of the K and V pages of every layer (`stacked`: `num_pages`
+    each, in one array) or of one layer, then (quantized pages) of their scales."""
+    pages = spec.num_layers * num_pages if stacked else num_pages
+    shape = kv_pages_shape(pages, page_size, spec.num_kv_heads, spec.head_dim)
     arrays = [(shape, jnp.dtype(dtype), sharding)] * 2
     if is_quantized_kv(dtype):
         arrays += [(shape[:3], jnp.dtype(jnp.float32), scales_sharding(sharding))] * 2

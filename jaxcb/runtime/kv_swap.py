@@ -33,7 +33,9 @@ SWAP_TRACE_COUNT = [0]
 #: Bytes the start-up bandwidth measurement copies each way (about; whole pages).
 SWAP_PROBE_BYTES = 16 << 20
 
-PagesKV = tuple[jax.Array, ...]  # (K, V[, K scales, V scales]) of some pages, every layer
+# (K, V[, K scales, V scales]) of some pages of every layer (a stacked pool), or a list of
+# those per layer (a pool per layer: unrolled layers)
+PagesKV = tuple[jax.Array, ...] | list[tuple[jax.Array, ...]]
 
 
 def num_swap_pages(swap_space_gb: float, page_bytes: int) -> int:
@@ -63,13 +65,15 @@ def every_layer(ids: jax.Array, num_layers: int, per_layer: int) -> jax.Array:
 def gather_pages(state: DeviceState, page_ids: jax.Array, *, num_layers: int) -> PagesKV:
     """The K and V of `page_ids` (i32[N], a layer's page numbers) in every layer:
     [Hkv, L * N, page_size, D] each, layer-major (and a quantized pool's K and V scales,
-    [Hkv, L * N, page_size]).
+    [Hkv, L * N, page_size]); from a pool per layer, a list of [Hkv, N, ...] per layer.
 
     One plain gather per array, not a stack or a transpose: XLA's CPU backend copies those
     at a few hundred MB/s, against memcpy speed for a gather (SmolLM2, 64 pages: 10 ms,
     against 73 ms stacked)."""
     SWAP_TRACE_COUNT[0] += 1
     pool = state.kv_caches
+    if isinstance(pool, list):
+        return [tuple(x[:, page_ids] for x in layer) for layer in pool]
     ids = every_layer(page_ids, num_layers, pool[0].shape[1] // num_layers)
     return tuple(x[:, ids] for x in pool)
 
@@ -91,19 +95,21 @@ def scatter_pages(
     the KV write would quantize them again, and a dequantized row does not always quantize
     back to the same codes."""
     SWAP_TRACE_COUNT[0] += 1
+
+    def write(pool: tuple, rows: tuple, slots: jax.Array) -> tuple:
+        if len(pool) == 2:
+            return tuple(write_kv(*pool, *rows, slots))
+        if copy_kv is not None:  # (K, V) codes, then (K, V) scales
+            return (*copy_kv(*pool[:2], *rows[:2], slots), *copy_kv(*pool[2:], *rows[2:], slots))
+        return tuple(put_rows(x, r, slots) for x, r in zip(pool, rows, strict=True))
+
     pool = state.kv_caches
+    if isinstance(pool, list):  # a pool per layer
+        return DeviceState(
+            [write(layer, rows, slot_mapping) for layer, rows in zip(pool, pages, strict=True)]
+        )
     slots_per_layer = pool[0].shape[1] // num_layers * pool[0].shape[2]
-    slots = every_layer(slot_mapping, num_layers, slots_per_layer)
-
-    def copy(k_pool, v_pool, k_rows, v_rows):
-        if copy_kv is not None:
-            return copy_kv(k_pool, v_pool, k_rows, v_rows, slots)
-        return put_rows(k_pool, k_rows, slots), put_rows(v_pool, v_rows, slots)
-
-    if len(pool) == 2:
-        return DeviceState(tuple(write_kv(*pool, *pages, slots)))
-    # (K, V) codes, then (K, V) scales
-    return DeviceState((*copy(*pool[:2], *pages[:2]), *copy(*pool[2:], *pages[2:])))
+    return DeviceState(write(pool, pages, every_layer(slot_mapping, num_layers, slots_per_layer)))
 
 
 def put_rows(
@@ -159,8 +165,12 @@ class HostSwapPool:
         write_kv: Callable[..., tuple[jax.Array, ...]],
         mesh: jax.sharding.Mesh,
         copy_kv: Callable[..., tuple[jax.Array, jax.Array]] | None = None,
+        stacked: bool = True,
     ) -> None:
+        """`stacked`: the device pool is one array per K and V for every layer (kv_cache.py),
+        else a (K, V) pair per layer."""
         self.num_layers, self.num_kv_heads = spec.num_layers, spec.num_kv_heads
+        self.stacked = stacked
         self.head_dim, self.page_size = spec.head_dim, page_size
         slot_shape = (page_size, spec.num_kv_heads, spec.head_dim)
         # np.zeros maps the pool lazily: host memory is taken as slots are first written.
@@ -185,14 +195,18 @@ class HostSwapPool:
         self._gather = jax.jit(
             functools.partial(gather_pages, num_layers=spec.num_layers),
             in_shardings=(state_shardings, replicated),
-            out_shardings=gathered_pool,
+            out_shardings=gathered_pool if stacked else [gathered_pool] * spec.num_layers,
         )
         self._scatter = jax.jit(
             functools.partial(
                 scatter_pages, num_layers=spec.num_layers, write_kv=write_kv, copy_kv=copy_kv
             ),
             donate_argnames=("state",),
-            in_shardings=(state_shardings, rows_pool, replicated),
+            in_shardings=(
+                state_shardings,
+                rows_pool if stacked else [rows_pool] * spec.num_layers,
+                replicated,
+            ),
             out_shardings=state_shardings,
         )
         self._gathers: dict[int, jax.stages.Compiled] = {}
@@ -203,7 +217,7 @@ class HostSwapPool:
         t0 = time.perf_counter()
         for n in self.sizes:
             ids = jax.ShapeDtypeStruct((n,), jnp.int32)
-            num_rows = self.num_layers * n * self.page_size
+            num_rows = (self.num_layers if self.stacked else 1) * n * self.page_size
             rows = jax.ShapeDtypeStruct(
                 (num_rows, self.num_kv_heads, self.head_dim), self.pages.dtype
             )
@@ -213,6 +227,8 @@ class HostSwapPool:
                 pages += (scales, scales)
             slots = jax.ShapeDtypeStruct((n * self.page_size,), jnp.int32)
             self._gathers[n] = self._gather.lower(state, ids).compile()
+            if not self.stacked:
+                pages = [pages] * self.num_layers
             self._scatters[n] = self._scatter.lower(state, pages, slots).compile()
         seconds = time.perf_counter() - t0
         logger.info(
@@ -241,6 +257,8 @@ class HostSwapPool:
             into = slots[start : start + count]
             gathered = jax.device_get(self._gathers[size](state, ids))
             heads, layers = self.num_kv_heads, self.num_layers
+            if not self.stacked:  # per layer [Hkv, N, ...] -> [Hkv, L * N, ...]
+                gathered = [np.concatenate(x, axis=1) for x in zip(*gathered, strict=True)]
             for i, x in enumerate(gathered[:2]):  # [Hkv, L * N, ps, D] -> [L, slots, ps, Hkv, D]
                 x = np.asarray(x).reshape(heads, layers, size, *x.shape[2:])[:, :, :count]
                 self.pages[:, i, into] = x.transpose(1, 2, 3, 0, 4)
@@ -260,10 +278,14 @@ class HostSwapPool:
             take[:count] = slots[start : start + count]
             slot_mapping = np.full((size, self.page_size), PADDING_SLOT, np.int32)
             slot_mapping[:count] = pages[start : start + count, None] * self.page_size + offsets
-            rows = (self.num_layers * size * self.page_size, self.num_kv_heads, self.head_dim)
+            rows = (self.num_layers, size * self.page_size, self.num_kv_heads, self.head_dim)
             data = tuple(self.pages[:, i, take].reshape(rows) for i in (0, 1))
             if self.scales is not None:
-                data += tuple(self.scales[:, i, take].reshape(rows[:2]) for i in (0, 1))
+                data += tuple(self.scales[:, i, take].reshape(rows[:3]) for i in (0, 1))
+            if self.stacked:  # [L * N * ps, ...] rows, layer-major
+                data = tuple(x.reshape(-1, *x.shape[2:]) for x in data)
+            else:
+                data = [tuple(x[layer] for x in data) for layer in range(self.num_layers)]
             state = self._scatters[size](state, data, slot_mapping.reshape(-1))
         return state
 

@@ -122,7 +122,8 @@ class ModelRunner:
                 platform=platform,
                 tied=spec.tie_word_embeddings,
             )
-        params, infos = stack_layers(params, infos)  # one array per weight per run of layers
+        if scan_layers:  # one array per weight per run of layers, for the scan
+            params, infos = stack_layers(params, infos)
         rules = sharding.rules_for(spec, tp)
         self._replicated = sharding.replicated(mesh)
         if pack_matmuls:  # one device: packed weights are never sharded
@@ -137,10 +138,12 @@ class ModelRunner:
                 params,
                 self.param_shardings,
             )
-            self.state = abstract_state(spec, sharding=self.kv_sharding, **pool)
+            self.state = abstract_state(
+                spec, sharding=self.kv_sharding, stacked=scan_layers, **pool
+            )
         else:
             self.params = sharding.shard_params(params, self.param_shardings)
-            self.state = init_state(spec, sharding=self.kv_sharding, **pool)
+            self.state = init_state(spec, sharding=self.kv_sharding, stacked=scan_layers, **pool)
         # (a quantized pool's scales: by KV head like their pages)
         state_shardings = sharding.kv_cache_shardings(mesh, self.state)
         # The static arguments are bound here: jit takes no keyword arguments alongside
@@ -193,6 +196,7 @@ class ModelRunner:
                 write_kv=attention.write_kv,
                 copy_kv=attention.copy_kv,
                 mesh=mesh,
+                stacked=scan_layers,
             )
         self.max_model_len = max_model_len
         self._compiled: dict[Bucket, jax.stages.Compiled] = {}

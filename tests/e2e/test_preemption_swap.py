@@ -121,3 +121,15 @@ def test_too_small_host_pool_falls_back_to_recompute(recompute):
     stats = small.stats()
     assert stats["swap_fallbacks"] > 0 and stats["recomputed_tokens"] > 0
     assert stats["swapped_out_requests"] + stats["swap_fallbacks"] <= stats["preemptions"]
+
+
+def test_swap_with_a_pool_per_layer(recompute):
+    """Unrolled layers (kernels.scan_layers false, the accelerators' default) keep a (K, V)
+    pool per layer: the swap copies move each layer's pages, with the same tokens."""
+    ps = prompts(8, seed=7)
+    want = recompute.generate(ps, PARAMS, use_tqdm=False)
+    unrolled = LLM(**CONFIG, preemption_mode="swap", scan_layers=False)
+    assert isinstance(unrolled.engine.runner.state.kv_caches, list)
+    got = run_checked(unrolled, ps)
+    assert list(got.values()) == [o.token_ids for o in want]
+    assert unrolled.stats()["swapped_out_requests"] > 0

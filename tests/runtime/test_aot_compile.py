@@ -116,10 +116,9 @@ def test_step_compiles_for_target(model_dir, target, family, tp, backend, kernel
         )
         assert b.decode_tokens_per_s == pytest.approx(b.num_seqs / b.roofline_seconds)
     assert rep.fits and rep.peak_bytes <= rep.memory_limit_bytes
-    # Attention went through the Pallas kernel (Mosaic / Triton), one call per layer, from
-    # one call site: the layers are a scan.
+    # Attention went through the Pallas kernel (Mosaic / Triton), one call per layer.
     hlo = build.runner.compiled_step(build.buckets[0]).as_text()
-    assert hlo.count(kernel_call) == 1 and hbm_traffic.kernel_calls(hlo) == spec.num_layers
+    assert kernel_call in hlo and hbm_traffic.kernel_calls(hlo) == spec.num_layers
     text = aot_report.format_report(rep)
     assert "(32, 8)" in text and text.splitlines()[-1].startswith("fits:")
 
