@@ -46,7 +46,7 @@ ratios of one run, not absolute numbers across runs.
     python scripts/bench_offline.py --systems jaxcb --dtype bfloat16 --repeats 5
     python scripts/bench_offline.py --num-requests 16 --json out/bench_offline.json
     python scripts/bench_offline.py --workload shared-prefix --systems jaxcb,vllm --vllm-python ..
-    python scripts/bench_offline.py --systems jaxcb --trace out/trace.json   # then plot_trace.py
+    python scripts/bench_offline.py --systems jaxcb --trace out/trace.json   # then plot_trace
     python scripts/bench_offline.py --workload shared-prefix --systems jaxcb --prefix-caching both
     python scripts/bench_offline.py --model smollm2-135m --workload chat-fixed --prefix-caching \
         off --vllm-python .. --llamacpp-server ../build/bin/llama-server --llamacpp-gguf f32,q4_1
@@ -195,7 +195,8 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace",
         type=Path,
-        help="write jaxcb's step trace of its last pass here (JSON; scripts/plot_trace.py)",
+        help="write jaxcb's step trace of its last pass here (JSON; the plot_trace benchmark "
+        "draws it)",
     )
 
 
