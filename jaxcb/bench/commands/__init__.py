@@ -94,7 +94,8 @@ def add_shared_args(parser: argparse.ArgumentParser, flags: SharedFlags) -> None
             "--dtype",
             default=flags.dtype,
             choices=["float32", "bfloat16"],
-            help="weights and activations (%(default)s)",
+            help="the model's weights and activations, or the arrays a micro-benchmark times "
+            "(%(default)s)",
         )
     if flags.config:
         group.add_argument("--config", type=Path, help=flags.config_help)
