@@ -32,16 +32,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-PROG = "python -m jaxcb.bench"
+from jaxcb.bench.cli import CONFIG_HELP, MODEL_HELP, args_record, machine_record
 
-MODEL_HELP = (
-    "a preset (bench-57m: Llama-shaped random weights; smollm2-135m: the real model; built "
-    "on first use) or a Hugging Face model directory"
-)
-CONFIG_HELP = (
-    "jaxcb YAML preset (default: the model's: configs/bench-cpu.yaml, "
-    "configs/bench-smollm2-cpu.yaml for smollm2-135m)"
-)
+PROG = "python -m jaxcb.bench"
 
 
 class UsageError(ValueError):
@@ -156,8 +149,6 @@ def write_record(
     path: Path, name: str, args: argparse.Namespace, machine: dict | None, record: dict
 ) -> None:
     """--json: the benchmark, its flags, the machine record, then what it recorded."""
-    from jaxcb.bench.cli import args_record
-
     body = dict(benchmark=name, args=args_record(args), machine=machine, **record)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(body, indent=2, default=str) + "\n")
@@ -179,8 +170,6 @@ def main(argv: list[str] | None = None) -> int:
     flags = getattr(module, "FLAGS", SharedFlags())
     machine = None
     if flags.machine:
-        from jaxcb.bench.cli import machine_record
-
         machine = machine_record()
     record: dict[str, Any] = {}
     try:
