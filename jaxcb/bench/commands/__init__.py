@@ -16,8 +16,8 @@ command). It holds:
 
 The entry point adds the shared flags, prints the machine line (the CPU, its flags, the ISA
 level jaxcb's kernels run at: `jaxcb.bench.cli.machine_record`) before `run`, and after it
-writes --json: the benchmark's name, the flags as given, the machine record, then `record`.
-Nothing outside `jaxcb/bench/` imports these modules.
+writes --json: `benchmark` (the name), `args` (the flags as parsed and checked), `machine`,
+then `record`'s own keys. Nothing outside `jaxcb/bench/` imports these modules.
 """
 
 from __future__ import annotations
@@ -148,7 +148,8 @@ def top_parser(names: list[str]) -> argparse.ArgumentParser:
 def write_record(
     path: Path, name: str, args: argparse.Namespace, machine: dict | None, record: dict
 ) -> None:
-    """--json: the benchmark, its flags, the machine record, then what it recorded."""
+    """--json: the benchmark, its flags, the machine record, then what it recorded (a key of
+    its own named like one of those three is an error, not an overwrite)."""
     body = dict(benchmark=name, args=args_record(args), machine=machine, **record)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(body, indent=2, default=str) + "\n")
