@@ -24,11 +24,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-try:
-    import jaxcb  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from jaxcb.server.router import POLICIES, Router, build_router_app
 
 SERVE = Path(__file__).resolve().with_name("serve.py")

@@ -1,8 +1,9 @@
-"""The docs stay true to the code: every config field documented, a short README that starts
-with the two commands CI runs, and no dead relative links.
+"""The docs stay true to the code: every config field documented, every benchmark and script
+given its home in docs/architecture.md, a short README that starts with the two commands CI
+runs, and no dead relative links.
 
-Pure text checks: they read `jaxcb/config.py`'s dataclasses (no jax, no model) and the
-Markdown files.
+Pure text checks: they read `jaxcb/config.py`'s dataclasses (no jax, no model), the file
+names under jaxcb/bench/ and scripts/, and the Markdown files.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 CONFIGURATION = DOCS / "configuration.md"
+ARCHITECTURE = DOCS / "architecture.md"
 
 README_MAX_LINES = 200
 # The two commands of the README's first code block, byte for byte: CI runs them (.ci/run).
@@ -129,6 +131,23 @@ def test_configuration_documents_no_unknown_field() -> None:
     assert documented - known == set()
 
 
+# ---- every benchmark and script has its home in architecture.md -------------------------
+
+
+def test_architecture_names_every_benchmark_and_script() -> None:
+    """The `jaxcb/bench/` row names each of its modules and each benchmark of commands/, the
+    `scripts/` row each script: a new or moved one is documented where it lives."""
+    rows = _table_rows(ARCHITECTURE.read_text())
+    bench, scripts = " ".join(rows["jaxcb/bench/"]), " ".join(rows["scripts/"])
+    modules = sorted(p.name for p in (ROOT / "jaxcb" / "bench").glob("*.py"))
+    commands = sorted(
+        p.stem for p in (ROOT / "jaxcb" / "bench" / "commands").glob("*.py") if p.stem[0] != "_"
+    )
+    assert [m for m in modules if m != "__init__.py" and f"`{m}`" not in bench] == []
+    assert [c for c in commands if f"`{c}`" not in bench] == []
+    assert [s.name for s in (ROOT / "scripts").glob("*.py") if f"`{s.name}`" not in scripts] == []
+
+
 # ---- README -----------------------------------------------------------------------------
 
 
@@ -190,7 +209,7 @@ def test_relative_link_resolves(source: str, target: str) -> None:
 def test_slug_matches_github() -> None:
     assert _slug("Checkpoints: Hugging Face or orbax") == "checkpoints-hugging-face-or-orbax"
     assert _slug("`parallel`: scaling out") == "parallel-scaling-out"
-    assert _slug("bench_offline.py") == "bench_offlinepy"
+    assert _slug("eval_ppl.py") == "eval_pplpy"
     assert _slug("Batching baselines: static, dynamic, continuous") == (
         "batching-baselines-static-dynamic-continuous"
     )

@@ -11,6 +11,8 @@ functions included), so that a lazy import cannot hide a loop:
                         no jax, runtime, models, server, bench
     production code     (all of jaxcb but jaxcb.bench) never imports jaxcb.bench: the server
                         owns its HTTP client, the engine the step-trace format
+    bench commands      jaxcb/bench/commands/ (the benchmarks) is imported by nothing in
+                        jaxcb.bench but itself and the entry point, `python -m jaxcb.bench`
     no cycles           no module reaches itself through imports, lazy ones included (a
                         package's own __init__ excepted: importing jaxcb.x imports jaxcb)
     leaves              config, sampling_params, structured_outputs, outputs, paths,
@@ -151,6 +153,13 @@ def test_import_direction(rule: str) -> None:
 def test_production_code_never_imports_the_benchmarks() -> None:
     bad = offenders("jaxcb", ["jaxcb.bench"])
     assert {name: hits for name, hits in bad.items() if not within(name, "jaxcb.bench")} == {}
+
+
+def test_the_benchmark_library_never_imports_the_commands() -> None:
+    """jaxcb/bench/commands/ sits on top: only its own modules and the entry point import it."""
+    bad = offenders("jaxcb.bench", ["jaxcb.bench.commands"])
+    top = ("jaxcb.bench.commands", "jaxcb.bench.__main__")
+    assert {name: hits for name, hits in bad.items() if not any(within(name, t) for t in top)} == {}
 
 
 def _resolve(imported: str) -> str | None:

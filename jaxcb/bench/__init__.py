@@ -1,4 +1,5 @@
-"""Benchmark building blocks shared by scripts/bench_*.py: models, workloads, peer systems.
+"""The benchmarks, `python -m jaxcb.bench NAME` (one module each in commands/), and their
+building blocks: models, workloads, peer systems, clients, reports, plots.
 
-Nothing here is imported by the engine; these modules may import torch and transformers.
+Nothing in the engine imports this package; these modules may import torch and transformers.
 """

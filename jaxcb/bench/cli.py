@@ -1,5 +1,7 @@
-"""Flags and set-up the offline benchmark scripts share (bench_offline, compare_batching,
-sweep_buckets): model, workload, dtype, jaxcb preset and one flag per jaxcb config field."""
+"""Flags and set-up the benchmarks that serve a workload in-process share (offline,
+compare_batching, sweep_buckets, single_stream, profile, scheduling): the model presets and
+their jaxcb presets, the workload, one flag per jaxcb config field, llama.cpp's flags; and
+the records every benchmark's --json holds (the machine, the flags)."""
 
 from __future__ import annotations
 
@@ -18,8 +20,17 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = CONFIGS / "bench-cpu.yaml"
 #: model preset -> its jaxcb preset when --config is not given (else DEFAULT_CONFIG)
 MODEL_CONFIGS = {"smollm2-135m": CONFIGS / "bench-smollm2-cpu.yaml"}
-#: Config fields the scripts set themselves (or have their own flag for).
+#: Config fields the benchmarks set themselves (or have their own flag for).
 OWN_FIELDS = ("model", "dtype")
+#: --model and --config as the benchmarks that take a preset say them.
+MODEL_HELP = (
+    "a preset (bench-57m: Llama-shaped random weights; smollm2-135m: the real model; built "
+    "on first use) or a Hugging Face model dir"
+)
+CONFIG_HELP = (
+    f"jaxcb YAML preset (default: {DEFAULT_CONFIG.name}; "
+    f"{MODEL_CONFIGS['smollm2-135m'].name} for smollm2-135m)"
+)
 
 
 def make_log() -> Callable[[str], None]:
@@ -35,13 +46,8 @@ def make_log() -> Callable[[str], None]:
 def add_workload_args(
     parser: argparse.ArgumentParser, *, default_workload: str, jaxcb_model: bool = False
 ) -> None:
-    """--model, --workload and the like; `jaxcb_model`: also --jaxcb-model (scripts whose
-    jaxcb system honours it)."""
-    parser.add_argument(
-        "--model",
-        help="a preset (bench-57m, the default; smollm2-135m, the real model) or a Hugging Face "
-        "model dir",
-    )
+    """--workload and the like (--model, --dtype and --config are the family's shared flags);
+    `jaxcb_model`: also --jaxcb-model (benchmarks whose jaxcb system honours it)."""
     if jaxcb_model:
         parser.add_argument(
             "--jaxcb-model",
@@ -59,22 +65,10 @@ def add_workload_args(
         "--num-requests", type=int, help="serve only the first N requests (quick runs)"
     )
     parser.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16"],
-        help="weights/activations (%(default)s)",
-    )
-    parser.add_argument(
         "--warmup-requests",
         type=int,
         default=4,
         help="first N requests served untimed before timing (%(default)s)",
-    )
-    parser.add_argument(
-        "--config",
-        type=Path,
-        help=f"jaxcb YAML preset (default: {DEFAULT_CONFIG.name}; "
-        f"{MODEL_CONFIGS['smollm2-135m'].name} for smollm2-135m)",
     )
 
 

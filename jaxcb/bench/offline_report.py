@@ -1,4 +1,5 @@
-"""The report of scripts/bench_offline.py: medians per system, ratios to jaxcb, agreement.
+"""The report of `python -m jaxcb.bench offline`: medians per system, ratios to jaxcb,
+agreement.
 
 Everything here works on what the passes left behind (each pass's record, each system's last
 `PassResult`, each system's `info()`), so it runs after every system is closed; the printing

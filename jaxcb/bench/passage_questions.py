@@ -1,5 +1,5 @@
-"""A shared-prefix workload for offline ordering (scripts/bench_scheduling.py order): several
-questions about each of N passages, shuffled.
+"""A shared-prefix workload for offline ordering (`python -m jaxcb.bench scheduling order`):
+several questions about each of N passages, shuffled.
 
 Each request is one user message, the passage first and its question after it, through the
 model's chat template, so every question about a passage shares the template's header and

@@ -5,8 +5,8 @@ plot_trace      a step trace (jaxcb.engine.step_trace): steps on x, the bucket's
                 padding grey (a padded-batch baseline's batch padding darker than the
                 bucket's rounding), the step's token budget as a line when the ITL
                 controller set it; KV pages in use and preemptions below
-plot_batching   scripts/compare_batching.py: throughput, padding tokens, mean TTFT per mode
-plot_sweep      scripts/sweep_buckets.py: compile seconds, padding, throughput, latency per
+plot_batching   the compare_batching benchmark: throughput, padding tokens, mean TTFT per mode
+plot_sweep      the sweep_buckets benchmark: compile seconds, padding, throughput, latency per
                 bucket set
 
 The figures are built with the object-oriented API on an Agg canvas, never through pyplot,

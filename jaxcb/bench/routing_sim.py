@@ -1,6 +1,6 @@
 """A routing simulation: many replicas, a synthetic trace of requests that share prefixes, and
 the router's own policies (jaxcb/server/router.py's `Router.choose`) deciding where each goes.
-What scripts/simulate_routing.py runs; what it leaves out is said here.
+What `python -m jaxcb.bench simulate_routing` runs; what it leaves out is said here.
 
 Trace (`synthetic_trace`): `num_groups` prefix groups (a system prompt, a document, a
 conversation so far), each `prefix_len` tokens; group popularity is Zipf(`zipf_s`) (a few

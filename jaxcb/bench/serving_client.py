@@ -1,5 +1,5 @@
-"""The client side of scripts/bench_serving.py: request datasets, arrival times, and a small
-asyncio HTTP/1.1 client that streams an OpenAI-compatible completion and timestamps it.
+"""The client side of `python -m jaxcb.bench serving`: request datasets, arrival times, and a
+small asyncio HTTP/1.1 client that streams an OpenAI-compatible completion and timestamps it.
 
 It talks to any OpenAI-compatible server (jaxcb, `vllm serve`, TGI) with the standard library
 alone: one connection per request, `"stream": true` with `stream_options.include_usage`,

@@ -18,7 +18,7 @@ flattering number.
 
 The systems live one family per module (jaxcb_system.py, hf_systems.py, vllm_system.py,
 llamacpp_system.py) on the shared pieces of base.py; this module registers them and
-re-exports what the scripts use.
+re-exports what the benchmarks use.
 """
 
 from __future__ import annotations

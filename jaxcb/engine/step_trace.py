@@ -7,8 +7,8 @@ requests preempted, and the token budget the step was scheduled under (`token_bu
 ITL controller's choice when `itl_target_ms` is set, else max_num_batched_tokens). This
 module records such a list around any piece of work, saves it with what a reader needs to
 interpret it (buckets, pool size, batching mode, model), and loads it back;
-`jaxcb.bench.plots.plot_trace` draws it (`scripts/plot_trace.py`). A server writes one of
-all its steps with `serve.py --step-trace PATH`.
+`jaxcb.bench.plots.plot_trace` draws it (`python -m jaxcb.bench plot_trace`). A server
+writes one of all its steps with `serve.py --step-trace PATH`.
 
     with recording(llm) as steps:
         llm.generate(prompts, params)

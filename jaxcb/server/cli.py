@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="PATH",
         help="keep every engine step's record and write them on shutdown as a step trace "
-        "(JSON; scripts/plot_trace.py draws it, the ITL controller's budget included)",
+        "(JSON; `python -m jaxcb.bench plot_trace` draws it, the ITL controller's budget "
+        "included)",
     )
     server.add_argument(
         "--chat-template",

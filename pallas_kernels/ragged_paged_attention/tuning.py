@@ -6,7 +6,8 @@ sequences) times the `G = num_q_heads // num_kv_heads` query heads that share a 
 the kernels multiply `[num_queries_per_block * G, head_dim]` query tiles. A *KV block* is
 `num_kv_pages_per_block` pages, `num_kv_pages_per_block * page_size` tokens.
 
-Why these numbers (starting points, to be re-tuned on hardware with scripts/bench_kernels.py):
+Why these numbers (starting points, to be re-tuned on hardware with
+`python -m jaxcb.bench kernels`):
 - TPU: the KV block is the lane dim of the score tile, so aim at 128..256 tokens (a multiple
   of 128 lanes); the query block is a multiple of 8 sublanes. Small query blocks keep the
   wasted MXU rows of decode-heavy batches (one useful token per sequence) low.

@@ -109,15 +109,10 @@ def test_trace_saves_loads_and_plots(runs, tmp_path):
     width, height = struct.unpack(">II", data[16:24])
     assert width > 500 and height > 300
 
-    import importlib.util
-    from pathlib import Path
+    from jaxcb.bench.commands import main
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "plot_trace.py"
-    spec = importlib.util.spec_from_file_location("plot_trace", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.main([str(path), "--steps", "2:", "-o", str(tmp_path / "z.png")]) == 0
+    assert main(["plot_trace", str(path), "--steps", "2:", "-o", str(tmp_path / "z.png")]) == 0
     assert (tmp_path / "z.png").read_bytes()[:4] == b"\x89PNG"
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(SystemExit):
-        module.main([str(tmp_path / "bad.json")])
+        main(["plot_trace", str(tmp_path / "bad.json")])

@@ -1,9 +1,9 @@
 """Batching baselines: static and dynamic batching of padded batches, on jaxcb's own engine.
 
 They exist to be compared with the real scheduler (`scheduler.batching`: continuous | static
-| dynamic; `scripts/compare_batching.py`). Both are `BaseScheduler`s (scheduler.py), as the
-continuous `Scheduler` is, so `LLMEngine` runs them unchanged; `factory.make_scheduler` picks
-one from the config.
+| dynamic; `python -m jaxcb.bench compare_batching`). Both are `BaseScheduler`s
+(scheduler.py), as the continuous `Scheduler` is, so `LLMEngine` runs them unchanged;
+`factory.make_scheduler` picks one from the config.
 
 Both model a *padded batch*: a rectangle of `rows x width` token slots in which every row is one
 request, and every slot a real token does not fill is padding that still costs compute. The

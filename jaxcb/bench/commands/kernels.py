@@ -10,10 +10,10 @@ bandwidth over the *ideal* traffic (q and out once, each sequence's K/V once per
 the achieved TFLOP/s over the *useful* causal work (4 * head_dim flops per visible
 (query head, key) pair), plus the kernel's max abs difference from the reference.
 
-    python scripts/bench_kernels.py                       # defaults for the backend present
-    python scripts/bench_kernels.py --mixes decode --num-seqs 64,256 --kv-lens 1024,8192 \\
-        --json out/bench_kernels.json
-    python scripts/bench_kernels.py --kv-cache-dtype int8     # quantized pages + their scales
+    python -m jaxcb.bench kernels                       # defaults for the backend present
+    python -m jaxcb.bench kernels --mixes decode --num-seqs 64,256 --kv-lens 1024,8192 \\
+        --json out/kernels.json
+    python -m jaxcb.bench kernels --kv-cache-dtype int8     # quantized pages + their scales
 
 With --kv-cache-dtype int8 / fp8_e4m3 / fp8_e5m2 the pages hold codes and a float32 scale per
 token and KV head (kv_quant.py), which every implementation reads; the ideal traffic counts
@@ -24,26 +24,24 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import pathlib
-import statistics
-import sys
-import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-try:
-    import pallas_kernels  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
+from jaxcb import native
+from jaxcb.bench.commands import SharedFlags
+from jaxcb.bench.timing import time_calls
 from pallas_kernels.ragged_paged_attention import (
     quantize_rows,
     ragged_paged_attention,
     ragged_paged_attention_reference,
+)
+
+DESCRIPTION = "ragged paged attention: the reference against the backend's kernels"
+FLAGS = SharedFlags(
+    repeats=10, repeats_help="timed calls per point", repeats_alias="--iters", dtype="bfloat16"
 )
 
 MIXES = {
@@ -62,10 +60,7 @@ DEFAULT_GRID = {
 }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mixes",
         default="decode,prefill,mixed",
@@ -80,7 +75,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
@@ -89,17 +83,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--sliding-window", type=int, default=None)
     parser.add_argument("--soft-cap", type=float, default=None)
-    parser.add_argument("--iters", type=int, default=10, help="timed calls per point (median)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls after compiling")
-    parser.add_argument("--json", type=pathlib.Path, help="also write the results here")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     unknown = set(args.mixes.split(",")) - set(MIXES)
     if unknown:
         parser.error(f"unknown --mixes {sorted(unknown)}; choose from {sorted(MIXES)}")
     if args.num_q_heads % args.num_kv_heads:
         parser.error(f"{args.num_q_heads=} must be divisible by {args.num_kv_heads=}")
-    return args
 
 
 def make_inputs(args, mix: str, num_seqs: int, kv_len: int, key: jax.Array):
@@ -143,19 +136,6 @@ def make_inputs(args, mix: str, num_seqs: int, kv_len: int, key: jax.Array):
     return (inputs, scales), num_tokens, q_bytes + kv_bytes, flops
 
 
-def time_fn(fn, inputs, iters: int, warmup: int) -> tuple[float, jax.Array]:
-    args, scales = inputs
-    out = fn(*args, **scales).block_until_ready()  # compile
-    for _ in range(warmup):
-        fn(*args, **scales).block_until_ready()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn(*args, **scales).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), out
-
-
 def attention_impls(args: argparse.Namespace, kernel_backend: str | None) -> dict[str, Any]:
     """The jitted implementations to time, by name: the reference, then the backend's kernel
     (GPU/TPU) or the engine's CPU paths ("xla", and "native" where it is built)."""
@@ -171,11 +151,7 @@ def attention_impls(args: argparse.Namespace, kernel_backend: str | None) -> dic
         from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 
         impls["xla"] = jax.jit(functools.partial(ragged_paged_attention_xla, **attention))
-        try:
-            from jaxcb import native
-        except ImportError:  # pallas_kernels installed without jaxcb
-            native = None
-        if native is not None and native.available():
+        if native.available():
             impls["native"] = jax.jit(
                 functools.partial(native.ragged_paged_attention_native, **attention)
             )
@@ -193,10 +169,15 @@ def bench_point(
     """Time every implementation on one (mix, num_seqs, kv_len) point; print and return a
     record per implementation."""
     inputs, num_tokens, nbytes, flops = make_inputs(args, mix, num_seqs, kv_len, key)
-    results = {name: time_fn(fn, inputs, args.iters, args.warmup) for name, fn in impls.items()}
-    ref_seconds, ref_out = results["reference"]
+    arrays, scales = inputs
+    results = {
+        name: time_calls(fn, arrays, iters=args.repeats, warmup=args.warmup, kwargs=scales)
+        for name, fn in impls.items()
+    }
+    ref_seconds, ref_out = results["reference"].median, results["reference"].output
     records = []
-    for name, (seconds, out) in results.items():
+    for name, timing in results.items():
+        seconds, out = timing.median, timing.output
         err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref_out.astype(jnp.float32))))
         record = dict(
             mix=mix,
@@ -220,8 +201,7 @@ def bench_point(
     return records
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
     platform = jax.default_backend()
     kernel_backend = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(platform)
     grid = DEFAULT_GRID["cpu" if kernel_backend is None else "accelerator"]
@@ -252,19 +232,10 @@ def main(argv: list[str] | None = None) -> int:
             for kv_len in kv_lens:
                 key, sub = jax.random.split(key)
                 records += bench_point(args, impls, mix, num_seqs, kv_len, sub)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = dict(
-            device=device.device_kind,
-            platform=platform,
-            jax=jax.__version__,
-            kernel_backend=kernel_backend,
-            args={k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()},
-        )
-        args.json.write_text(json.dumps(dict(meta=meta, results=records), indent=2) + "\n")
-        print(f"wrote {args.json}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    record["meta"] = dict(
+        device=device.device_kind,
+        platform=platform,
+        jax=jax.__version__,
+        kernel_backend=kernel_backend,
+    )
+    record["results"] = records

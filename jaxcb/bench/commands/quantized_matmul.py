@@ -11,30 +11,23 @@ that is materialized reads and writes a float copy every call and is slower than
 Forms (models/quant.py): bf16 (the model dtype), int8 (groups of 32 with a minimum: the CPU
 form), int8_channel (per output channel: the GPU/TPU form), fp8 (e4m3, per channel).
 
-    python scripts/bench_quantized_matmul.py                     # Llama-3-8B shapes
-    python scripts/bench_quantized_matmul.py --rows 1,64 --hidden 576 --intermediate 1536 \\
-        --heads 9 --kv-heads 3 --head-dim 64                      # SmolLM2-135M shapes
+    python -m jaxcb.bench quantized_matmul                     # Llama-3-8B shapes
+    python -m jaxcb.bench quantized_matmul --rows 1,64 --hidden 576 --intermediate 1536 \\
+        --heads 9 --kv-heads 3 --head-dim 64                    # SmolLM2-135M shapes
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
-import pathlib
-import statistics
-import sys
-import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-try:
-    import jaxcb  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
+from jaxcb.bench.commands import SharedFlags
+from jaxcb.bench.timing import median_seconds
 from jaxcb.models.layers import dense
 from jaxcb.models.quant import (
     quantize_fp8,
@@ -46,11 +39,11 @@ from jaxcb.models.quant import (
 
 FORMS = ("bf16", "int8", "int8_channel", "fp8")
 
+DESCRIPTION = "a Llama layer's matmuls with each weight form (bf16, int8, fp8) through XLA"
+FLAGS = SharedFlags(repeats=10, repeats_help="timed calls", repeats_alias="--iters")
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", default="1,16,64,256", help="comma list of T (rows of x)")
     parser.add_argument("--forms", default=",".join(FORMS), help=f"comma list of {FORMS}")
     parser.add_argument("--hidden", type=int, default=4096)
@@ -59,13 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--layers", type=int, default=16, help="layers chained in one call")
-    parser.add_argument("--iters", type=int, default=10, help="timed calls (median)")
-    parser.add_argument("--json", type=pathlib.Path, help="also write the results here")
-    args = parser.parse_args(argv)
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     unknown = set(args.forms.split(",")) - set(FORMS)
     if unknown:
         parser.error(f"unknown --forms {sorted(unknown)}; choose from {list(FORMS)}")
-    return args
 
 
 def layer_shapes(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
@@ -104,19 +96,7 @@ def layers(x: jax.Array, w, *, num_layers: int, q_width: int, intermediate: int)
     return x
 
 
-def time_call(fn, iters: int) -> float:
-    fn().block_until_ready()  # compile
-    fn().block_until_ready()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn().block_until_ready()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
     rows = [int(r) for r in args.rows.split(",")]
     forms = args.forms.split(",")
     device = jax.devices()[0]
@@ -132,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = weight_bytes(weights)
         for t in rows:
             x = jnp.asarray(rng.standard_normal((t, args.hidden), np.float32))
-            run = functools.partial(
+            call = functools.partial(
                 layers,
                 x,
                 weights,
@@ -140,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 q_width=args.heads * args.head_dim,
                 intermediate=args.intermediate,
             )
-            seconds = time_call(run, args.iters) / args.layers
+            seconds = median_seconds(call, (), args.repeats) / args.layers
             ms = seconds * 1e3
             bf16_ms.setdefault(t, ms if form == "bf16" else None)
             ratio = bf16_ms[t] / ms if bf16_ms.get(t) else float("nan")
@@ -150,13 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             records.append(dict(form=form, rows=t, ms=ms, weight_bytes=nbytes, vs_bf16=ratio))
         del weights
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = dict(device=device.device_kind, platform=jax.default_backend(), jax=jax.__version__)
-        args.json.write_text(json.dumps(dict(meta=meta, results=records), indent=2) + "\n")
-        print(f"wrote {args.json}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    record["meta"] = dict(
+        device=device.device_kind, platform=jax.default_backend(), jax=jax.__version__
+    )
+    record["results"] = records

@@ -1,4 +1,5 @@
-"""bench_serving's metrics on synthetic timestamps, and its client against a fake server.
+"""The serving benchmark's metrics on synthetic timestamps, and its client against a fake
+server.
 
 The fake server (asyncio, standard library) streams server-sent events with chosen delays in
 a chunked body, so the client's timing, parsing and the metrics are checked end to end with
@@ -7,15 +8,15 @@ no engine, in well under a second.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from jaxcb.bench.commands import command_parser, load
 from jaxcb.bench.serving_client import (
     Endpoint,
     SampleRequest,
@@ -32,8 +33,6 @@ from jaxcb.bench.serving_metrics import (
     parse_goodput,
     peak_concurrency,
 )
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
 
 
 def synthetic() -> list[RequestResult]:
@@ -264,15 +263,21 @@ def test_client_reports_http_errors():
     assert not result.success and "404" in result.error and "bad model" in result.error
 
 
-def test_script_flags():
-    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    args = module.parse_args(
+def parse_serving_flags(argv: list[str]) -> argparse.Namespace:
+    """The serving benchmark's flags as the entry point parses and checks them."""
+    serving = load("serving")
+    parser = command_parser("serving", serving)
+    args = parser.parse_args(argv)
+    serving.check_args(parser, args)
+    return args
+
+
+def test_serving_flags():
+    args = parse_serving_flags(
         ["--port", "9", "--goodput", "ttft:500", "tpot:50", "--metric-percentiles", "50,99"]
     )
     assert args.base_url == "http://127.0.0.1:9" and args.goodput_slos == {"ttft": 500, "tpot": 50}
     assert args.percentiles == [50.0, 99.0] and args.request_rate == math.inf
     for bad in (["--goodput", "ttft"], ["--dataset-name", "sharegpt"], ["--num-prompts", "0"]):
         with pytest.raises(SystemExit):
-            module.parse_args(bad)
+            parse_serving_flags(bad)

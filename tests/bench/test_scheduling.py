@@ -1,25 +1,16 @@
-"""scripts/bench_scheduling.py: `order` end to end on a tiny model (one engine, three orders),
-and its flag checks."""
+"""`python -m jaxcb.bench scheduling`: `order` end to end on a tiny model (one engine, three
+orders), and its flag checks."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 from helpers import make_hf_model
 
+from jaxcb.bench.commands import main
 from jaxcb.bench.passage_questions import passage_questions
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_scheduling.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_scheduling", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_order_writes_json_with_identical_tokens(tmp_path):
@@ -31,7 +22,7 @@ def test_order_writes_json_with_identical_tokens(tmp_path):
             "--warmup-requests", "1", "--json", str(out), "--max-num-seqs", "4",
             "--max-num-batched-tokens", "32", "--token-buckets", "32", "--page-size", "8",
             "--num-pages", "96"]  # fmt: skip
-    assert load_script().main(argv) == 0
+    assert main(["scheduling", *argv]) == 0
     record = json.loads(out.read_text())
     assert record["knob"] == "order" and record["workload"]["num_requests"] == 9
     rows = {r["variant"]: r for r in record["summary"]}
@@ -47,16 +38,19 @@ def test_order_writes_json_with_identical_tokens(tmp_path):
     assert record["engines"]["engine"]["kv_pages_total"] == 96
 
 
-def test_bad_flags_are_errors():
-    script = load_script()
-    for argv in (
-        ["order", "--variants", "arrival,lifo"],
-        ["swap", "--variants", "recompute,arrival"],
-        ["admission", "--repeats", "0"],
-        ["nope"],
+def test_bad_flags_are_errors(capsys):
+    for argv, message in (
+        (["order", "--variants", "arrival,lifo"], "unknown --variants ['lifo']"),
+        (["swap", "--variants", "recompute,arrival"], "unknown --variants ['arrival']"),
+        (["admission", "--repeats", "0"], "--repeats: must be >= 1"),
+        (["nope"], "invalid choice: 'nope'"),
+        (["order", "--workload", "chat-fixed"], "--workload and --num-requests are admission"),
+        (["swap", "--num-passages", "4"], "--num-passages: order's flags, not swap's"),
+        (["admission", "--pool-fraction", "0"], "--pool-fraction must be > 0"),
     ):
         with pytest.raises(SystemExit):
-            script.main(argv)
+            main(["scheduling", *argv])
+        assert message in capsys.readouterr().err
 
 
 def test_passage_questions_share_each_passage():

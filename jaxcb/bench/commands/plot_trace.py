@@ -8,28 +8,28 @@ rounding up); a black line is each step's token budget when the ITL controller c
 
 A trace comes from any run that records one:
 
-    python scripts/bench_offline.py --systems jaxcb --num-requests 32 --trace out/trace.json
-    python scripts/compare_batching.py --trace-dir out/traces        # one per batching mode
-    python scripts/plot_trace.py out/trace.json -o out/trace.png
-    python scripts/plot_trace.py out/trace.json --steps 0:200        # zoom on the first 200
+    python -m jaxcb.bench offline --systems jaxcb --num-requests 32 --trace out/trace.json
+    python -m jaxcb.bench compare_batching --trace-dir out/traces   # one per batching mode
+    python -m jaxcb.bench plot_trace out/trace.json -o out/trace.png
+    python -m jaxcb.bench plot_trace out/trace.json --steps 0:200    # zoom on the first 200
 
-or from Python: `with jaxcb.engine.step_trace.recording(llm) as steps: llm.generate(...)`, then
-`save_trace(path, steps, trace_meta(llm))`.
+or from a server (`--step-trace PATH`), or from Python: `with
+jaxcb.engine.step_trace.recording(llm) as steps: llm.generate(...)`, then `save_trace(path,
+steps, trace_meta(llm))`.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
+from typing import Any
 
-try:
-    import jaxcb  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from jaxcb.bench.commands import SharedFlags, UsageError
 from jaxcb.bench.plots import plot_trace, require_matplotlib
 from jaxcb.engine.step_trace import load_trace, summarize_trace
+
+DESCRIPTION = "draw a step trace as a PNG: each step's bucket, tokens by request, KV pages"
+FLAGS = SharedFlags(json=False, machine=False)  # a drawing: nothing measured here
 
 
 def parse_steps(text: str) -> tuple[int, int | None]:
@@ -43,26 +43,28 @@ def parse_steps(text: str) -> tuple[int, int | None]:
         raise argparse.ArgumentTypeError(f"--steps wants integers A:B, got {text!r}") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", type=Path, help="a step trace JSON file")
     parser.add_argument("-o", "--output", type=Path, help="PNG to write (default: TRACE.png)")
     parser.add_argument("--steps", type=parse_steps, default=(0, None), help="A:B, a range")
     parser.add_argument("--title", help="figure title (default: mode, requests, padding)")
-    args = parser.parse_args(argv)
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     try:
         require_matplotlib()
-        trace = load_trace(args.trace)
-    except (ImportError, ValueError) as exc:
+    except ImportError as exc:
         parser.error(str(exc))
+
+
+def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
     output = args.output or args.trace.with_suffix(".png")
     first, last = args.steps
     try:
+        trace = load_trace(args.trace)
         plot_trace(trace, output, first_step=first, last_step=last, title=args.title)
     except ValueError as exc:
-        parser.error(str(exc))
+        raise UsageError(str(exc)) from None
     s = summarize_trace(trace["steps"][first:last])
     print(
         f"{output}: {s['steps']} steps, {s['tokens']:,} tokens ({s['prefill_tokens']:,} "
@@ -77,8 +79,3 @@ def main(argv: list[str] | None = None) -> int:
             f"token budget (ITL target {trace['meta'].get('itl_target_ms')} ms): "
             f"{min(budgets)}..{max(budgets)}, mean {sum(budgets) / len(budgets):.0f}"
         )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,18 +1,20 @@
 """The real-model benchmark pieces without the real model or any peer: the chat workloads
 (deterministic, chat-templated by the model's own tokenizer), natural-length checks, the
-llama.cpp system against a stand-in llama-server, and the scripts' new flags."""
+llama.cpp system against a stand-in llama-server, and the benchmarks' flags for them."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import REPO
 
 from jaxcb.bench.base import check_lengths, cut_at_stop
+from jaxcb.bench.commands import command_parser, load, main
+from jaxcb.bench.commands.single_stream import paired, parse_llama_bench
 from jaxcb.bench.llamacpp_system import LlamaCppSystem, completion_payload, parse_completion
 from jaxcb.bench.models import MODEL_PRESETS, save_word_tokenizer
 from jaxcb.bench.smollm2 import resolve_gguf
@@ -20,15 +22,6 @@ from jaxcb.bench.systems import BenchContext
 from jaxcb.bench.text_workload import Topic, take_passage
 from jaxcb.bench.workloads import TEXT_FIXED_LEN, BenchRequest, make_workload, single_request
 from jaxcb.models.loading.default_model import default_model_dir
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -230,14 +223,14 @@ def test_llamacpp_system_natural_lengths_and_bad_answers(tmp_path, chat_model):
         parse_completion({"error": {"code": 500}}, request)
 
 
-def test_bench_offline_with_two_gguf_rows(tmp_path, chat_model, capsys):
+def test_offline_with_two_gguf_rows(tmp_path, chat_model, capsys):
     binary, path = fake_llama_server(tmp_path)
     out = tmp_path / "bench.json"
     argv = ["--model", str(chat_model), "--workload", "chat-fixed", "--num-requests", "2",
             "--systems", "llama.cpp", "--llamacpp-server", str(binary), "--llamacpp-gguf",
             f"{path},{path}", "--repeats", "2", "--no-roofline", "--warmup-requests", "1",
             "--json", str(out)]  # fmt: skip
-    assert load("bench_offline").main(argv) == 0
+    assert main(["offline", *argv]) == 0
     record = json.loads(out.read_text())
     medians = {m["system"]: m for m in record["medians"]}
     assert set(medians) == {"llama.cpp", f"llama.cpp-{path.name}"}
@@ -249,7 +242,7 @@ def test_bench_offline_with_two_gguf_rows(tmp_path, chat_model, capsys):
 def test_flags_and_presets(tmp_path, chat_model):
     assert "smollm2-135m" in MODEL_PRESETS
     with pytest.raises(SystemExit):
-        load("bench_offline").parse_args(["--systems", "jaxcb,llama.cpp"])  # no server given
+        main(["offline", "--systems", "jaxcb,llama.cpp"])  # no server given
     some = tmp_path / "x.gguf"
     some.write_bytes(b"GGUF")
     assert resolve_gguf(tmp_path, str(some)) == some
@@ -258,36 +251,36 @@ def test_flags_and_presets(tmp_path, chat_model):
     with pytest.raises(ValueError, match="no such file"):
         resolve_gguf(tmp_path, str(tmp_path / "missing.gguf"))
 
-    serving = load("bench_serving")
-    args = serving.parse_args(["--dataset-name", "chat", "--tokenizer", str(chat_model),
-                               "--num-prompts", "3"])  # fmt: skip
+    serving = load("serving")
+    parser = command_parser("serving", serving)
+    args = parser.parse_args(["--dataset-name", "chat", "--tokenizer", str(chat_model),
+                              "--num-prompts", "3"])  # fmt: skip
+    serving.check_args(parser, args)
     requests = serving.sample_requests(args)
     workload = make_workload("chat-fixed", num_requests=3, model_dir=chat_model)
     assert [r.prompt for r in requests] == [r.prompt_token_ids for r in workload.requests]
     assert [r.expected_output_len for r in requests] == [r.max_tokens for r in workload.requests]
     assert args.ignore_eos
 
-    single = load("bench_single_stream")
     one = single_request(workload, 256)
     assert len(one.requests) == 1 and one.requests[0].max_tokens == 256 and one.ignore_eos
     assert one.requests[0].prompt_token_ids in [r.prompt_token_ids for r in workload.requests]
     rows = [{"n_prompt": 0, "n_gen": 256, "avg_ts": 125.0, "stddev_ts": 1.5}]
-    assert single.parse_llama_bench(json.dumps(rows))["ms_per_token"] == pytest.approx(8.0)
+    assert parse_llama_bench(json.dumps(rows))["ms_per_token"] == pytest.approx(8.0)
     # paired turns: each pass's tok/s (decode, else wall) over the same round's llama-bench
-    ratio = single.paired([(8.0, 7.0), (8.0, None), (4.0, 5.0)], [125.0, 100.0, 250.0])
+    ratio = paired([(8.0, 7.0), (8.0, None), (4.0, 5.0)], [125.0, 100.0, 250.0])
     assert ratio == pytest.approx(dict(median=1000 / 7 / 125, min=0.8, max=1.25))
-    assert single.paired([(8.0, 7.0)], []) is None
+    assert paired([(8.0, 7.0)], []) is None
     with pytest.raises(SystemExit):  # --llama-bench needs a GGUF file to run
-        single.parse_args(["--systems", "jaxcb", "--llama-bench", str(tmp_path)])
+        main(["single_stream", "--systems", "jaxcb", "--llama-bench", str(tmp_path)])
 
 
-def test_bench_profile_splits_each_step_by_kind(tmp_path, chat_model):
-    """bench_profile.py on the tiny model: every step traced, its ops sorted into kinds."""
-    profile = load("bench_profile")
+def test_profile_splits_each_step_by_kind(tmp_path, chat_model):
+    """The profile benchmark on the tiny model: every step traced, its ops sorted into kinds."""
     out = tmp_path / "profile.json"
-    config = SCRIPTS.parent / "configs" / "tiny-cpu.yaml"
+    config = REPO / "configs" / "tiny-cpu.yaml"
     argv = ["--model", str(chat_model), "--config", str(config), "--single"]
-    assert profile.main([*argv, "--max-tokens", "6", "--json", str(out)]) == 0
+    assert main(["profile", *argv, "--max-tokens", "6", "--json", str(out)]) == 0
     record = json.loads(out.read_text())
     decode, prefill = record["phases"]["decode"], record["phases"]["prefill"]
     assert decode["steps"] == 5 and prefill["steps"] == 1 and len(record["steps"]) == 6

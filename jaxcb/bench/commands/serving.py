@@ -8,7 +8,7 @@ just before its POST: TTFT, TPOT, ITL and E2EL (mean, median, percentiles), thro
 goodput (shared/BENCHMARKS.md, "Metrics"). Greedy, `max_tokens` from the dataset.
 
     python scripts/serve.py --model DIR --port 8000 &                        # any server
-    python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --tokenizer DIR \\
+    python -m jaxcb.bench serving --base-url http://127.0.0.1:8000 --tokenizer DIR \\
         --dataset-name random --num-prompts 200 --random-input-len 128 \\
         --random-output-len 64 --random-range-ratio 0.5 --request-rate 4 --ignore-eos \\
         --goodput ttft:500 tpot:50 --seed 0 --save-result --result-dir out
@@ -16,14 +16,19 @@ goodput (shared/BENCHMARKS.md, "Metrics"). Greedy, `max_tokens` from the dataset
 Datasets: `random` sends token-id prompts (lengths exact whatever the tokenizer; the
 vocabulary size comes from --tokenizer's config or --vocab-size); `sharegpt` reads
 --dataset-path (a ShareGPT JSON file), filtered as vLLM filters it, and needs --tokenizer;
-`chat` sends the real chat requests of bench_offline.py's chat workloads (--chat-workload:
+`chat` sends the real chat requests of the offline benchmark's chat workloads (--chat-workload:
 chat-fixed, EOS ignored at drawn lengths, or chat-natural, to the end of the turn), as token
 ids chat-templated by --tokenizer (a preset such as smollm2-135m, or a model dir), in order.
 
     MODEL=$(python -m jaxcb.bench.models smollm2-135m)
     python scripts/serve.py --model $MODEL --config configs/serve-smollm2-cpu.yaml --port 8000 &
-    python scripts/bench_serving.py --port 8000 --tokenizer smollm2-135m --dataset-name chat \
+    python -m jaxcb.bench serving --port 8000 --tokenizer smollm2-135m --dataset-name chat \
         --num-prompts 128 --request-rate 2 --save-result --result-dir out
+
+The result (vLLM's keys: the metrics, every request's lengths, TTFT and ITLs, with the
+machine and the flags) goes to --json PATH, or with --save-result to --result-dir under
+vLLM's file name (--result-filename to choose). --model is the model name sent to the
+server, as in `vllm bench serve`, not a model to load.
 """
 
 from __future__ import annotations
@@ -38,12 +43,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-try:
-    import jaxcb  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from jaxcb.bench.cli import machine_record
+from jaxcb.bench.cli import resolve_model
 from jaxcb.bench.serving_client import (
     Endpoint,
     SampleRequest,
@@ -56,11 +56,10 @@ from jaxcb.bench.serving_client import (
 )
 from jaxcb.bench.serving_metrics import METRICS, calculate_metrics, format_report, parse_goodput
 
+DESCRIPTION = "any OpenAI-compatible server under load, `vllm bench serve`'s options and metrics"
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", help="server URL, e.g. http://127.0.0.1:8000 (or --host/--port)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -123,12 +122,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--disable-tqdm", action="store_true")
-    p.add_argument("--save-result", action="store_true", help="write the result JSON")
+    p.add_argument(
+        "--save-result",
+        action="store_true",
+        help="write the result to --result-dir under vLLM's file name (unless --json)",
+    )
     p.add_argument("--result-dir", type=Path, default=Path("."))
     p.add_argument("--result-filename", help="(default: BACKEND-RATEqps-MODEL-DATE.json)")
     p.add_argument("--label", default="openai", help="name of the server in the result")
     p.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE")
-    args = p.parse_args(argv)
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     try:
         args.goodput_slos = parse_goodput(args.goodput)
     except ValueError as exc:
@@ -149,7 +154,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.dataset_name == "chat" and not args.tokenizer:
         p.error("--dataset-name chat needs --tokenizer (e.g. smollm2-135m)")
     args.base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-    return args
 
 
 def load_tokenizer(path: str | None) -> Any:
@@ -157,15 +161,12 @@ def load_tokenizer(path: str | None) -> Any:
         return None
     from transformers import AutoTokenizer
 
-    from jaxcb.bench.cli import resolve_model
-
     return AutoTokenizer.from_pretrained(str(resolve_model(path)))
 
 
 def chat_requests(args: argparse.Namespace) -> list[SampleRequest]:
     """The first --num-prompts requests of --chat-workload, token ids; a fixed-length workload
     turns --ignore-eos on."""
-    from jaxcb.bench.cli import resolve_model
     from jaxcb.bench.workloads import make_workload
 
     workload = make_workload(
@@ -183,14 +184,12 @@ def chat_requests(args: argparse.Namespace) -> list[SampleRequest]:
 def vocab_size(args: argparse.Namespace, tokenizer: Any) -> int:
     if args.vocab_size:
         return args.vocab_size
-    from jaxcb.bench.cli import resolve_model
-
     config = resolve_model(args.tokenizer) / "config.json" if args.tokenizer else None
     if config is not None and config.is_file():
         return int(json.loads(config.read_text())["vocab_size"])
     if tokenizer is not None:
         return len(tokenizer)
-    raise SystemExit("bench_serving.py: the random dataset needs --tokenizer DIR or --vocab-size")
+    raise SystemExit("serving: the random dataset needs --tokenizer DIR or --vocab-size")
 
 
 def sample_requests(args: argparse.Namespace) -> list[SampleRequest]:
@@ -199,8 +198,7 @@ def sample_requests(args: argparse.Namespace) -> list[SampleRequest]:
         requests = chat_requests(args)
         if args.endpoint.endswith("chat/completions"):
             raise SystemExit(
-                "bench_serving.py: the chat dataset is already chat-templated: "
-                "send it to /v1/completions"
+                "serving: the chat dataset is already chat-templated: send it to /v1/completions"
             )
         return requests
     if args.dataset_name == "sharegpt":
@@ -223,7 +221,7 @@ def sample_requests(args: argparse.Namespace) -> list[SampleRequest]:
     )
     if args.endpoint.endswith("chat/completions"):  # chat takes text only
         if tokenizer is None:
-            raise SystemExit("bench_serving.py: the chat endpoint needs --tokenizer")
+            raise SystemExit("serving: the chat endpoint needs --tokenizer")
         for r in requests:
             r.prompt = tokenizer.decode(r.prompt)
     return requests
@@ -245,7 +243,7 @@ async def benchmark(args: argparse.Namespace, requests: list[SampleRequest]) -> 
     print("Starting initial single prompt test run...")
     test = await send_request(endpoint, requests[0], t0=time.perf_counter(), timeout=600)
     if not test.success:
-        raise SystemExit(f"bench_serving.py: the test request failed: {test.error}")
+        raise SystemExit(f"serving: the test request failed: {test.error}")
     print("Initial test run completed. Starting main benchmark run...")
     print(f"Traffic request rate: {args.request_rate}")
     print(
@@ -300,42 +298,32 @@ async def benchmark(args: argparse.Namespace, requests: list[SampleRequest]) -> 
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    machine = machine_record()  # the client's machine: the server's too when local
+def run(args: argparse.Namespace, record: dict[str, Any]) -> int:
+    """The run; the machine line is the client's machine (the server's too when local)."""
     requests = sample_requests(args)
     result = asyncio.run(benchmark(args, requests))
-    if args.save_result:
-        now = datetime.now()
-        record = dict(
-            date=now.strftime("%Y%m%d-%H%M%S"),
-            backend=args.label,
-            base_url=args.base_url,
-            endpoint=args.endpoint,
-            tokenizer_id=args.tokenizer,
-            dataset_name=args.dataset_name,
-            num_prompts=args.num_prompts,
-            request_rate=args.request_rate if args.request_rate != float("inf") else "inf",
-            burstiness=args.burstiness,
-            max_concurrency=args.max_concurrency,
-            goodput=args.goodput_slos,
-            seed=args.seed,
-            machine=machine,
-            **dict(kv.split("=", 1) for kv in args.metadata if "=" in kv),
-            **result,
-        )
+    record |= dict(
+        date=datetime.now().strftime("%Y%m%d-%H%M%S"),
+        backend=args.label,
+        base_url=args.base_url,
+        endpoint=args.endpoint,
+        tokenizer_id=args.tokenizer,
+        dataset_name=args.dataset_name,
+        num_prompts=args.num_prompts,
+        request_rate=args.request_rate if args.request_rate != float("inf") else "inf",
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        goodput=args.goodput_slos,
+        seed=args.seed,
+        **dict(kv.split("=", 1) for kv in args.metadata if "=" in kv),
+        **result,
+    )
+    if args.save_result and args.json is None:  # vLLM's file name, in --result-dir
         rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}"
         concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
         name = args.result_filename or (
             f"{args.label}-{rate}qps{concurrency}-{Path(result['model_id']).name}-"
             f"{record['date']}.json"
         )
-        args.result_dir.mkdir(parents=True, exist_ok=True)
-        path = args.result_dir / name
-        path.write_text(json.dumps(record, indent=2) + "\n")
-        print(f"saved {path}")
+        args.json = args.result_dir / name  # written by the entry point, as --json is
     return 0 if result["failed"] == 0 else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

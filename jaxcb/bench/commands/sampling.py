@@ -13,31 +13,26 @@ the vocabulary and every row leaves the candidate set (the old code's full sort,
 code's threshold search).
 
     git show 9529464:jaxcb/sampling.py > /tmp/sampling_old.py   # before issue 18: full sort
-    python scripts/bench_sampling.py --baseline /tmp/sampling_old.py
-    python scripts/bench_sampling.py --vocabs 49152 --mixes fallback --iters 3 --json out.json
+    python -m jaxcb.bench sampling --baseline /tmp/sampling_old.py
+    python -m jaxcb.bench sampling --vocabs 49152 --mixes fallback --repeats 3 --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import pathlib
-import statistics
-import sys
 import time
 from types import ModuleType
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-try:
-    import jaxcb  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
 from jaxcb import sampling
+from jaxcb.bench.commands import SharedFlags
+from jaxcb.bench.timing import time_interleaved
 
 #: name: (logits kind, temperature, top_k, top_p) per row, cycled over the rows.
 MIXES = {
@@ -47,20 +42,17 @@ MIXES = {
     "fallback": [("flat", 1.0, 0, 0.9)],
 }
 
+DESCRIPTION = "the jitted sampling function alone, against another copy of it (--baseline)"
+FLAGS = SharedFlags(repeats=5, repeats_help="timed calls per point", repeats_alias="--iters")
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocabs", default="32000,49152,128256,151936")
     parser.add_argument("--rows", type=int, default=128, help="sampled rows per call")
     parser.add_argument("--mixes", default=",".join(MIXES), help=f"comma list of {list(MIXES)}")
     parser.add_argument("--baseline", type=pathlib.Path, help="another sampling.py to time too")
-    parser.add_argument("--iters", type=int, default=5, help="timed calls per point (median)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls after compiling")
-    parser.add_argument("--json", type=pathlib.Path, help="also write the results here")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
 
 
 def load(path: pathlib.Path) -> ModuleType:
@@ -89,10 +81,9 @@ def make_inputs(mix: str, vocab: int, rows: int, seed: int) -> tuple[jax.Array, 
         rng_keys=jnp.asarray(np.stack([np.zeros(rows), np.arange(rows)], 1), jnp.uint32),
         sample_counters=jnp.zeros(rows, i32),
         flags=jnp.asarray([1, 0, 0, 0], i32),
-        penalty_args=(
-            jnp.zeros((rows, 4), i32),
-            jnp.zeros(rows, i32),
-            jnp.zeros(rows, i32),
+        penalty_args=(  # apply_penalties' arguments: no history (an id past the vocabulary)
+            jnp.full((rows, 1), 1 << 30, i32),
+            jnp.zeros((rows, 1), f32),
             jnp.zeros(rows, f32),
             jnp.zeros(rows, f32),
             jnp.ones(rows, f32),
@@ -108,23 +99,7 @@ def compile_impl(module: ModuleType, logits, kwargs) -> tuple[jax.stages.Compile
     return compiled, time.perf_counter() - start
 
 
-def time_impls(compiled: dict, logits, kwargs, iters: int, warmup: int) -> dict:
-    """Median ms per call of each compiled function, their calls interleaved so that
-    load from other processes falls on all of them alike; and each one's tokens."""
-    times = {name: [] for name in compiled}
-    tokens = {}
-    for i in range(warmup + iters):
-        for name, fn in compiled.items():
-            start = time.perf_counter()
-            out = jax.block_until_ready(fn(logits, **kwargs))
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-            tokens[name] = np.asarray(out.token_ids)
-    return {name: (1e3 * statistics.median(t), tokens[name]) for name, t in times.items()}
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
     impls = {"new": sampling}
     if args.baseline is not None:
         impls["old"] = load(args.baseline)
@@ -137,10 +112,14 @@ def main(argv: list[str] | None = None) -> int:
             compiled = {}
             for name, module in impls.items():  # cached after a vocabulary's first mix
                 compiled[name], point[f"{name}_compile_s"] = compile_impl(module, logits, kwargs)
-            for name, (ms, tokens) in time_impls(
-                compiled, logits, kwargs, args.iters, args.warmup
-            ).items():
-                point[f"{name}_ms"], point[f"{name}_tokens"] = ms, tokens
+            # the implementations' calls interleaved: load from other processes falls on
+            # all of them alike
+            timings = time_interleaved(
+                compiled, (logits,), iters=args.repeats, warmup=args.warmup, kwargs=kwargs
+            )
+            for name, timing in timings.items():
+                point[f"{name}_ms"] = 1e3 * timing.median
+                point[f"{name}_tokens"] = np.asarray(timing.output.token_ids)
             line = f"V={vocab:>6} {mix:>8}: new {point['new_ms']:8.1f} ms"
             if "old" in impls:
                 same = bool((point["new_tokens"] == point["old_tokens"]).all())
@@ -151,11 +130,6 @@ def main(argv: list[str] | None = None) -> int:
                     f"  same tokens: {'yes' if same else 'no'}"
                 )
             print(line, flush=True)
-            results.append({k: v for k, v in point.items() if not k.endswith("_tokens")})
-    if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+            drawn = {f"{name}_tokens" for name in impls}  # arrays: compared, not recorded
+            results.append({k: v for k, v in point.items() if k not in drawn})
+    record["results"] = results

@@ -10,47 +10,40 @@ ops (the thunk executor between ops), "dispatch" the run minus the span (PjRt's 
 handling, the launch, the result fetch), "host" the step minus the run (scheduling, packing
 the inputs, processing the outputs in Python).
 
-    python scripts/bench_profile.py --model smollm2-135m --workload chat-fixed --dtype float32
-    python scripts/bench_profile.py --model smollm2-135m --single --max-tokens 256
+    python -m jaxcb.bench profile --model smollm2-135m --workload chat-fixed --dtype float32
+    python -m jaxcb.bench profile --model smollm2-135m --single --max-tokens 256
+
+--json writes the per-phase means and every step's row.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
-
-try:
-    import jaxcb  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxcb.bench.cli import (
     add_config_overrides,
     add_workload_args,
-    args_record,
     config_overrides,
     load_model_and_workload,
-    machine_record,
     make_log,
 )
+from jaxcb.bench.commands import SharedFlags
 from jaxcb.bench.workloads import single_request
 from jaxcb.bench.xla_profile import KINDS, load_events, op_kinds, run_profiles
 from jaxcb.engine.step_trace import recording
+
+DESCRIPTION = "where a step's time goes on the CPU: XLA ops by kind per phase, beside the host's"
+FLAGS = SharedFlags(model=True, default_model="bench-57m", dtype="float32", config=True)
 
 log = make_log()
 COLUMNS = ("step", "execute", "span", *KINDS, "executor", "dispatch", "host")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser, jaxcb_model=True, default_workload="chat-fixed")
     parser.add_argument("--max-tokens", type=int, help="override every request's max_tokens")
     parser.add_argument(
@@ -58,9 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="one request alone (the workload's first short prompt, EOS ignored): single stream",
     )
-    parser.add_argument("--json", type=Path, help="write per-phase means and every step here")
     add_config_overrides(parser)
-    return parser.parse_args(argv)
 
 
 class StepTimer:
@@ -153,11 +144,9 @@ def print_phases(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
     from jaxcb import LLM, SamplingParams
 
-    args = parse_args(argv)
-    machine = machine_record()
     model_dir, _, workload = load_model_and_workload(args)
     if args.single:
         workload = single_request(workload, args.max_tokens or 256)
@@ -181,12 +170,4 @@ def main(argv: list[str] | None = None) -> int:
         "(ms per step; second line: share of the step. span: the executable's ops, first start "
         "to last end; executor: span - ops; dispatch: execute - span; host: step - execute)"
     )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        record = dict(args=args_record(args), machine=machine, phases=phases, steps=rows)
-        args.json.write_text(json.dumps(record, indent=1) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    record |= dict(phases=phases, steps=rows)

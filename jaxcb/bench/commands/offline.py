@@ -41,21 +41,21 @@ FLOPs utilisation against a matmul peak measured here on the model's own shapes,
 padding fraction, steps and compile seconds. The machine is shared and noisy: compare the
 ratios of one run, not absolute numbers across runs.
 
-    python scripts/bench_offline.py                               # jaxcb, hf-cb, hf-static
-    python scripts/bench_offline.py --vllm-python /work/vllm-venv/bin/python --dtype bfloat16
-    python scripts/bench_offline.py --systems jaxcb --dtype bfloat16 --repeats 5
-    python scripts/bench_offline.py --num-requests 16 --json out/bench_offline.json
-    python scripts/bench_offline.py --workload shared-prefix --systems jaxcb,vllm --vllm-python ..
-    python scripts/bench_offline.py --systems jaxcb --trace out/trace.json   # then plot_trace.py
-    python scripts/bench_offline.py --workload shared-prefix --systems jaxcb --prefix-caching both
-    python scripts/bench_offline.py --model smollm2-135m --workload chat-fixed --prefix-caching \
+    python -m jaxcb.bench offline                               # jaxcb, hf-cb, hf-static
+    python -m jaxcb.bench offline --vllm-python /work/vllm-venv/bin/python --dtype bfloat16
+    python -m jaxcb.bench offline --systems jaxcb --dtype bfloat16 --repeats 5
+    python -m jaxcb.bench offline --num-requests 16 --json out/offline.json
+    python -m jaxcb.bench offline --workload shared-prefix --systems jaxcb,vllm --vllm-python ..
+    python -m jaxcb.bench offline --systems jaxcb --trace out/trace.json   # then plot_trace
+    python -m jaxcb.bench offline --workload shared-prefix --systems jaxcb --prefix-caching both
+    python -m jaxcb.bench offline --model smollm2-135m --workload chat-fixed --prefix-caching \
         off --vllm-python .. --llamacpp-server ../build/bin/llama-server --llamacpp-gguf f32,q4_1
 
 --variant NAME:FIELD=V,FIELD=V (repeatable) adds a row `jaxcb-NAME`: jaxcb with those config
 fields changed, taking turns with jaxcb; its greedy tokens are checked against jaxcb's. To
 compare preemption by recompute and by swap under memory pressure, for instance:
 
-    python scripts/bench_offline.py --model smollm2-135m --workload offline-long \
+    python -m jaxcb.bench offline --model smollm2-135m --workload offline-long \
         --systems jaxcb --num-pages 544 --preemption-mode recompute \
         --variant swap:preemption_mode=swap --variant auto:preemption_mode=auto
 
@@ -63,81 +63,69 @@ compare preemption by recompute and by swap under memory pressure, for instance:
 `jaxcb-no-prefix-cache` without, and reports the mean TTFT and tok/s ratios of the two.
 
 A system is a class in jaxcb/bench/ registered in the SYSTEMS table of jaxcb/bench/systems.py;
-the report is printed by jaxcb/bench/offline_report.py.
+the rows are built and take their turns in jaxcb/bench/offline_systems.py, the report is
+printed by jaxcb/bench/offline_report.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
-
-try:
-    import jaxcb  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxcb.bench.cli import (
     add_config_overrides,
     add_llamacpp_args,
     add_workload_args,
-    args_record,
     config_overrides,
     llamacpp_context,
     llamacpp_ggufs,
     load_model_and_workload,
-    machine_record,
     make_log,
 )
+from jaxcb.bench.commands import SharedFlags
 from jaxcb.bench.offline_report import (
-    NO_PREFIX_CACHE,
     compare_prefix_caching,
     cross_check,
     paired_ratios,
     print_report,
     summarize,
 )
+from jaxcb.bench.offline_systems import build_systems, parse_variant, take_turns
 from jaxcb.bench.roofline import measure_matmul_peak, model_matmul_shapes, workload_flops
 from jaxcb.bench.systems import SYSTEMS, BenchContext, environment
 from jaxcb.config import EngineConfig
 from jaxcb.engine.step_trace import save_trace
 from jaxcb.models.registry import num_params
 
+DESCRIPTION = "offline throughput: jaxcb against HF transformers, vLLM and llama.cpp"
+FLAGS = SharedFlags(
+    repeats=3,
+    repeats_help="timed passes of jaxcb and vllm",
+    model=True,
+    default_model="bench-57m",
+    dtype="float32",
+    config=True,
+)
+
 log = make_log()
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags, checked; --systems becomes a list in turn order."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser, default_workload="offline-mixed", jaxcb_model=True)
     add_system_args(parser)
     add_llamacpp_args(parser)
     add_output_args(parser)
     add_config_overrides(parser)
-    args = parser.parse_args(argv)
-    check_args(parser, args)
-    return args
 
 
 def add_system_args(parser: argparse.ArgumentParser) -> None:
-    """Which systems run, how many timed passes each, and the HF and vLLM systems' knobs."""
+    """Which systems run, how many timed passes each HF one, and the HF and vLLM systems'
+    knobs."""
     parser.add_argument(
         "--systems",
         help=f"comma list, in turn order, from {list(SYSTEMS)} (default: all; vllm only "
         "with --vllm-python)",
-    )
-    parser.add_argument(
-        "--repeats",
-        type=int,
-        default=3,
-        help="timed passes of jaxcb and vllm, median reported (%(default)s)",
     )
     parser.add_argument(
         "--hf-repeats", type=int, default=1, help="timed passes of each HF system (%(default)s)"
@@ -173,7 +161,7 @@ def add_system_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:
-    """jaxcb's prefix cache, the roofline, and where the JSON record and step trace go."""
+    """jaxcb's prefix cache and variants, the roofline, and where the step trace goes."""
     parser.add_argument(
         "--prefix-caching",
         choices=["on", "off", "both"],
@@ -191,16 +179,17 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-roofline", action="store_true", help="skip measuring the matmul peak (no MFU)"
     )
-    parser.add_argument("--json", type=Path, help="write config, per-pass times, medians here")
     parser.add_argument(
         "--trace",
         type=Path,
-        help="write jaxcb's step trace of its last pass here (JSON; scripts/plot_trace.py)",
+        help="write jaxcb's step trace of its last pass here (JSON; the plot_trace benchmark "
+        "draws it)",
     )
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Turn --systems into a list and reject flag combinations that cannot run."""
+    """Turn --systems into a list and reject flag combinations that cannot run (--repeats is
+    checked by the entry point)."""
     if args.systems is None:
         wanted = dict(vllm=args.vllm_python, **{"llama.cpp": args.llamacpp_server})
         args.systems = [n for n in SYSTEMS if wanted.get(n, True)]
@@ -225,48 +214,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(str(exc))
     if args.trace and "jaxcb" not in args.systems:
         parser.error("--trace records jaxcb's steps: add jaxcb to --systems")
-    if min(args.repeats, args.hf_repeats, args.hf_static_batch_size) < 1:
-        parser.error("--repeats, --hf-repeats and --hf-static-batch-size must be >= 1")
-
-
-def jaxcb_overrides(args: argparse.Namespace, needed_len: int) -> dict[str, Any]:
-    """Flat config overrides from the flags, plus a max_model_len that fits the workload."""
-    return config_overrides(args, needed_len, log)
-
-
-def prefix_caching_systems(args: argparse.Namespace, ctx: BenchContext) -> dict[str, Any]:
-    """--prefix-caching both: jaxcb without its prefix cache, to run beside jaxcb."""
-    if args.prefix_caching != "both":
-        return {}
-    overrides = {**ctx.jaxcb_overrides, "enable_prefix_caching": False}
-    log(f"building {NO_PREFIX_CACHE} ...")
-    return {NO_PREFIX_CACHE: SYSTEMS["jaxcb"](replace(ctx, jaxcb_overrides=overrides))}
-
-
-def parse_variant(text: str) -> tuple[str, dict[str, str]]:
-    """`NAME:FIELD=V,FIELD=V` -> (NAME, {FIELD: V}); ValueError naming what is wrong."""
-    name, sep, body = text.partition(":")
-    pairs = [p.partition("=") for p in body.split(",") if p]
-    if not sep or not name or not pairs or any(not k or not eq for k, eq, _ in pairs):
-        raise ValueError(f"--variant must look like NAME:FIELD=V[,FIELD=V], got {text!r}")
-    return name, {k.strip(): v.strip() for k, _, v in pairs}
-
-
-def variant_systems(args: argparse.Namespace, ctx: BenchContext) -> dict[str, Any]:
-    """--variant rows: jaxcb with some config fields changed, to run beside jaxcb."""
-    systems = {}
-    for text in args.variant:
-        name, changes = parse_variant(text)
-        overrides = {**ctx.jaxcb_overrides, **changes}
-        EngineConfig.from_yaml(args.config, **overrides)  # a bad field or value fails here
-        log(f"building jaxcb-{name} ({changes}) ...")
-        system = SYSTEMS["jaxcb"](replace(ctx, jaxcb_overrides=overrides))
-        system.name = f"jaxcb-{name}"
-        systems[system.name] = system
-    return systems
+    if min(args.hf_repeats, args.hf_static_batch_size) < 1:
+        parser.error("--hf-repeats and --hf-static-batch-size must be >= 1")
 
 
 def make_context(args: argparse.Namespace, model_dir: Path, workload) -> BenchContext:
+    """What every system is built from: the flags, with jaxcb's config overrides (and a
+    max_model_len that fits the workload)."""
     hf_cb = dict(
         max_batch_tokens=args.hf_cb_max_batch_tokens,
         num_blocks=args.hf_cb_num_blocks,
@@ -279,7 +233,7 @@ def make_context(args: argparse.Namespace, model_dir: Path, workload) -> BenchCo
         dtype=args.dtype,
         log=log,
         jaxcb_config=args.config,
-        jaxcb_overrides=jaxcb_overrides(args, workload.max_seq_len),
+        jaxcb_overrides=config_overrides(args, workload.max_seq_len, log),
         warmup_requests=args.warmup_requests,
         hf_static_batch_size=args.hf_static_batch_size,
         hf_cb_options={k: v for k, v in hf_cb.items() if v is not None},
@@ -289,27 +243,6 @@ def make_context(args: argparse.Namespace, model_dir: Path, workload) -> BenchCo
         prefix_caching=args.prefix_caching != "off",
         **llamacpp_context(args),
     )
-
-
-def build_systems(args: argparse.Namespace, ctx: BenchContext, systems: dict) -> None:
-    """Build every chosen system into `systems` (in turn order), so the caller can close
-    whatever was built if one fails."""
-    for name in args.systems:
-        variants = [(name, ctx)]
-        if name == "llama.cpp":  # one row per GGUF file: the first is the row, then -<choice>
-            variants = [
-                (name if i == 0 else f"{name}-{Path(g).name}", replace(ctx, llamacpp_gguf_choice=g))
-                for i, g in enumerate(args.llamacpp_ggufs)
-            ]
-        for row, row_ctx in variants:
-            log(f"building {row} ...")
-            start = time.perf_counter()
-            systems[row] = SYSTEMS[name](row_ctx)
-            systems[row].name = row
-            log(f"built {row} in {time.perf_counter() - start:.1f}s")
-            if name == "jaxcb":
-                systems |= prefix_caching_systems(args, ctx)
-                systems |= variant_systems(args, ctx)
 
 
 def measure_roofline(args: argparse.Namespace, spec, overrides: dict, before=None) -> dict | None:
@@ -330,33 +263,12 @@ def measure_roofline(args: argparse.Namespace, spec, overrides: dict, before=Non
     return roofline
 
 
-def take_turns(systems: dict, repeats: dict[str, int], workload) -> tuple[dict, dict]:
-    """Round-robin passes; returns every pass's record and each system's last PassResult."""
-    passes: dict[str, list[dict]] = {n: [] for n in systems}
-    last = {}
-    for round_ in range(max(repeats.values())):
-        for name, system in systems.items():
-            if round_ >= repeats[name]:
-                continue
-            log(f"pass {round_ + 1}/{repeats[name]} of {name} ...")
-            load = os.getloadavg()[0]  # a busy machine explains a slow pass
-            result = last[name] = system.run_pass()
-            out = sum(map(len, result.token_ids))
-            passes[name].append(dict(wall_s=result.wall_s, output_tokens=out, load_avg=load))
-            passes[name][-1].update(result.extra)
-            tok_s = out / result.wall_s
-            log(f"{name}: {result.wall_s:.1f}s, {tok_s:,.0f} output tok/s")
-    return passes, last
-
-
 def system_flops(spec, workload, result) -> float:
     """Useful FLOPs of a system's pass, from the output lengths it really generated."""
     return workload_flops(spec, workload, [len(t) for t in result.token_ids])["total"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    machine = machine_record()
+def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
     if args.torch_threads:
         import torch
 
@@ -376,9 +288,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefix_caching == "off":
         ctx.jaxcb_overrides["enable_prefix_caching"] = False
     try:
-        build_systems(args, ctx, systems)
+        build_systems(
+            args.systems,
+            ctx,
+            systems,
+            ggufs=args.llamacpp_ggufs,
+            variants=args.variant,
+            prefix_cache_both=args.prefix_caching == "both",
+            config=args.config,
+        )
         repeats = {n: args.hf_repeats if n.startswith("hf-") else args.repeats for n in systems}
-        passes, last = take_turns(systems, repeats, workload)
+        passes, last = take_turns(systems, repeats, log)
         infos = {n: s.info() for n, s in systems.items()}
         if args.trace:
             meta = systems["jaxcb"].trace_meta() | dict(workload=workload.name)
@@ -398,25 +318,14 @@ def main(argv: list[str] | None = None) -> int:
     agree = cross_check(last)
     prefix_caching = compare_prefix_caching(passes, workload)
 
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        record = dict(
-            args=args_record(args),
-            machine=machine,
-            model=dict(dir=str(model_dir), params=num_params(spec)),
-            workload=workload.summary(),
-            useful_flops=flops,
-            roofline=roofline,
-            systems={n: dict(info=infos[n], passes=passes[n]) for n in systems},
-            medians=rows,
-            agreement_with_jaxcb=agree,
-            prefix_caching=prefix_caching,
-            environment=environment(),
-        )
-        args.json.write_text(json.dumps(record, indent=2, default=str) + "\n")
-        log(f"wrote {args.json}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    record |= dict(
+        model=dict(dir=str(model_dir), params=num_params(spec)),
+        workload=workload.summary(),
+        useful_flops=flops,
+        roofline=roofline,
+        systems={n: dict(info=infos[n], passes=passes[n]) for n in systems},
+        medians=rows,
+        agreement_with_jaxcb=agree,
+        prefix_caching=prefix_caching,
+        environment=environment(),
+    )

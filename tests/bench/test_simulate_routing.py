@@ -1,18 +1,16 @@
-"""scripts/simulate_routing.py: run small, prefix affinity's hit rate beats round-robin's
-(the router's policies, over the simulated replicas)."""
+"""`python -m jaxcb.bench simulate_routing`: run small, prefix affinity's hit rate beats
+round-robin's (the router's policies, over the simulated replicas)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import REPO
 
 from jaxcb.bench.routing_sim import SimConfig, simulate, synthetic_trace
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts/simulate_routing.py"
 
 
 def test_affinity_beats_round_robin_small() -> None:
@@ -25,18 +23,21 @@ def test_affinity_beats_round_robin_small() -> None:
     assert prefix["routed_min"] > 0  # every replica gets work
 
 
-def test_script_runs_and_bad_input_is_one_line() -> None:
+def test_command_runs_and_bad_input_is_one_line(tmp_path) -> None:
+    out = tmp_path / "routing.json"
+    command = [sys.executable, "-m", "jaxcb.bench", "simulate_routing"]
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--num-replicas", "4", "--num-requests", "300",
-         "--rate", "20", "--num-groups", "40", "--json"],
-        capture_output=True, text=True, timeout=120,
+        [*command, "--num-replicas", "4", "--num-requests", "300", "--rate", "20",
+         "--num-groups", "40", "--json", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
-    results = json.loads(run.stdout)
+    results = json.loads(out.read_text())["results"]
     assert set(results) == {"prefix", "least-loaded", "round-robin"}
     assert results["prefix"]["hit_rate"] > results["round-robin"]["hit_rate"]
+    assert "round-robin" in run.stdout  # the table
     bad = subprocess.run(
-        [sys.executable, str(SCRIPT), "--rate", "0"], capture_output=True, text=True, timeout=60
+        [*command, "--rate", "0"], capture_output=True, text=True, timeout=60, cwd=REPO
     )
     assert bad.returncode == 2 and "rate > 0" in bad.stderr
 

@@ -18,55 +18,51 @@ request arrives at the start, so TTFT includes queueing: static batching's weakn
 greedy tokens of the three modes are compared (they must be identical), and a bar chart PNG
 is written.
 
-    python scripts/compare_batching.py                               # bench-57m, offline-mixed
-    python scripts/compare_batching.py --num-requests 32 --png out/batching.png
-    python scripts/compare_batching.py --trace-dir out/traces        # + a step trace per mode
+    python -m jaxcb.bench compare_batching                      # bench-57m, offline-mixed
+    python -m jaxcb.bench compare_batching --num-requests 32 --png out/batching.png
+    python -m jaxcb.bench compare_batching --trace-dir out/traces   # + a step trace per mode
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-try:
-    import jaxcb  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from jaxcb.bench.cli import (
     add_config_overrides,
     add_workload_args,
-    args_record,
     config_overrides,
     load_model_and_workload,
-    machine_record,
     make_log,
 )
+from jaxcb.bench.commands import SharedFlags
 from jaxcb.bench.offline_report import output_rate
 from jaxcb.bench.plots import require_matplotlib
 from jaxcb.bench.systems import BenchContext, JaxcbSystem, environment
 from jaxcb.config import BATCHING_MODES
 from jaxcb.engine.step_trace import save_trace
 
+DESCRIPTION = "static vs dynamic vs continuous batching on jaxcb's own engine, one workload"
+FLAGS = SharedFlags(
+    repeats=1,
+    repeats_help="timed passes per mode",
+    model=True,
+    default_model="bench-57m",
+    dtype="float32",
+    config=True,
+)
+
 log = make_log()
 ORDER = ("static", "dynamic", "continuous")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser, default_workload="offline-mixed")
     parser.add_argument(
         "--modes", default=",".join(ORDER), help="comma list of batching modes (%(default)s)"
-    )
-    parser.add_argument(
-        "--repeats", type=int, default=1, help="timed passes per mode, median (%(default)s)"
     )
     parser.add_argument(
         "--png",
@@ -74,23 +70,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=Path("compare_batching.png"),
         help="bar chart to write (%(default)s)",
     )
-    parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument(
         "--trace-dir", type=Path, help="write each mode's step trace (JSON and PNG) here"
     )
     add_config_overrides(parser, skip=("model", "dtype", "batching"))
-    args = parser.parse_args(argv)
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in args.modes if m not in BATCHING_MODES]
     if bad or not args.modes:
         parser.error(f"unknown --modes {bad}; choose from {list(BATCHING_MODES)}")
-    if args.repeats < 1:
-        parser.error("--repeats must be >= 1")
     try:  # before the passes: they end in a plot
         require_matplotlib()
     except ImportError as exc:
         parser.error(str(exc))
-    return args
 
 
 def summarize(mode: str, passes: list[dict], workload) -> dict[str, Any]:
@@ -138,9 +132,7 @@ def print_table(rows: list[dict], workload, same_tokens: bool) -> None:
     print(f"greedy tokens identical across modes: {'yes' if same_tokens else 'NO'}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    machine = machine_record()
+def run(args: argparse.Namespace, record: dict[str, Any]) -> int:
     model_dir, _, workload = load_model_and_workload(args)
     log(
         f"model {model_dir}; workload {workload.name}: {len(workload.requests)} requests; "
@@ -203,21 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     plot_batching(rows, args.png, title=title)
     log(f"wrote {args.png}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        record = dict(
-            args=args_record(args),
-            machine=machine,
-            workload=workload.summary(),
-            modes={m: dict(info=infos[m], passes=passes[m]) for m in args.modes},
-            results=rows,
-            greedy_tokens_identical=same,
-            environment=environment(),
-        )
-        args.json.write_text(json.dumps(record, indent=2, default=str) + "\n")
-        log(f"wrote {args.json}")
+    record |= dict(
+        workload=workload.summary(),
+        modes={m: dict(info=infos[m], passes=passes[m]) for m in args.modes},
+        results=rows,
+        greedy_tokens_identical=same,
+        environment=environment(),
+    )
     return 0 if same else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,35 +1,26 @@
-"""The benchmark tools on the tiny model: sweep_buckets (two bucket sets), compare_batching,
-bench_offline's trace and shared-prefix workload, and the vLLM system's subprocess protocol
-(driven by a stand-in runner, so no vLLM is needed)."""
+"""The batching benchmarks on the tiny model: sweep_buckets (two bucket sets),
+compare_batching, offline's trace and shared-prefix workload, and the vLLM system's
+subprocess protocol (driven by a stand-in runner, so no vLLM is needed)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
+from jaxcb.bench.commands import main
+from jaxcb.bench.commands.sweep_buckets import bucket_set, recommend
 from jaxcb.bench.systems import BenchContext, VLLMSystem, vllm_environment
 from jaxcb.bench.workloads import make_workload
 from jaxcb.models.loading.default_model import default_model_dir
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 SMALL = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--num-pages", "160",
          "--warmup-requests", "1"]  # fmt: skip
 
 
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_bucket_sets():
-    bucket_set = load("sweep_buckets").bucket_set
     assert bucket_set("pow2", 256) == (16, 32, 64, 128, 256)
     assert bucket_set("geo1.5", 256) == (16, 24, 40, 64, 96, 144, 216, 256)
     assert bucket_set("step", 256) == (32, 64, 96, 128, 160, 192, 224, 256)
@@ -46,7 +37,7 @@ def test_sweep_buckets_two_sets(tmp_path):
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
     argv = ["--model", str(default_model_dir()), "--num-requests", "3", "--sets", "pow2,single",
             "--json", str(out), "--png", str(png), *SMALL]  # fmt: skip
-    assert load("sweep_buckets").main(argv) == 0
+    assert main(["sweep_buckets", *argv]) == 0
     record = json.loads(out.read_text())
     rows = {r["name"]: r for r in record["results"]}
     assert rows["pow2"]["buckets"] == [16, 32] and rows["single"]["buckets"] == [32]
@@ -60,7 +51,6 @@ def test_sweep_buckets_two_sets(tmp_path):
 
 
 def test_recommend_prefers_fast_compiles_among_ties():
-    recommend = load("sweep_buckets").recommend
     rows = [
         dict(name="a", buckets=[8], output_tok_s=100.0, compile_seconds=9.0),
         dict(name="b", buckets=[8], output_tok_s=97.0, compile_seconds=2.0),
@@ -76,7 +66,7 @@ def test_compare_batching(tmp_path, capsys):
     argv = ["--model", str(default_model_dir()), "--num-requests", "6", "--json", str(out),
             "--png", str(png), "--trace-dir", str(tmp_path / "traces"), "--token-buckets",
             "16,32", *SMALL]  # fmt: skip
-    assert load("compare_batching").main(argv) == 0
+    assert main(["compare_batching", *argv]) == 0
     record = json.loads(out.read_text())
     assert record["greedy_tokens_identical"]
     rows = {r["batching"]: r for r in record["results"]}
@@ -92,7 +82,7 @@ def test_compare_batching(tmp_path, capsys):
     assert "greedy tokens identical across modes: yes" in capsys.readouterr().out
 
 
-def test_bench_offline_trace_and_shared_prefix(tmp_path):
+def test_offline_trace_and_shared_prefix(tmp_path):
     w = make_workload("shared-prefix")
     assert (len(w.requests), w.output_tokens) == (64, 64 * 64)
     assert len({tuple(r.prompt_token_ids[:512]) for r in w.requests}) == 1
@@ -102,7 +92,7 @@ def test_bench_offline_trace_and_shared_prefix(tmp_path):
     argv = ["--model", str(default_model_dir()), "--workload", "shared-prefix", "--num-requests",
             "3", "--systems", "jaxcb", "--repeats", "1", "--no-roofline", "--trace", str(trace),
             "--token-buckets", "16,32", *SMALL]  # fmt: skip
-    assert load("bench_offline").main(argv) == 0
+    assert main(["offline", *argv]) == 0
     steps = json.loads(trace.read_text())["steps"]
     # the pass after the cache reset prefills the shared prefix once and hits it twice
     assert sum(s["prefix_hits"] for s in steps) >= 2 * 512 - 32
@@ -160,18 +150,18 @@ def test_vllm_system_protocol(tmp_path):
         VLLMSystem(BenchContext(model_dir=tmp_path, workload=workload, dtype="float32"))
 
 
-@pytest.mark.parametrize("script", ["plot_trace", "sweep_buckets", "compare_batching"])
-def test_a_plotting_script_without_matplotlib_stops_at_once_in_one_line(
-    script, tmp_path, monkeypatch, capsys
+@pytest.mark.parametrize("name", ["plot_trace", "sweep_buckets", "compare_batching"])
+def test_a_plotting_benchmark_without_matplotlib_stops_at_once_in_one_line(
+    name, tmp_path, monkeypatch, capsys
 ):
-    """matplotlib is optional (the bench extra): a script that would plot says so before it
-    starts its passes, naming the pip command, with no traceback."""
+    """matplotlib is optional (the bench extra): a benchmark that would plot says so before
+    it starts its passes, naming the pip command, with no traceback."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"format": "jaxcb-step-trace-v1", "meta": {}, "steps": []}))
-    argv = [str(trace)] if script == "plot_trace" else []
+    argv = [str(trace)] if name == "plot_trace" else []
     with pytest.raises(SystemExit) as exit_:
-        load(script).main(argv)
+        main([name, *argv])
     assert exit_.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
     assert line.endswith('plots need matplotlib: pip install "jaxcb[bench]"'), line

@@ -10,7 +10,8 @@ On the real model (default) with --num-seqs sequences running:
 3. the mask's parts, measured apart: on the host, filling the mask rows (llguidance, all rows
    of a step at once on every core) at every position of the constrained outputs, per row,
    times the rows of a step; on the device, the step's
-   sampling with a mask against without one ([rows, vocab] logits, jitted, median);
+   sampling with a mask against without one ([rows, vocab] logits, jitted, median of
+   --repeats calls);
 4. mask cost = (host + device) / the free step time;
 5. steady: the free run again with every request constrained by a regex no output of
    --max-tokens tokens can complete (`[a-z ]{1000,}`), so all of them run every step as in
@@ -19,51 +20,51 @@ On the real model (default) with --num-seqs sequences running:
    with the host's work: async scheduling waits for a constrained row's token).
 A step without constrained rows sends no mask and skips the masking (`lax.cond` on a flag).
 
-    python scripts/bench_structured.py                       # SmolLM2, 64 sequences
-    python scripts/bench_structured.py --num-seqs 16 --json out/structured.json
+    python -m jaxcb.bench structured                       # SmolLM2, 64 sequences
+    python -m jaxcb.bench structured --num-seqs 16 --json out/structured.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
-import statistics
-import sys
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-try:
-    import jaxcb  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
 from jaxcb import LLM, SamplingParams
+from jaxcb.bench.commands import SharedFlags
 from jaxcb.bench.structured_suite import MAX_TOKENS, cases, chat
+from jaxcb.bench.timing import median_seconds
 from jaxcb.engine.grammar import fill_masks, mask_words
+from jaxcb.models.loading.default_model import DEFAULT_NAME
 from jaxcb.sampling import sample
 
 #: A regex no output of a few hundred tokens completes: every constrained row runs every step.
 STEADY = "[a-z ]{1000,}"
 
+DESCRIPTION = "what structured outputs cost: the token mask's share of a step, the suite's validity"
+FLAGS = SharedFlags(
+    repeats=20,
+    repeats_help="timed calls of the device part",
+    repeats_alias="--iters",
+    model=True,
+    default_model=DEFAULT_NAME,
+    model_help="any model jaxcb loads",
+    dtype="bfloat16",
+)
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", help="any model jaxcb loads (default: SmolLM2-135M-Instruct)")
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-seqs", type=int, default=64, help="requests, all running at once")
     parser.add_argument("--max-tokens", type=int, default=64, help="free requests' output tokens")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--iters", type=int, default=20, help="timed calls of the device part")
-    parser.add_argument("--json", type=pathlib.Path, help="also write the results here")
-    args = parser.parse_args(argv)
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.num_seqs < 1 or args.max_tokens < 1:
         parser.error("--num-seqs and --max-tokens must be >= 1")
-    return args
 
 
 def timed(fn):
@@ -112,19 +113,12 @@ def device_mask_ms(rows: int, vocab: int, iters: int) -> tuple[float, float]:
         def f(x, m):
             return sample(x, flags=flags, token_mask=m, any_mask=jnp.bool_(flag), **common)
 
-        f(logits, mask).token_ids.block_until_ready()
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            f(logits, mask).token_ids.block_until_ready()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3
+        return median_seconds(f, (logits, mask), iters, warmup=0) * 1e3
 
     return run(False), run(True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
     n = args.num_seqs
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=n, max_model_len=512)
     tok = llm.tokenizer
@@ -174,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, m in rows:
             m.accept(samples[i].token_ids[k])
     host_ms = fill_seconds / num_rows * 1e3 * n  # a step of n constrained rows
-    plain_ms, masked_ms = device_mask_ms(n, llm.engine.info.vocab_size, args.iters)
+    plain_ms, masked_ms = device_mask_ms(n, llm.engine.info.vocab_size, args.repeats)
     device_ms = max(masked_ms - plain_ms, 0.0)
     result = dict(
         device=jax.devices()[0].device_kind,
@@ -191,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                   device_ms_plain=plain_ms, device_ms_masked=masked_ms,
                   device_ms_per_step=device_ms, fraction_of_step=(host_ms + device_ms) / step_ms),
     )  # fmt: skip
-    print(f"device: {result['device']}, {n} sequences, model {args.model or 'SmolLM2-135M'}")
+    print(f"device: {result['device']}, {n} sequences, model {args.model}")
     f, c, m = result["free"], result["constrained"], result["mask"]
     print(
         f"free:        {f['output_tok_s']:8.1f} out tok/s, {f['steps']} steps, "
@@ -206,12 +200,4 @@ def main(argv: list[str] | None = None) -> int:
     st = result["steady"]
     print(f"steady:      {steady_tokens / steady_s:8.1f} out tok/s, {steady_steps} steps, "
           f"{steady_ms:.2f} ms/step: +{100 * st['overhead']:.1f}% over a free step")  # fmt: skip
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    record |= result

@@ -1,7 +1,7 @@
 """Simulate request routing over many replicas: prefix affinity vs least-loaded vs round-robin.
 
-    python scripts/simulate_routing.py                       # 64 replicas, 20,000 requests
-    python scripts/simulate_routing.py --num-replicas 8 --num-requests 2000 --rate 30
+    python -m jaxcb.bench simulate_routing                  # 64 replicas, 20,000 requests
+    python -m jaxcb.bench simulate_routing --num-replicas 8 --num-requests 2000 --rate 30
 
 A synthetic trace (Poisson arrivals; requests drawn from --num-groups shared prefixes of
 --prefix-len tokens with Zipf(--zipf-s) popularity, own tokens and output lengths uniform) is
@@ -9,29 +9,23 @@ routed by the policies of jaxcb/server/router.py over a replica model: --slots r
 once each, FIFO, service = prefill (--prefill-ms-per-token per prompt token not in the
 replica's LRU prefix cache of --cache-prefixes prefixes) + decode (--decode-ms-per-token per
 output token). Prints each policy's token hit rate, queueing delay and TTFT (mean, p99) and
-how evenly requests spread (jaxcb/bench/routing_sim.py has the model's details and limits).
+how evenly requests spread (jaxcb/bench/routing_sim.py has the model's details and limits);
+--json writes them.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
+from typing import Any
 
-try:
-    import jaxcb  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from jaxcb.bench.commands import UsageError
 from jaxcb.bench.routing_sim import SimConfig, simulate, synthetic_trace
 from jaxcb.server.router import POLICIES
 
+DESCRIPTION = "the router's policies over many simulated replicas: hit rate, queueing, TTFT"
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-replicas", type=int, default=64)
     p.add_argument("--num-requests", type=int, default=20000)
     p.add_argument("--rate", type=float, default=250.0, help="requests/s (%(default)s)")
@@ -54,10 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
-    args = p.parse_args(argv)
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.num_replicas < 1 or args.slots < 1 or args.cache_prefixes < 0:
         p.error("--num-replicas and --slots must be >= 1, --cache-prefixes >= 0")
+
+
+def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
     try:
         trace = synthetic_trace(
             args.num_requests,
@@ -69,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
         )
     except ValueError as exc:
-        p.error(str(exc))
+        raise UsageError(str(exc)) from None
     config = SimConfig(
         num_replicas=args.num_replicas,
         slots=args.slots,
@@ -80,9 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         max_imbalance=args.max_imbalance,
     )
     results = {policy: simulate(trace, policy, config) for policy in args.policies}
-    if args.json:
-        print(json.dumps(results, indent=2))
-        return 0
+    record["results"] = results
     print(f"{args.num_requests} requests at {args.rate:g}/s over {args.num_replicas} replicas, "
           f"{args.num_groups} prefix groups of {args.prefix_len} tokens")  # fmt: skip
     print(f"{'policy':<14}{'hit rate':>9}{'queue mean':>12}{'queue p99':>11}"
@@ -92,8 +88,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{policy:<14}{r['hit_rate']:>9.1%}{r['queue_mean_s'] * 1e3:>10.1f}ms"
               f"{r['queue_p99_s'] * 1e3:>9.1f}ms{r['ttft_mean_s'] * 1e3:>9.1f}ms"
               f"{r['ttft_p99_s'] * 1e3:>8.1f}ms{spread:>13}")  # fmt: skip
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

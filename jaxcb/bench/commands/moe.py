@@ -10,7 +10,7 @@ The model is Mixtral-like with random weights (--hidden 512, --experts 8, --top-
                   multiplies by), at --tokens 1,16,128,512, both prepared as the engine
                   prepares them (packed.prepare_cpu_params: the dense weights packed for the
                   native matmul kernel --kernel picks; the experts as that code handles them).
-                  Median ms of --iters calls, and the ratio MoE / dense.
+                  Median ms of --repeats calls, and the ratio MoE / dense.
   (2) end to end  --num-prompts token-id prompts of --prompt-len tokens, greedy, EOS ignored,
                   --max-tokens each: jaxcb's LLM.generate (one offline batch; compiling is
                   done when the engine is built and never timed) against transformers'
@@ -23,17 +23,16 @@ E times the arithmetic of the rows' own experts), so without a native grouped ke
 packed.grouped_matmul the MoE layer costs about E / k times the dense one; where the experts
 are packed for the native grouped kernel, part (1) also times the same layer through
 ragged_dot (plain arrays), for comparison. The machine is
-shared and noisy: compare the ratios of one run.
+shared and noisy: compare the ratios of one run. --json writes both parts' figures.
 
-    python scripts/bench_moe.py                          # both parts, float32
-    python scripts/bench_moe.py --dtype bfloat16 --skip-e2e
-    python scripts/bench_moe.py --skip-ffn --num-prompts 16 --max-tokens 32
+    python -m jaxcb.bench moe                          # both parts, float32
+    python -m jaxcb.bench moe --dtype bfloat16 --skip-e2e
+    python -m jaxcb.bench moe --skip-ffn --num-prompts 16 --max-tokens 32
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,22 +42,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-try:
-    import jaxcb  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from jaxcb import LLM, SamplingParams
+from jaxcb.bench.commands import SharedFlags
 from jaxcb.bench.timing import median_seconds
 from jaxcb.models import llama, moe
 from jaxcb.models.base import ParamInfo
 from jaxcb.models.packed import matmul_backend, prepare_cpu_params
 
+DESCRIPTION = "a mixture of experts: one FFN layer against a dense one, and jaxcb vs transformers"
+FLAGS = SharedFlags(
+    repeats=20,
+    repeats_help="timed calls per point of (1)",
+    repeats_alias="--iters",
+    dtype="float32",
+)
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model (Mixtral-like, random weights)")
     model.add_argument("--hidden", type=int, default=512, help="hidden size (%(default)s)")
     model.add_argument("--experts", type=int, default=8, help="experts (%(default)s)")
@@ -70,10 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--heads", type=int, default=8, help="query heads (%(default)s)")
     model.add_argument("--kv-heads", type=int, default=4, help="KV heads (%(default)s)")
     model.add_argument("--vocab", type=int, default=4096, help="vocabulary (%(default)s)")
-    model.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ffn = parser.add_argument_group("(1) FFN layer")
     ffn.add_argument("--tokens", default="1,16,128,512", help="comma list of token counts")
-    ffn.add_argument("--iters", type=int, default=20, help="timed calls per point (median)")
     ffn.add_argument(
         "--kernel",
         default="auto",
@@ -89,7 +87,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e2e.add_argument("--model-dir", type=Path, help="where to save the model (a temp dir)")
     e2e.add_argument("--skip-e2e", action="store_true", help="skip part (2)")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
 
 
 def mixtral_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -108,15 +105,6 @@ def mixtral_config(args: argparse.Namespace) -> dict[str, Any]:
         bos_token_id=1,
         eos_token_id=2,
     )
-
-
-def cpu_line() -> str:
-    try:
-        from jaxcb.native import cpu_summary
-
-        return cpu_summary()
-    except ImportError:
-        return "unknown CPU"
 
 
 # ---- (1) one FFN layer ------------------------------------------------------------------
@@ -155,7 +143,8 @@ def ffn_layers(args: argparse.Namespace, dtype: Any, kernel: str) -> tuple[Any, 
     return spec, sparse, dense, plain
 
 
-def bench_ffn(args: argparse.Namespace, dtype: Any) -> None:
+def bench_ffn(args: argparse.Namespace, dtype: Any) -> list[dict[str, Any]]:
+    """Part (1): a row per --tokens count (milliseconds), printed and returned."""
     kernel = matmul_backend(args.kernel, dtype=dtype, tensor_parallel_size=1)
     spec, sparse, dense, plain = ffn_layers(args, dtype, kernel)
     packed = isinstance(sparse["w_experts_down"], dict)
@@ -164,22 +153,26 @@ def bench_ffn(args: argparse.Namespace, dtype: Any) -> None:
     e, k, i = args.experts, args.top_k, args.intermediate
     print(
         f"\n(1) one FFN layer, H={args.hidden}: {e} experts top-{k} of I={i} against dense "
-        f"I={k * i} ({args.dtype}, matmul kernel {kernel}; median of {args.iters} calls)"
+        f"I={k * i} ({args.dtype}, matmul kernel {kernel}; median of {args.repeats} calls)"
     )
     print(f"experts: {'packed for the native grouped kernel' if packed else 'plain arrays'}")
     header = f"{'tokens':>6} {'moe ms':>9} {'dense ms':>9} {'moe/dense':>10}"
     print(header + (f" {'ragged_dot ms':>14} {'ragged/dense':>13}" if packed else ""))
     rng = np.random.default_rng(args.seed + 1)
+    rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         x = jnp.asarray(rng.standard_normal((tokens, args.hidden)), jnp.float32)
         n = jnp.int32(tokens)
-        t_moe = median_seconds(moe_fn, (sparse, x, n), args.iters)
-        t_dense = median_seconds(dense_fn, (dense, x, n), args.iters)
+        t_moe = median_seconds(moe_fn, (sparse, x, n), args.repeats)
+        t_dense = median_seconds(dense_fn, (dense, x, n), args.repeats)
+        rows.append(dict(tokens=tokens, kernel=kernel, moe_ms=t_moe * 1e3, dense_ms=t_dense * 1e3))
         line = f"{tokens:>6} {t_moe * 1e3:>9.3f} {t_dense * 1e3:>9.3f} {t_moe / t_dense:>10.2f}"
         if packed:  # the same layer through XLA's ragged_dot, as without the native kernel
-            t_ragged = median_seconds(moe_fn, (plain, x, n), max(3, args.iters // 4))
+            t_ragged = median_seconds(moe_fn, (plain, x, n), max(3, args.repeats // 4))
+            rows[-1]["ragged_dot_ms"] = t_ragged * 1e3
             line += f" {t_ragged * 1e3:>14.3f} {t_ragged / t_dense:>13.2f}"
         print(line, flush=True)
+    return rows
 
 
 # ---- (2) end to end ---------------------------------------------------------------------
@@ -202,7 +195,8 @@ def write_model(args: argparse.Namespace, path: Path) -> Any:
     return model
 
 
-def bench_e2e(args: argparse.Namespace) -> None:
+def bench_e2e(args: argparse.Namespace) -> dict[str, Any]:
+    """Part (2): jaxcb's and transformers' wall seconds and output tok/s, printed and returned."""
     import torch
 
     if args.torch_threads:
@@ -252,17 +246,23 @@ def bench_e2e(args: argparse.Namespace) -> None:
     print(f"jaxcb / transformers: {t_hf / t_jaxcb:.2f}x output tok/s")
     if args.dtype == "float32":
         print(f"requests with tokens equal to transformers': {same} of {n}")
+    return dict(
+        jaxcb=dict(
+            wall_s=t_jaxcb,
+            output_tok_s=n * m / t_jaxcb,
+            matmul=info.matmul_backend,
+            attention=info.attention_backend,
+            compile_seconds=info.compile_seconds,
+        ),
+        transformers=dict(wall_s=t_hf, output_tok_s=n * m / t_hf),
+        same_tokens=same if args.dtype == "float32" else None,
+        num_prompts=n,
+    )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    print(f"cpu: {cpu_line()}; jax {jax.__version__} on {jax.default_backend()}")
+def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
+    print(f"jax {jax.__version__} on {jax.default_backend()}")
     if not args.skip_ffn:
-        bench_ffn(args, jnp.dtype(args.dtype))
+        record["ffn"] = bench_ffn(args, jnp.dtype(args.dtype))
     if not args.skip_e2e:
-        bench_e2e(args)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+        record["end_to_end"] = bench_e2e(args)

@@ -17,7 +17,7 @@ an untimed warm-up, taking turns; medians are reported:
                   rounds (a small machine's memory speed drifts by 20% between minutes:
                   ratios within a round hold where separate runs' figures do not)
 
-    python scripts/bench_single_stream.py --model smollm2-135m --dtype float32 \\
+    python -m jaxcb.bench single_stream --model smollm2-135m --dtype float32 \\
         --llamacpp-server <llama.cpp>/build/bin/llama-server --llamacpp-bench \\
         --llamacpp-gguf f32,q4_1 --json out/single.json
 """
@@ -28,42 +28,41 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
-
-try:
-    import jaxcb  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxcb.bench.cli import (
     add_config_overrides,
     add_llamacpp_args,
     add_workload_args,
-    args_record,
     config_overrides,
     llamacpp_context,
     llamacpp_ggufs,
     load_model_and_workload,
-    machine_record,
     make_log,
 )
+from jaxcb.bench.commands import SharedFlags
 from jaxcb.bench.llamacpp_system import KV_TYPES
 from jaxcb.bench.systems import SYSTEMS, BenchContext, environment
 from jaxcb.bench.workloads import single_request
 
+DESCRIPTION = "one request's decode speed, jaxcb against llama.cpp (and vLLM) on the same weights"
+FLAGS = SharedFlags(
+    repeats=5,
+    repeats_help="timed requests of each system",
+    model=True,
+    default_model="bench-57m",
+    dtype="float32",
+    config=True,
+)
+
 log = make_log()
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser, default_workload="chat-fixed", jaxcb_model=True)
     parser.add_argument("--max-tokens", type=int, default=256, help="output tokens (%(default)s)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed requests (%(default)s)")
     parser.add_argument("--systems", default="jaxcb,llama.cpp", help="comma list (%(default)s)")
     parser.add_argument("--vllm-python", type=Path, help="python of vLLM's venv (adds vllm)")
     parser.add_argument(
@@ -79,10 +78,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         help="its GGUF file (default: --jaxcb-model where that is a .gguf file)",
     )
-    parser.add_argument("--json", type=Path, help="write the results here")
     add_llamacpp_args(parser)
     add_config_overrides(parser)
-    args = parser.parse_args(argv)
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.systems = [s for s in args.systems.split(",") if s]
     if args.vllm_python and "vllm" not in args.systems:
         args.systems.append("vllm")
@@ -91,8 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown --systems {bad}; choose from jaxcb, llama.cpp, vllm")
     if ("llama.cpp" in args.systems or args.llamacpp_bench) and not args.llamacpp_server:
         parser.error("llama.cpp needs --llamacpp-server")
-    if args.repeats < 1 or args.max_tokens < 2:
-        parser.error("--repeats must be >= 1 and --max-tokens >= 2")
+    if args.max_tokens < 2:
+        parser.error("--max-tokens must be >= 2")
     if args.llama_bench:
         if args.llama_bench_gguf is None and str(args.jaxcb_model or "").endswith(".gguf"):
             args.llama_bench_gguf = Path(args.jaxcb_model)
@@ -101,7 +101,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not args.llama_bench.is_file():
             parser.error(f"--llama-bench: no such file: {args.llama_bench}")
     args.llamacpp_ggufs = llamacpp_ggufs(args)
-    return args
 
 
 def decode_ms(name: str, extra: dict[str, Any], tokens: int) -> float | None:
@@ -163,7 +162,7 @@ def build(args: argparse.Namespace, ctx: BenchContext) -> dict[str, Any]:
     return systems
 
 
-def run(
+def take_turns(
     args: argparse.Namespace, systems: dict[str, Any], tokens: int
 ) -> tuple[dict[str, list], list[float]]:
     """--repeats rounds, the systems taking turns: (wall ms/tok, decode ms/tok) per pass;
@@ -192,9 +191,7 @@ def paired(passes: list, turns: list[float]) -> dict[str, float] | None:
     return dict(median=statistics.median(ratios), min=min(ratios), max=max(ratios))
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    machine = machine_record()
+def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
     model_dir, _, workload = load_model_and_workload(args)
     workload = single_request(workload, args.max_tokens)
     overrides = config_overrides(args, workload.max_seq_len, log)
@@ -213,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"model {model_dir}; one request: {workload.prompt_tokens} prompt + {args.max_tokens}")
     systems = build(args, ctx)
     try:
-        passes, turns = run(args, systems, args.max_tokens)
+        passes, turns = take_turns(args, systems, args.max_tokens)
         infos = {n: s.info() for n, s in systems.items()}
         ggufs = {
             n: (Path(i["gguf"]), i["file_type"]) for n, i in infos.items() if n.startswith("llama")
@@ -224,22 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     bench = {n: llama_bench(args, *g) for n, g in ggufs.items()} if args.llamacpp_bench else {}
     rows = summarize(passes, infos, bench, args.dtype, turns)
     print_table(rows, args, turns)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        record = dict(
-            args=args_record(args),
-            machine=machine,
-            workload=workload.summary(),
-            infos=infos,
-            passes=passes,
-            llama_bench=bench,
-            llama_bench_turns=turns,
-            results=rows,
-            environment=environment(),
-        )
-        args.json.write_text(json.dumps(record, indent=2, default=str) + "\n")
-        log(f"wrote {args.json}")
-    return 0
+    record |= dict(
+        workload=workload.summary(),
+        infos=infos,
+        passes=passes,
+        llama_bench=bench,
+        llama_bench_turns=turns,
+        results=rows,
+        environment=environment(),
+    )
 
 
 def summarize(
@@ -291,7 +281,3 @@ def print_table(
                 f"{r['system']} / llama-bench, paired by round: {p['median']:.3f}x median "
                 f"({p['min']:.3f}-{p['max']:.3f}, {len(turns)} rounds)"
             )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,51 +18,48 @@ and prints the median times and the ratios. With --op swiglu the grouped and den
 are SwiGLU ([K, 2 * I] gate_up matrices, [rows, I] out; fused into the matmul's epilogue
 where the kernel has that, as in the model code).
 
-    python scripts/bench_grouped_matmul.py                       # float32, T = 1,16,128,512
-    python scripts/bench_grouped_matmul.py --dtype bfloat16 --op swiglu --ragged
+    python -m jaxcb.bench grouped_matmul                       # float32, T = 1,16,128,512
+    python -m jaxcb.bench grouped_matmul --dtype bfloat16 --op swiglu --ragged
+
+The machine line names the CPU and the ISA level of the native kernels; --json writes the
+times of every T.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import pathlib
-import sys
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-try:
-    import jaxcb  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
 from jaxcb import native
+from jaxcb.bench.commands import SharedFlags
 from jaxcb.bench.timing import median_seconds
 from jaxcb.models import packed
 from jaxcb.models.packed import matmul_backend
 
+DESCRIPTION = "a mixture of experts' grouped matmul on the native CPU kernels against dense ones"
+FLAGS = SharedFlags(
+    repeats=50, repeats_help="timed calls per point", repeats_alias="--iters", dtype="float32"
+)
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", default="1,16,128,512", help="comma list of token counts T")
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2, help="experts per token")
     parser.add_argument("--k", type=int, default=512, help="input features (hidden size)")
     parser.add_argument("--i", type=int, default=1024, help="output features (expert FFN size)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument(
         "--kernel", default="auto", help="a PACKED_MATMULS name (auto: the engine's choice)"
     )
     parser.add_argument("--op", default="matmul", choices=["matmul", "swiglu"])
     parser.add_argument("--ragged", action="store_true", help="also time jax.lax.ragged_dot")
-    parser.add_argument("--iters", type=int, default=50, help="timed calls per point (median)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
 
 
 def route(rng: np.random.Generator, tokens: int, experts: int, top_k: int) -> np.ndarray:
@@ -104,9 +101,11 @@ def bench(args: argparse.Namespace, kernel: str, tokens: int, rng: np.random.Gen
         active = active.transpose(1, 0, 2)
     wide = jnp.asarray(spec.pack(np.ascontiguousarray(active).reshape(args.k, -1)))
     times = {
-        "grouped": median_seconds(jax.jit(grouped), (x, stack, sizes), args.iters, args.warmup),
-        "dense rows": median_seconds(jax.jit(dense), (x, one), args.iters, args.warmup),
-        "dense active": median_seconds(jax.jit(dense), (x[:tokens], wide), args.iters, args.warmup),
+        "grouped": median_seconds(jax.jit(grouped), (x, stack, sizes), args.repeats, args.warmup),
+        "dense rows": median_seconds(jax.jit(dense), (x, one), args.repeats, args.warmup),
+        "dense active": median_seconds(
+            jax.jit(dense), (x[:tokens], wide), args.repeats, args.warmup
+        ),
     }
     if args.ragged:
 
@@ -117,13 +116,12 @@ def bench(args: argparse.Namespace, kernel: str, tokens: int, rng: np.random.Gen
             return jax.nn.silu(out[:, : args.i]) * out[:, args.i :] if fused else out
 
         plain = jnp.asarray(weights)
-        iters = max(3, args.iters // 10)  # (slow: every row times every expert)
+        iters = max(3, args.repeats // 10)  # (slow: every row times every expert)
         times["ragged_dot"] = median_seconds(jax.jit(ragged), (x, plain, sizes), iters, 1)
     return times
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
     if not native.available():
         raise SystemExit("the native CPU kernels are not available here")
     dtype = jnp.dtype(args.dtype)
@@ -133,15 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     if kernel not in native.GROUPED_TARGETS:
         raise SystemExit(f"no grouped kernel for {kernel!r} ({args.dtype})")
     rng = np.random.default_rng(args.seed)
-    print(f"cpu: {native.cpu_summary()}; isa level {native.active_level()}; kernel {kernel}")
+    print(f"kernel {kernel}")
     print(
         f"{args.op}: {args.experts} experts, top-{args.top_k}, K={args.k}, I={args.i}, "
-        f"{args.dtype}; median of {args.iters} calls"
+        f"{args.dtype}; median of {args.repeats} calls"
     )
     header = f"{'T':>5} {'rows':>5} {'grouped ms':>11} {'dense rows':>11} {'dense active':>13}"
     print(header + "  grouped/rows  grouped/active" + ("  ragged_dot ms" if args.ragged else ""))
+    record |= dict(kernel=kernel, results=[])
     for tokens in (int(t) for t in args.tokens.split(",")):
         t = bench(args, kernel, tokens, rng)
+        record["results"].append(dict(tokens=tokens, rows=tokens * args.top_k, seconds=t))
         line = (
             f"{tokens:>5} {tokens * args.top_k:>5} {t['grouped'] * 1e3:>11.3f} "
             f"{t['dense rows'] * 1e3:>11.3f} {t['dense active'] * 1e3:>13.3f}  "
@@ -150,8 +150,3 @@ def main(argv: list[str] | None = None) -> int:
         if args.ragged:
             line += f"  {t['ragged_dot'] * 1e3:>13.3f}"
         print(line, flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -16,39 +16,41 @@ Sets (--sets, comma list; M = max_num_batched_tokens, S = --smallest):
   single      M alone: every step pays for the largest batch
   16/64/256   any explicit list (must end at M)
 
-    python scripts/sweep_buckets.py                                 # bench-57m, offline-mixed
-    python scripts/sweep_buckets.py --sets pow2,single --num-requests 32 --png out/sweep.png
+    python -m jaxcb.bench sweep_buckets                            # bench-57m, offline-mixed
+    python -m jaxcb.bench sweep_buckets --sets pow2,single --num-requests 32 --png out/sweep.png
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-try:
-    import jaxcb  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from jaxcb.bench.cli import (
     add_config_overrides,
     add_workload_args,
-    args_record,
     config_overrides,
     load_model_and_workload,
-    machine_record,
     make_log,
 )
+from jaxcb.bench.commands import SharedFlags, UsageError
 from jaxcb.bench.offline_report import output_rate
 from jaxcb.bench.plots import require_matplotlib
 from jaxcb.bench.systems import BenchContext, JaxcbSystem, environment
 from jaxcb.bench.workloads import Workload
 from jaxcb.config import EngineConfig, flat_fields
+
+DESCRIPTION = "several token-bucket sets on one workload: compile time, padding, tok/s; one pick"
+FLAGS = SharedFlags(
+    repeats=1,
+    repeats_help="timed passes per set",
+    model=True,
+    default_model="bench-57m",
+    dtype="float32",
+    config=True,
+)
 
 log = make_log()
 DEFAULT_SETS = "pow2,geo1.5,step,single"
@@ -98,17 +100,11 @@ def bucket_set(name: str, largest: int, smallest: int = 16) -> tuple[int, ...]:
     return (*sorted({b for b in sizes if 1 <= b < largest}), largest)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser, default_workload="offline-mixed")
     parser.add_argument("--sets", default=DEFAULT_SETS, help="bucket sets (%(default)s)")
     parser.add_argument(
         "--smallest", type=int, default=16, help="smallest bucket of generated sets (16)"
-    )
-    parser.add_argument(
-        "--repeats", type=int, default=1, help="timed passes per set, median (%(default)s)"
     )
     parser.add_argument(
         "--tolerance",
@@ -119,19 +115,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--png", type=Path, default=Path("sweep_buckets.png"), help="plot (%(default)s)"
     )
-    parser.add_argument("--json", type=Path, help="write the results here")
     add_config_overrides(parser, skip=("model", "dtype", "token_buckets"))
-    args = parser.parse_args(argv)
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.sets = [s for s in args.sets.split(",") if s]
     if len(set(args.sets)) != len(args.sets) or not args.sets:
         parser.error(f"--sets must name distinct sets, got {args.sets}")
-    if args.repeats < 1 or args.smallest < 1 or not 0 <= args.tolerance < 1:
-        parser.error("--repeats and --smallest must be >= 1, --tolerance in [0, 1)")
+    if args.smallest < 1 or not 0 <= args.tolerance < 1:
+        parser.error("--smallest must be >= 1, --tolerance in [0, 1)")
     try:  # before the passes: they end in a plot
         require_matplotlib()
     except ImportError as exc:
         parser.error(str(exc))
-    return args
 
 
 def recommend(rows: list[dict[str, Any]], tolerance: float) -> tuple[dict[str, Any], str]:
@@ -241,20 +237,17 @@ def set_rows(
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    machine = machine_record()
+def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
     model_dir, _, workload = load_model_and_workload(args)
     # The preset's buckets are replaced by each set's (and must not clash with the flags).
     overrides = config_overrides(args, workload.max_seq_len, log, base=dict(token_buckets=None))
     if "compilation_cache" in flat_fields() and args.cfg_compilation_cache is None:
         overrides["compilation_cache"] = "off"  # measure compiling, not a cache hit
     largest = EngineConfig.from_yaml(args.config, **overrides).scheduler.max_num_batched_tokens
-    try:
+    try:  # (the sets end at max_num_batched_tokens: known once the preset is read)
         sets = {name: bucket_set(name, largest, args.smallest) for name in args.sets}
     except ValueError as exc:
-        print(f"sweep_buckets.py: error: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from None
     log(f"model {model_dir}; workload {workload.name}; sets {sets}")
 
     infos, passes = run_sets(args, sets, overrides, model_dir, workload)
@@ -266,21 +259,10 @@ def main(argv: list[str] | None = None) -> int:
 
     plot_sweep(rows, args.png, title=f"{model_dir.name}, {workload.name}, {args.dtype}")
     log(f"wrote {args.png}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        record = dict(
-            args=args_record(args),
-            machine=machine,
-            workload=workload.summary(),
-            sets={n: dict(info=infos[n], passes=passes[n]) for n in sets},
-            results=rows,
-            recommended=pick["name"],
-            environment=environment(),
-        )
-        args.json.write_text(json.dumps(record, indent=2, default=str) + "\n")
-        log(f"wrote {args.json}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    record |= dict(
+        workload=workload.summary(),
+        sets={n: dict(info=infos[n], passes=passes[n]) for n in sets},
+        results=rows,
+        recommended=pick["name"],
+        environment=environment(),
+    )

@@ -1,25 +1,17 @@
-"""scripts/bench_offline.py end to end on a tiny model, and its workload / system helpers."""
+"""`python -m jaxcb.bench offline` end to end on a tiny model, and its workload / system
+helpers."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 from helpers import make_hf_model
 
+from jaxcb.bench.commands import main
+from jaxcb.bench.offline_systems import parse_variant
 from jaxcb.bench.systems import check_lengths
 from jaxcb.bench.workloads import REFERENCE_VOCAB, BenchRequest, make_workload
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_offline.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_offline", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_offline_mixed_matches_benchmarks_md():
@@ -57,40 +49,40 @@ def test_check_lengths_rejects_early_stops():
         check_lengths("x", [[5, 6, 7], [8]], requests)
 
 
-def test_bad_systems_flag_is_an_error():
-    script = load_script()
+def test_bad_systems_flag_is_an_error(capsys):
     with pytest.raises(SystemExit):
-        script.parse_args(["--systems", "jaxcb,vllm-typo"])
+        main(["offline", "--systems", "jaxcb,vllm-typo"])
+    assert "unknown --systems ['vllm-typo']" in capsys.readouterr().err
 
 
 def test_variant_flag_parses_and_rejects_bad_forms():
     """--variant NAME:FIELD=V,...: another jaxcb row with some config fields changed."""
-    script = load_script()
-    assert script.parse_variant("swap:preemption_mode=swap,swap_space_gb=2") == (
+    assert parse_variant("swap:preemption_mode=swap,swap_space_gb=2") == (
         "swap",
         {"preemption_mode": "swap", "swap_space_gb": "2"},
     )
     for bad in ("swap", "swap:", ":a=b", "swap:preemption_mode"):
         with pytest.raises(ValueError, match="--variant"):
-            script.parse_variant(bad)
+            parse_variant(bad)
     with pytest.raises(SystemExit):
-        script.parse_args(["--systems", "hf-cb", "--variant", "swap:preemption_mode=swap"])
+        main(["offline", "--systems", "hf-cb", "--variant", "swap:preemption_mode=swap"])
     with pytest.raises(SystemExit):
-        script.parse_args(["--variant", "swap"])
+        main(["offline", "--variant", "swap"])
 
 
-def test_main_writes_json(tmp_path):
+def test_offline_writes_json(tmp_path):
     model_dir = tmp_path / "tiny"
     make_hf_model("llama3", model_dir)
     out = tmp_path / "bench.json"
-    script = load_script()
     # A small jaxcb config keeps compilation short; the tiny model's vocab (512) folds the ids.
     argv = ["--model", str(model_dir), "--num-requests", "4", "--systems", "jaxcb,hf-cb",
             "--repeats", "2", "--warmup-requests", "1", "--no-roofline", "--json", str(out),
             "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--token-buckets",
             "16,32,64", "--num-pages", "128"]  # fmt: skip
-    assert script.main(argv) == 0
+    assert main(["offline", *argv]) == 0
     record = json.loads(out.read_text())
+    assert record["benchmark"] == "offline" and record["args"]["systems"] == ["jaxcb", "hf-cb"]
+    assert record["machine"]["cores"] >= 1
 
     assert record["workload"]["num_requests"] == 4
     assert record["workload"]["output_tokens"] == sum(

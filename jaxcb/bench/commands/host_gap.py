@@ -20,9 +20,12 @@ scheduling, host seconds overlap the device's). On a CPU the "device" is the sam
 host work that overlaps a step slows it by the cores it takes, which wall - device counts.
 The machine is shared: compare the ratios of one run, not absolute times across runs.
 
-    python scripts/bench_host_gap.py                      # SmolLM2-135M (LLM()'s default), 128
-    python scripts/bench_host_gap.py --num-seqs 64 --steps 32 --sampled
-    python scripts/bench_host_gap.py --model jaxcb-tiny-random-llama-v1
+    python -m jaxcb.bench host_gap                      # SmolLM2-135M (LLM()'s default), 128
+    python -m jaxcb.bench host_gap --num-seqs 64 --steps 32 --sampled
+    python -m jaxcb.bench host_gap --model jaxcb-tiny-random-llama-v1
+
+Every engine flag applies (--model, --dtype, --config and one per config field, as
+scripts/serve.py takes them); --json writes every round and the medians.
 """
 
 from __future__ import annotations
@@ -36,20 +39,21 @@ import jax
 import numpy as np
 
 from jaxcb import LLM, SamplingParams
+from jaxcb.bench.commands import SharedFlags
 from jaxcb.cli import add_engine_args, engine_config_from_args
 
-OWN_FLAGS = {"num_seqs", "prompt_len", "steps", "repeats", "sampled", "config"}
+DESCRIPTION = "the host's gap between device steps, async scheduling off and on, one engine"
+#: (the engine's own flags, jaxcb/cli.py's, bring --model, --dtype and --config)
+FLAGS = SharedFlags(repeats=3, repeats_help="rounds of each mode, in turns")
+OWN_FLAGS = {"num_seqs", "prompt_len", "steps", "repeats", "sampled", "config", "json"}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-seqs", type=int, default=128, help="requests decoding together")
     parser.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per round")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of each mode, in turns")
     parser.add_argument("--sampled", action="store_true", help="seeded top-p sampling, not greedy")
     add_engine_args(parser)
-    return parser.parse_args(argv)
 
 
 class Recorder:
@@ -68,7 +72,7 @@ class Recorder:
         runner.dispatch, runner.collect = self.dispatch, self.collect
 
     def dispatch(self, bucket: Any, inp: Any) -> Any:
-        self.idle.append(bool(self.handles) and self.handles[-1].out.token_ids.is_ready())
+        self.idle.append(bool(self.handles) and self.handles[-1].token_ids.is_ready())
         self.dispatched.append(time.perf_counter())
         self.inputs.append((bucket, inp))
         handle = self._dispatch(bucket, inp)
@@ -95,7 +99,7 @@ class Recorder:
         t0 = time.perf_counter()
         for bucket, inp in self.inputs[first:]:
             pending = self._dispatch(bucket, inp)
-        jax.block_until_ready(pending.out.token_ids)
+        jax.block_until_ready(pending.token_ids)
         return time.perf_counter() - t0
 
 
@@ -144,8 +148,7 @@ def one_round(llm: LLM, rec: Recorder, args: argparse.Namespace, on: bool) -> di
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
     given = engine_config_from_args(args)
     # Two buckets: the decodes' (T = S = num_seqs) and one for the prefills (flags override).
     base = {
@@ -158,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     flags = {name for name in vars(args) if name not in OWN_FLAGS}
     t0 = time.perf_counter()
     llm = LLM(config=given.replace(**{k: v for k, v in base.items() if k not in flags}))
-    print(f"engine ready in {time.perf_counter() - t0:.0f} s: {llm.engine.info.model_name}")
+    built = time.perf_counter() - t0
+    print(f"engine ready in {built:.0f} s: {llm.engine.info.model_name}")
     rec = Recorder(llm.engine.runner)
     results: dict[bool, list[dict]] = {False: [], True: []}
     for r in range(args.repeats):
@@ -167,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
             results[on].append(res)
             print(f"round {r} async {'on ' if on else 'off'}: {describe(res)}")
     print("\nmedians over rounds:")
+    medians = {}
     for on in (False, True):
         rows = results[on]
         median = {k: statistics.median(x[k] for x in rows) for k in rows[0] if k != "rows"}
@@ -174,6 +179,17 @@ def main(argv: list[str] | None = None) -> None:
         median["steps"] = sum(x["steps"] for x in rows)
         median["rows"] = set().union(*(x["rows"] for x in rows))
         print(f"  async {'on ' if on else 'off'}: {describe(median)}")
+        medians[on] = median
+    record |= dict(
+        engine=dict(model=llm.engine.info.model_name, build_seconds=built),
+        **{
+            f"async_{'on' if on else 'off'}": dict(
+                rounds=[r | {"rows": sorted(r["rows"])} for r in results[on]],
+                medians=medians[on] | {"rows": sorted(medians[on]["rows"])},
+            )
+            for on in (False, True)
+        },
+    )
 
 
 def describe(res: dict) -> str:
@@ -185,7 +201,3 @@ def describe(res: dict) -> str:
         f"host {res['host_s'] * ms:5.2f} / device {res['device_s'] * ms:6.2f}; "
         f"S={sorted(res['rows'])}"
     )
-
-
-if __name__ == "__main__":
-    main()
