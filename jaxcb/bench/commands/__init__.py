@@ -33,6 +33,7 @@ from types import ModuleType
 from typing import Any
 
 from jaxcb.bench.cli import CONFIG_HELP, MODEL_HELP, args_record, machine_record
+from jaxcb.runtime.platforms import restrict_to_present_hardware
 
 PROG = "python -m jaxcb.bench"
 
@@ -163,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in names:
         top_parser(names).parse_args(argv[:1])  # exits: the listing for --help, else usage
     name = argv[0]
+    # As the engine does: no failed GPU / TPU probes on a machine without them (the micro-
+    # benchmarks touch jax before any engine is built).
+    restrict_to_present_hardware()
     module = load(name)
     parser = command_parser(name, module)
     args = parser.parse_args(argv[1:])
