@@ -43,7 +43,6 @@ from jaxcb.runtime.step_input import (
     FLAG_PROMPT_TOP_LOGPROBS,
     FLAG_TOP_LOGPROBS,
     LARGE_FIELDS,
-    Layout,
     StepInput,
     all_tokens_allowed,
     empty_step_input,
@@ -200,7 +199,6 @@ class ModelRunner:
             )
         self.max_model_len = max_model_len
         self._compiled: dict[Bucket, jax.stages.Compiled] = {}
-        self._layouts: dict[Bucket, Layout] = {}  # where StepInput's arrays sit in its buffers
         self._compiled_samplers: dict[int, jax.stages.Compiled] = {}  # by sequence rows S
         self._no_penalty_tokens: dict[Bucket, tuple[jax.Array, jax.Array]] = {}
         self._all_tokens: dict[Bucket, jax.Array] = {}  # token masks allowing every id
@@ -291,7 +289,7 @@ class ModelRunner:
             self.num_sampled_rows,
             vocab_size=self.spec.vocab_size,
         )
-        self._layouts[bucket] = layout = small_layout(example)
+        layout = small_layout(example)  # (static: compiled into the bucket's step)
         ints, floats = pack_small(example)
         large = tuple(getattr(example, name) for name in LARGE_FIELDS)
         return self._step.trace(self.params, self.state, ints, floats, large, layout)
