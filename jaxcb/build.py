@@ -19,6 +19,7 @@ from jaxcb.config import EngineConfig
 from jaxcb.engine.interface import Engine
 from jaxcb.engine.llm_engine import LLMEngine
 from jaxcb.engine.replicated import ReplicatedEngine
+from jaxcb.engine.sched.factory import check_scheduler_config
 from jaxcb.runtime import distributed, sharding
 from jaxcb.runtime.setup import build_runner
 
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 def build_engine(config: EngineConfig | None = None, *, compile_progress: bool = False) -> Engine:
     """One LLMEngine, or `data_parallel_size` replicas behind the same interface."""
     config = config or EngineConfig()
+    check_scheduler_config(config)  # before the minutes of loading and compiling
     if config.parallel.data_parallel_size == 1:
         return build_llm_engine(config, compile_progress=compile_progress)
     return build_replicated_engine(config, compile_progress=compile_progress)

@@ -235,7 +235,6 @@ def test_unknown_flat_name_lists_the_valid_ones() -> None:
         ({"token_buckets": [16, 32]}, r"largest token bucket \(32\) must equal"),
         ({"cache": 5}, "'cache' must be a mapping of its fields, got 5"),
         ({"enable_prefix_caching": "maybe"}, "enable_prefix_caching must be a boolean"),
-        ({"scheduling_policy": "lifo"}, r"scheduling_policy must be one of \['fcfs', 'prio"),
         ({"srpf_aging": 0}, "srpf_aging must be > 0"),
         ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold must be >= 0"),
         ({"watermark": -0.1}, "watermark must be a fraction"),

@@ -19,7 +19,6 @@ QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 KV_CACHE_DTYPES = ("auto", *DTYPES, *QUANTIZED_KV_CACHE_DTYPES)
 ATTENTION_BACKENDS = ("auto", "native", "xla", "pallas", "pallas-tpu", "pallas-gpu")
 MATMUL_BACKENDS = ("auto", "amx", "avx512_bf16", "avx512", "avx2_bf16", "avx2", "xla")
-SCHEDULING_POLICIES = ("fcfs", "priority", "srpf", "edf")
 ADMISSION_MODES = ("greedy", "reserve", "predicted")
 BATCHING_MODES = ("continuous", "static", "dynamic")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
@@ -85,7 +84,9 @@ class SchedulerConfig:
     # with few sequences (a lone prompt's prefill) then runs the lm_head and sampling on few
     # rows, not on max_num_seqs padded ones. Each extra size adds a compile per token bucket.
     seq_buckets: tuple[int, ...] = (16,)
-    scheduling_policy: str = "fcfs"  # fcfs | priority (lower value first) | srpf | edf
+    # fcfs | priority (lower value first) | srpf | edf: engine/sched/policies.py's names,
+    # checked when the engine is built
+    scheduling_policy: str = "fcfs"
     srpf_aging: float = 16.0  # srpf: tokens a waiting request gains on newer ones per step
     ttft_target_ms: float | None = None  # time-to-first-token target of requests giving none
     tpot_target_ms: float | None = None  # time-per-output-token target of requests giving none
@@ -112,11 +113,6 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _check_types(self)
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        _check(
-            self.scheduling_policy in SCHEDULING_POLICIES,
-            f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, "
-            f"got {self.scheduling_policy!r}",
-        )
         _check(
             self.batching in BATCHING_MODES,
             f"batching must be one of {list(BATCHING_MODES)}, got {self.batching!r}",

@@ -18,7 +18,13 @@ from test_scheduler_properties import EOS, expected_output, fake_token, prompt_f
 
 from jaxcb.engine.request import Request, RequestStatus
 from jaxcb.engine.sched.page_pool import PagePool
-from jaxcb.engine.sched.policies import PriorityPolicy, SRPFPolicy, make_policy
+from jaxcb.engine.sched.policies import (
+    POLICIES,
+    FCFSPolicy,
+    PriorityPolicy,
+    SRPFPolicy,
+    make_policy,
+)
 from jaxcb.engine.sched.scheduler import Scheduler
 from jaxcb.sampling_params import SamplingParams
 
@@ -307,6 +313,40 @@ def test_watermark_holds_pages_back_for_running_requests() -> None:
     # the watermark never blocks the only request: a lone full-length one is admitted
     lone = PolicyRun([Arrival(0, 0, 47, 1)], policy="fcfs", watermark_pages=3, **kw).run()
     assert lone.admitted_at[0] == 0
+
+
+def test_a_new_policy_is_one_class_and_the_config_can_name_it(monkeypatch) -> None:
+    """Adding a policy touches policies.py alone: the subclass registers its name, the
+    config accepts it and the scheduler runs it (here: last come, first served)."""
+    monkeypatch.setattr("jaxcb.engine.sched.policies.POLICIES", dict(POLICIES))
+
+    class LCFS(FCFSPolicy):
+        name = "test-lcfs"
+
+        def enqueue(self, waiting, request, *, preempted) -> None:
+            waiting.appendleft(request)
+
+    from jaxcb.config import EngineConfig
+    from jaxcb.engine.sched.factory import check_scheduler_config
+
+    config = EngineConfig.from_dict(None, scheduling_policy="test-lcfs")
+    check_scheduler_config(config)
+    run = PolicyRun([Arrival(i, 0, 4, 2) for i in range(3)], policy="test-lcfs", max_num_seqs=1)
+    run.run()
+    assert sorted(run.admitted_at, key=run.admitted_at.get) == [2, 1, 0]
+    assert "test-lcfs" not in POLICIES  # the registry is back as it was
+
+
+def test_build_engine_rejects_an_unknown_policy_before_loading_anything(monkeypatch) -> None:
+    from jaxcb import build
+    from jaxcb.config import EngineConfig
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("built the runner for a config that names no policy")
+
+    monkeypatch.setattr(build, "build_runner", must_not_run)
+    with pytest.raises(ValueError, match=r"scheduling_policy must be one of \['fcfs', 'prio"):
+        build.build_engine(EngineConfig.from_dict(None, scheduling_policy="lifo"))
 
 
 def test_unknown_policy_and_bad_settings_are_value_errors() -> None:

@@ -12,5 +12,6 @@ itl_controller.py  the per-step token budget steered by measured ITL percentiles
 baselines.py       static and dynamic padded-batch schedulers, to compare with
 factory.py         the one factory: the scheduler, swapper and ITL controller a config asks for
 
-A new scheduling policy is a class in policies.py and a name in `make_policy`.
+A new scheduling policy is a SchedulingPolicy subclass with a `name` in policies.py:
+defining it registers it under that name (nothing else in the repository changes).
 """

@@ -11,9 +11,15 @@ from jaxcb.engine.interface import EngineInfo
 from jaxcb.engine.sched.baselines import DynamicBatchScheduler, StaticBatchScheduler
 from jaxcb.engine.sched.itl_controller import ITLController
 from jaxcb.engine.sched.page_pool import PagePool
-from jaxcb.engine.sched.policies import make_policy
+from jaxcb.engine.sched.policies import check_policy_name, make_policy
 from jaxcb.engine.sched.scheduler import BaseScheduler, Scheduler
 from jaxcb.engine.sched.swap import SwapCostModel, Swapper, SwapSpace
+
+
+def check_scheduler_config(config: EngineConfig) -> None:
+    """What only the scheduler wing knows how to check, before anything is built (the
+    policy names are the classes in policies.py): a one-line ValueError."""
+    check_policy_name(config.scheduler.scheduling_policy)
 
 
 def build_scheduler(

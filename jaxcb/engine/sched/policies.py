@@ -36,16 +36,39 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar
 
-from jaxcb.config import ADMISSION_MODES, SCHEDULING_POLICIES
+from jaxcb.config import ADMISSION_MODES
 from jaxcb.engine.request import Request
 
-POLICIES = SCHEDULING_POLICIES
+#: name -> policy class; a subclass with a `name` registers itself here (see make_policy)
+POLICIES: dict[str, type[SchedulingPolicy]] = {}
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """The knobs a policy may read when it is made (SchedulerConfig's, plus edf's clock)."""
+
+    srpf_aging: float = 16.0
+    edf_late_penalty_ms: float = 5000.0
+    clock: Callable[[], float] = time.monotonic  # wall seconds; injectable for tests
 
 
 class SchedulingPolicy:
+    """A new policy is a subclass here with a `name`: defining it registers it, and the
+    config's `scheduling_policy` can name it. One that reads a knob overrides `create`."""
+
     name: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.name:
+            POLICIES[cls.name] = cls
+
+    @classmethod
+    def create(cls, options: PolicyOptions) -> SchedulingPolicy:
+        return cls()
 
     def enqueue(self, waiting: deque[Request], request: Request, *, preempted: bool) -> None:
         raise NotImplementedError
@@ -99,6 +122,10 @@ class SRPFPolicy(_KeyedPolicy):
             raise ValueError(f"srpf aging must be > 0 (or requests may starve), got {aging}")
         self.aging = aging
 
+    @classmethod
+    def create(cls, options: PolicyOptions) -> SRPFPolicy:
+        return cls(options.srpf_aging)
+
     def key(self, request: Request) -> tuple:
         remaining = request.num_tokens - request.num_computed_tokens
         return (remaining + self.aging * request.arrival_step, request.arrival_seq)
@@ -150,6 +177,10 @@ class EDFPolicy(_KeyedPolicy):
         self.clock = clock
         self._next_late = math.inf  # when the next queued on-time request turns late
 
+    @classmethod
+    def create(cls, options: PolicyOptions) -> EDFPolicy:
+        return cls(options.edf_late_penalty_ms, clock=options.clock)
+
     @staticmethod
     def deadline(request: Request) -> float:
         """arrival + TTFT target, in seconds; inf without a target."""
@@ -198,6 +229,12 @@ class EDFPolicy(_KeyedPolicy):
         return running[max(range(len(running)), key=lambda i: (self.slack(running[i], now), i))]
 
 
+def check_policy_name(name: str) -> None:
+    """A one-line error for a name no policy has."""
+    if name not in POLICIES:
+        raise ValueError(f"scheduling_policy must be one of {list(POLICIES)}, got {name!r}")
+
+
 def make_policy(
     name: str,
     *,
@@ -206,15 +243,8 @@ def make_policy(
     clock: Callable[[], float] = time.monotonic,
 ) -> SchedulingPolicy:
     """The policy called `name`; `clock` (wall seconds) is edf's, injectable for tests."""
-    makers: dict[str, Callable[[], SchedulingPolicy]] = {
-        "fcfs": FCFSPolicy,
-        "priority": PriorityPolicy,
-        "srpf": lambda: SRPFPolicy(srpf_aging),
-        "edf": lambda: EDFPolicy(edf_late_penalty_ms, clock=clock),
-    }
-    if name not in makers:
-        raise ValueError(f"scheduling_policy must be one of {list(POLICIES)}, got {name!r}")
-    return makers[name]()
+    check_policy_name(name)
+    return POLICIES[name].create(PolicyOptions(srpf_aging, edf_late_penalty_ms, clock))
 
 
 # ---- admission ----------------------------------------------------------------------------
