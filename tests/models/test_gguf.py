@@ -638,6 +638,64 @@ def test_truncated_files(llama_dir, tmp_path) -> None:
         assert f"({cut} bytes) is truncated or corrupt" in message, message
 
 
+@pytest.mark.parametrize("endian", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_the_header_reads_as_gguf_reads_it(tmp_path, endian) -> None:
+    """Every metadata value type, arrays of numbers and of strings, tensors of plain and block
+    types: our parser (gguf_header.py) gives gguf's own reader's values and tensor bytes."""
+    from jaxcb.models.loading.gguf_header import read_header
+
+    path = tmp_path / "all.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=endian)
+    writer.add_uint8("t.u8", 200)
+    writer.add_int8("t.i8", -3)
+    writer.add_uint16("t.u16", 60000)
+    writer.add_int16("t.i16", -30000)
+    writer.add_uint32("t.u32", 4_000_000_000)
+    writer.add_int32("t.i32", -2_000_000_000)
+    writer.add_float32("t.f32", 0.1)
+    writer.add_uint64("t.u64", 2**63 + 5)
+    writer.add_int64("t.i64", -(2**62))
+    writer.add_float64("t.f64", 1e-300)
+    writer.add_bool("t.bool", True)
+    writer.add_string("t.str", "héllo ✓")
+    writer.add_array("t.ints", [1, -2, 3])
+    writer.add_array("t.floats", [0.5, -1.25])
+    writer.add_array("t.strs", ["a", "", "ß" * 40])
+    rng = np.random.default_rng(0)
+    writer.add_tensor("plain", rng.standard_normal((3, 64)).astype(np.float32))
+    q8 = gguf.quants.quantize(
+        rng.standard_normal((2, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0
+    )
+    writer.add_tensor("blocks", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    metadata, tensors = read_header(path)
+    reader = gguf.GGUFReader(path)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            if field.types[-1] == gguf.GGUFValueType.STRING:
+                want = [bytes(field.parts[i]).decode() for i in field.data]
+            else:
+                want = [v for i in field.data for v in field.parts[i].tolist()]
+        elif field.types[0] == gguf.GGUFValueType.STRING:
+            want = bytes(field.parts[-1]).decode()
+        else:
+            want = field.parts[-1].tolist()[0]
+        assert metadata[name] == want and type(metadata[name]) is type(want), name
+    assert metadata["t.str"] == "héllo ✓" and metadata["t.u64"] == 2**63 + 5
+    assert [t.name for t in tensors] == [t.name for t in reader.tensors]
+    for ours, theirs in zip(tensors, reader.tensors, strict=True):
+        assert ours.tensor_type == theirs.tensor_type
+        assert ours.dims == tuple(theirs.shape.tolist())
+        assert ours.data.shape == theirs.data.shape
+        np.testing.assert_array_equal(ours.data, theirs.data)
+
+
 def test_not_a_gguf_file(tmp_path) -> None:
     (tmp_path / "model.gguf").write_bytes(b"PK\x03\x04 a zip file, say")
     assert "not a GGUF file" in _load_error(tmp_path / "model.gguf")

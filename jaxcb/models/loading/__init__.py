@@ -2,7 +2,8 @@
 
 loader.py              any format → LoadedModel (spec, params, tokenizer, EOS ids)
 hub.py                 hub ids through the Hugging Face cache
-gguf.py                GGUF files through the `gguf` package: metadata, tensors, errors
+gguf.py                GGUF files: metadata, tensors dequantized by the `gguf` package, errors
+gguf_header.py         a GGUF file's header parsed from its bytes (metadata, tensor table)
 gguf_tokenizer.py      a GGUF file's tokenizer and chat template, without torch
 checkpoint.py          jaxcb's orbax checkpoint format: read and restore into a sharding
 checkpoint_convert.py  writing one from an HF directory or a GGUF file
