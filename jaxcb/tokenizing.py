@@ -15,9 +15,9 @@ such bound, and such prompts are tokenized in full.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 # Unicode composition (NFC, NFKC) turns at most 4 code points into 1, e.g. U+1F87.
@@ -27,12 +27,12 @@ _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "U
 
 
 def own_tokenizer(engine: Any) -> Any | None:
-    """A new instance of the engine's tokenizer (None if it has none), for one other thread."""
+    """A copy of the engine's tokenizer (None if it has none), for one other thread: a deep
+    copy holds its own Rust tokenizer (~0.07 s for a 49k vocabulary; building it again from
+    a GGUF file's metadata took ~0.2-1 s)."""
     if engine.tokenizer is None:
         return None
-    from jaxcb.models.loading.loader import load_tokenizer
-
-    return load_tokenizer(Path(engine.config.tokenizer or engine.info.model_path))
+    return copy.deepcopy(engine.tokenizer)
 
 
 def max_token_chars(tokenizer: Any) -> int | None:

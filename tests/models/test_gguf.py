@@ -123,7 +123,8 @@ def test_smollm2_stop_tokens(smollm2_file: GGUFFile, tokenizers) -> None:
 
 
 def test_own_tokenizer_of_a_gguf_engine(smollm2: Path, tokenizers) -> None:
-    """The server's tokenizer thread gets an instance of its own, built from the file."""
+    """The server's tokenizer thread gets an instance of its own (a copy: not the same
+    Rust tokenizer object), which tokenizes as transformers' does."""
     reference, tokenizer = tokenizers
     engine = SimpleNamespace(
         tokenizer=tokenizer,
@@ -131,7 +132,8 @@ def test_own_tokenizer_of_a_gguf_engine(smollm2: Path, tokenizers) -> None:
         info=SimpleNamespace(model_path=str(smollm2)),
     )
     own = own_tokenizer(engine)
-    assert own is not tokenizer
+    assert own is not tokenizer and own._tokenizer is not tokenizer._tokenizer
+    assert own.chat_template == tokenizer.chat_template
     assert own(TEXTS[2])["input_ids"] == reference(TEXTS[2])["input_ids"]
 
 
