@@ -2,17 +2,25 @@
 write, and matmuls over weights packed once at load time (AMX, AVX512-BF16, AVX-512 and AVX2,
 float32, bfloat16 and int8), compiled per ISA level and chosen by what the CPU has.
 
-    build.py   the ISA levels, what this CPU fits (capped by JAXCB_CPU_ISA), compiling the
-               sources (attention.cc, matmul.cc, common.h, simd.h) once per level into the
-               jaxcb cache directory, loading a level's library and registering its FFI targets
-    packing.py the weight layouts the matmul kernels read (numpy, at load time)
-    ops.py     the kernels as jax functions, the PACKED_MATMULS table
-    grouped.py the grouped matmuls of a mixture of experts over stacks of packed weights
+    build.py      the ISA levels, what this CPU fits (capped by JAXCB_CPU_ISA), compiling the
+                  sources (attention.cc, matmul.cc, common.h, simd.h) once per level into the
+                  jaxcb cache directory, loading a level's library and registering its FFI
+                  targets
+    packing.py    the weight layouts the matmul kernels read (numpy, at load time)
+    attention.py  the attention kernels as jax functions: ragged paged attention, KV write
+    matmul.py     the matmul kernels as jax functions, the PACKED_MATMULS table
+    normed.py     the quantized matmuls with the RMS norm before them in the same call
+    grouped.py    the grouped matmuls of a mixture of experts over stacks of packed weights
 
 This package imports nothing from jaxcb but the cache directory (jaxcb.paths): the attention
 choice and the model code call into it, never the other way round.
 """
 
+from jaxcb.native.attention import (
+    copy_kv_native,
+    ragged_paged_attention_native,
+    write_kv_native,
+)
 from jaxcb.native.build import (
     ISA_ENV,
     ISA_LEVELS,
@@ -34,22 +42,19 @@ from jaxcb.native.grouped import (
     packed_grouped_matmul,
     packed_grouped_swiglu,
 )
-from jaxcb.native.normed import NORM_TARGETS, packed_norm_matmul
-from jaxcb.native.ops import (
+from jaxcb.native.matmul import (
     ALL_PACKED,
     ARGMAX_SLOTS,
     INT4_MATMUL,
     INT8_MATMUL,
     PACKED_MATMULS,
     PackedMatmul,
-    copy_kv_native,
     matmul_argmax_screened_f32,
     packed_matmul,
     packed_matmul_argmax,
     packed_swiglu,
-    ragged_paged_attention_native,
-    write_kv_native,
 )
+from jaxcb.native.normed import NORM_TARGETS, packed_norm_matmul
 from jaxcb.native.packing import (
     can_pack_bf16,
     can_pack_f32,

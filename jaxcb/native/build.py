@@ -15,8 +15,9 @@ Each library's functions are registered with jax as XLA FFI targets named `<base
 build fails; a CPU below AVX2 (or not x86) gets the "generic" library: attention and the KV
 write, matmuls on XLA.
 
-The op wrappers that call these targets live in ops.py; this module knows nothing of them
-but their target names. It imports nothing from jaxcb but the cache directory (jaxcb.paths).
+The op wrappers that call these targets live in attention.py, matmul.py, grouped.py and
+normed.py; this module knows nothing of them but their target names. It imports nothing from
+jaxcb but the cache directory (jaxcb.paths).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from jaxcb.native.build import (
     GROUPED_SWIGLU_BF16_WIDE_TARGET,
     GROUPED_SWIGLU_F32_TARGET,
 )
-from jaxcb.native.ops import PACKED_MATMULS, _kernel_input, layer_operands
+from jaxcb.native.matmul import PACKED_MATMULS, _kernel_input, layer_operands
 
 
 class GroupedTargets(NamedTuple):

@@ -22,7 +22,7 @@ from jaxcb.native.build import (
     NORM_SWIGLU_INT4_TARGET,
     NORM_SWIGLU_INT8_TARGET,
 )
-from jaxcb.native.ops import ALL_PACKED, _real_rows, layer_operands
+from jaxcb.native.matmul import ALL_PACKED, _real_rows, layer_operands
 
 #: packed kernel name -> (its norm-fused matmul target, its norm-fused SwiGLU target)
 NORM_TARGETS = {

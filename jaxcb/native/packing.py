@@ -1,7 +1,7 @@
 """The weight layouts the native matmul kernels read, written once at load time on the
 host (numpy only): bfloat16 in the AMX tile layout, float32 in 16-column blocks, int8 and
 4-bit codes with their float16 scales (models/quant.py's weights), and the bf16 screen of a
-float32 LM head's greedy argmax. ops.py calls the kernels over them.
+float32 LM head's greedy argmax. matmul.py calls the kernels over them.
 """
 
 from __future__ import annotations
