@@ -1,4 +1,5 @@
-"""The Gemma family: Gemma 2 and Gemma 3 (text), over the Llama family's attention and MLP.
+"""The Gemma family: Gemma 2 and Gemma 3 (text), on the attention and MLP sub-layers of the
+Llama family (sublayers.py).
 
 What differs from Llama, and where it lives here:
 
@@ -40,6 +41,7 @@ from jaxcb.models.base import AttentionBackend, AttentionMetadata, KVCache, Mode
 from jaxcb.models.layers import rms_norm, rope_for, soft_cap
 from jaxcb.models.packed import embed_tokens, lm_head, matmul
 from jaxcb.models.stacking import run_layers
+from jaxcb.models.sublayers import attention_block, mlp
 from jaxcb.models.weights import CheckpointTensors, ConfigFields, ModelLoadError, cast
 
 #: Hugging Face class -> variant
@@ -190,7 +192,7 @@ def forward(
     def layer_fn(layer: Params, carry: tuple, i: Any, kind: int) -> tuple:
         x, kv_caches = carry
         window = spec.sliding_windows[kind]
-        attn, kv_caches = llama.attention_block(
+        attn, kv_caches = attention_block(
             layer,
             rms_norm(x, layer["attn_norm"], eps),
             global_rope if window is None else local_rope,
@@ -204,7 +206,7 @@ def forward(
             soft_cap=spec.attn_logit_soft_cap,
         )
         x = x + rms_norm(matmul(attn, layer["wo"], real_tokens), layer["post_attn_norm"], eps)
-        h = llama.mlp(layer, rms_norm(x, layer["mlp_norm"], eps), real_tokens, activation)
+        h = mlp(layer, rms_norm(x, layer["mlp_norm"], eps), real_tokens, activation)
         return x + rms_norm(h, layer["post_mlp_norm"], eps), kv_caches
 
     # (local and global layers alternate: the scan's body holds one period of the pattern)

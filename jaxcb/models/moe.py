@@ -1,12 +1,13 @@
 """Mixtures of experts: Mixtral, Qwen2-MoE and Qwen3-MoE, over a paged KV cache.
 
-Attention, norms and the dense MLP are the Llama family's (llama.py): Mixtral's attention is
-Mistral's, Qwen2-MoE's Qwen2's (q/k/v biases), Qwen3-MoE's Qwen3's (q/k norms). What differs
-is the feed-forward block of the sparse layers: a router picks each token's top-k experts,
-each a SwiGLU MLP of moe_intermediate_size, and their outputs are summed weighted by the
-router's probabilities (renormalised over the k for Mixtral and where norm_topk_prob says);
-Qwen2-MoE adds a shared expert gated by sigmoid(shared_expert_gate(x)). Layers listed in
-mlp_only_layers, or off the decoder_sparse_step, keep a dense MLP of intermediate_size.
+Attention, norms and the dense MLP are the Llama family's (llama.py's config mapping and
+parameters, sublayers.py's attention and MLP): Mixtral's attention is Mistral's, Qwen2-MoE's
+Qwen2's (q/k/v biases), Qwen3-MoE's Qwen3's (q/k norms). What differs is the feed-forward
+block of the sparse layers: a router picks each token's top-k experts, each a SwiGLU MLP of
+moe_intermediate_size, and their outputs are summed weighted by the router's probabilities
+(renormalised over the k for Mixtral and where norm_topk_prob says); Qwen2-MoE adds a shared
+expert gated by sigmoid(shared_expert_gate(x)). Layers listed in mlp_only_layers, or off the
+decoder_sparse_step, keep a dense MLP of intermediate_size.
 
 Routing runs on the device with static shapes and no per-expert loop: the T x k (token,
 expert) assignments are sorted by expert (stable), the tokens' rows gathered in that order,
@@ -30,7 +31,7 @@ matmul), which is ample for the models here at the TP sizes one host offers.
 Parameters of a sparse layer (besides llama.py's attention ones): `router [H, E]` (plain, so
 the logits stay float32-exact), `w_experts_gate_up [E, H, 2, I]`, `w_experts_down [E, I, H]`
 (ParamInfo.experts), and for a shared expert `w_shared_gate_up [H, 2, Is]`,
-`w_shared_down [Is, H]` (ordinary matmul weights, run by llama.mlp) and `shared_gate [H]`.
+`w_shared_down [Is, H]` (ordinary matmul weights, run by sublayers.mlp) and `shared_gate [H]`.
 
 GGUF files (llama.cpp's "qwen2moe", "qwen3moe", and Mixtral's "llama"): the GGUF section.
 """
@@ -57,6 +58,7 @@ from jaxcb.models.base import (
 from jaxcb.models.layers import dense, rms_norm, rope_for
 from jaxcb.models.packed import embed_tokens, grouped_matmul, grouped_swiglu, lm_head, matmul
 from jaxcb.models.stacking import run_layers
+from jaxcb.models.sublayers import attention_block, mlp
 from jaxcb.models.weights import CheckpointTensors, ConfigFields, ModelLoadError, cast
 
 #: Hugging Face class -> variant (its config.json model_type)
@@ -345,7 +347,7 @@ def forward(
     def layer_fn(layer: Params, carry: tuple, i: Any, kind: int) -> tuple:
         x, kv_caches = carry
         h = rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
-        attn, kv_caches = llama.attention_block(
+        attn, kv_caches = attention_block(
             layer,
             h,
             rope,
@@ -361,7 +363,7 @@ def forward(
         h = rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
         if spec.sparse_layers[kind]:
             return x + sparse_mlp(layer, h, spec, real_tokens), kv_caches
-        return x + llama.mlp(layer, h, real_tokens), kv_caches
+        return x + mlp(layer, h, real_tokens), kv_caches
 
     # (dense and sparse layers hold different weights: separate stacked runs)
     kinds = tuple(zip(spec.sliding_windows, spec.sparse_layers, strict=True))
@@ -389,7 +391,7 @@ def sparse_mlp(layer: Params, h: jax.Array, spec: MoESpec, real_tokens: jax.Arra
     if spec.shared_expert_intermediate_size:
         shared = {"w_gate_up": layer["w_shared_gate_up"], "w_down": layer["w_shared_down"]}
         gate = jax.nn.sigmoid(dense(h, layer["shared_gate"][:, None]))  # [T, 1]
-        out = out + gate * llama.mlp(shared, h, real_tokens)
+        out = out + gate * mlp(shared, h, real_tokens)
     return out
 
 

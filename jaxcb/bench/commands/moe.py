@@ -6,7 +6,7 @@ The model is Mixtral-like with random weights (--hidden 512, --experts 8, --top-
 
   (1) FFN layer   models/moe.py's sparse_mlp (router, sort by expert, grouped SwiGLU and
                   grouped down projection through packed.grouped_swiglu / grouped_matmul)
-                  against llama.py's dense mlp of intermediate k * I (the same weights a token
+                  against sublayers.py's dense mlp of intermediate k * I (the same weights a token
                   multiplies by), at --tokens 1,16,128,512, both prepared as the engine
                   prepares them (packed.prepare_cpu_params: the dense weights packed for the
                   native matmul kernel --kernel picks; the experts as that code handles them).
@@ -45,9 +45,10 @@ import numpy as np
 from jaxcb import LLM, SamplingParams
 from jaxcb.bench.commands import SharedFlags
 from jaxcb.bench.timing import median_seconds
-from jaxcb.models import llama, moe
+from jaxcb.models import moe
 from jaxcb.models.base import ParamInfo
 from jaxcb.models.packed import matmul_backend, prepare_cpu_params
+from jaxcb.models.sublayers import mlp
 
 DESCRIPTION = "a mixture of experts: one FFN layer against a dense one, and jaxcb vs transformers"
 FLAGS = SharedFlags(
@@ -149,7 +150,7 @@ def bench_ffn(args: argparse.Namespace, dtype: Any) -> list[dict[str, Any]]:
     spec, sparse, dense, plain = ffn_layers(args, dtype, kernel)
     packed = isinstance(sparse["w_experts_down"], dict)
     moe_fn = jax.jit(lambda layer, x, n: moe.sparse_mlp(layer, x, spec, n))
-    dense_fn = jax.jit(llama.mlp)
+    dense_fn = jax.jit(mlp)
     e, k, i = args.experts, args.top_k, args.intermediate
     print(
         f"\n(1) one FFN layer, H={args.hidden}: {e} experts top-{k} of I={i} against dense "
