@@ -1,7 +1,7 @@
 """The mixture-of-experts family (models/moe.py) piece by piece, against plain numpy: the
-grouped expert computation, the router, the shared expert, padding rows, the config mapping
-and the sharding of the expert weights. Greedy parity with transformers is in
-tests/e2e/test_parity.py (mixtral, qwen2-moe, qwen3-moe)."""
+grouped expert computation (models/experts.py), the router, the shared expert, padding rows,
+the config mapping and the sharding of the expert weights. Greedy parity with transformers
+is in tests/e2e/test_parity.py (mixtral, qwen2-moe, qwen3-moe)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxcb.models import moe
+from jaxcb.models.experts import experts_ffn, sort_by_expert
 from jaxcb.models.registry import param_infos, spec_from_hf_config
 from jaxcb.models.weights import ModelLoadError
 from jaxcb.runtime import sharding
@@ -61,7 +62,7 @@ def reference_ffn(h, weights, experts, gate_up, down) -> np.ndarray:
 
 
 def run_ffn(h, weights, experts, gate_up, down, real_tokens: int) -> np.ndarray:
-    fn = jax.jit(moe.experts_ffn, static_argnums=5)
+    fn = jax.jit(experts_ffn, static_argnums=5)
     out = fn(h, weights, experts.astype(np.int32), gate_up, down, E, jnp.int32(real_tokens))
     return np.asarray(out)
 
@@ -86,7 +87,7 @@ def test_padding_rows_are_in_no_group_and_come_out_zero() -> None:
     h[real:] = 1e30  # whatever a bucket's padding holds, it must not reach a real row
     experts = np.stack([rng.permutation(E)[:2] for _ in range(t)])
     weights = rng.uniform(size=(t, 2)).astype(np.float32)
-    order, sizes = moe.sort_by_expert(jnp.asarray(experts, jnp.int32), E, jnp.int32(real))
+    order, sizes = sort_by_expert(jnp.asarray(experts, jnp.int32), E, jnp.int32(real))
     assert int(sizes.sum()) == real * 2
     assert set(np.asarray(order)[real * 2 :] // 2) == set(range(real, t))  # sorted last
     np.testing.assert_array_equal(sizes, np.bincount(experts[:real].ravel(), minlength=E))
