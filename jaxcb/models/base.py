@@ -18,8 +18,8 @@ A family is one module (llama.py, ...) registered in registry.py. It declares:
                      layer i reads and writes its pages through `layer_metadata(meta,
                      kv_caches, i, spec.num_layers)`
 
-Conventions every family keeps, so that the CPU weight packing (packed.py) and the sharding
-rules work for all: the token embedding is params["embed"] [V, H] with axes ("vocab",
+Conventions every family keeps, so that the CPU weight packing (cpu_params.py) and the
+sharding rules work for all: the token embedding is params["embed"] [V, H] with axes ("vocab",
 "embed"); the output head is params["lm_head"] [H, V] with axes ("embed", "vocab"), absent
 when the embeddings are tied; a matmul weight (ParamInfo.matmul) is stored [in, ...] so that
 reshaping it to [shape[0], -1] gives its [in, out] matrix.

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jaxcb import native
+from jaxcb.models import cpu_params
 from jaxcb.models import packed as packed_models
 from jaxcb.models.base import ParamInfo
 
@@ -151,7 +152,7 @@ def test_models_grouped_matmuls_packed_match_ragged_dot(kernel, i):
         "w_down": ParamInfo(down.shape, ("expert", "mlp", "embed"), experts=True),
     }
     plain = {"w_gate_up": gate_up, "w_down": down}
-    packed = packed_models._pack_weights(plain, infos, kernel, greedy_screen=False)
+    packed = cpu_params._pack_weights(plain, infos, kernel, greedy_screen=False)
 
     @jax.jit
     def moe(params, x):
@@ -184,7 +185,7 @@ def test_pack_weights_packs_expert_stacks_of_the_kernels_dtype():
         if name != "router"
     }
     infos["router"] = ParamInfo((32, 4), ("embed", "expert"))
-    out = packed_models._pack_weights(params, infos, kernel, greedy_screen=False)
+    out = cpu_params._pack_weights(params, infos, kernel, greedy_screen=False)
     assert list(out["experts"]) == [kernel]
     stack = out["experts"][kernel]
     assert stack.shape == (4, 2, 32, 16)  # [E, N/16, K, 16]

@@ -15,7 +15,7 @@ from helpers import TINY_MODEL
 
 from jaxcb import LLM, SamplingParams, native
 from jaxcb.config import MATMUL_BACKENDS
-from jaxcb.models.packed import matmul_backend, matmul_report
+from jaxcb.models.cpu_params import matmul_backend, matmul_report
 
 KERNELS = [
     pytest.param(

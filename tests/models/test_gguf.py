@@ -559,7 +559,7 @@ def test_a_tied_quantized_head_gives_the_token_rows(family, tmp_path, monkeypatc
     engine reads the tokens' rows from its columns, with the same greedy tokens as with the
     table kept beside it (float32: the table is the blocks dequantized), and that many fewer
     weight bytes."""
-    from jaxcb.models import packed
+    from jaxcb.models import cpu_params
     from jaxcb.runtime import runner
 
     hf_dir = tmp_path / family
@@ -585,7 +585,7 @@ def test_a_tied_quantized_head_gives_the_token_rows(family, tmp_path, monkeypatc
         assert restored["weight_bytes"] == stats["weight_bytes"]
 
     def keep_the_table(*args, **kwargs):
-        return packed.prepare_cpu_params(*args, **{**kwargs, "tied": False})
+        return cpu_params.prepare_cpu_params(*args, **{**kwargs, "tied": False})
 
     monkeypatch.setattr(runner, "prepare_cpu_params", keep_the_table)
     kept_tokens, kept, kept_stats = run()

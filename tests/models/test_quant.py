@@ -170,7 +170,7 @@ def test_quantize_params_takes_the_layer_matmuls_only():
 def test_a_tied_table_is_quantized_as_the_head():
     """int8 on CPU: a tied embedding table gets a quantized head of its own ([H, V], int8
     groups of 32 along H: each token's row), which the CPU keeps instead of the table
-    (packed.prepare_cpu_params); the declarations say so, and GPU/TPU keep the table."""
+    (cpu_params.prepare_cpu_params); the declarations say so, and GPU/TPU keep the table."""
     spec = registry.spec_from_hf_config({**CONFIG, "tie_word_embeddings": True})
     infos = registry.param_infos(spec)
     assert "lm_head" not in infos

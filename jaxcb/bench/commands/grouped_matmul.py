@@ -39,7 +39,7 @@ from jaxcb import native
 from jaxcb.bench.commands import SharedFlags
 from jaxcb.bench.timing import median_seconds
 from jaxcb.models import packed
-from jaxcb.models.packed import matmul_backend
+from jaxcb.models.cpu_params import matmul_backend
 
 DESCRIPTION = "a mixture of experts' grouped matmul on the native CPU kernels against dense ones"
 FLAGS = SharedFlags(

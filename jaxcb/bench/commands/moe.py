@@ -6,11 +6,11 @@ The model is Mixtral-like with random weights (--hidden 512, --experts 8, --top-
 
   (1) FFN layer   models/moe.py's sparse_mlp (router, sort by expert, grouped SwiGLU and
                   grouped down projection through packed.grouped_swiglu / grouped_matmul)
-                  against sublayers.py's dense mlp of intermediate k * I (the same weights a token
-                  multiplies by), at --tokens 1,16,128,512, both prepared as the engine
-                  prepares them (packed.prepare_cpu_params: the dense weights packed for the
-                  native matmul kernel --kernel picks; the experts as that code handles them).
-                  Median ms of --repeats calls, and the ratio MoE / dense.
+                  against sublayers.py's dense mlp of intermediate k * I (the same weights a
+                  token multiplies by), at --tokens 1,16,128,512, both prepared as the engine
+                  prepares them (cpu_params.prepare_cpu_params: the dense weights packed for
+                  the native matmul kernel --kernel picks; the experts as that code handles
+                  them). Median ms of --repeats calls, and the ratio MoE / dense.
   (2) end to end  --num-prompts token-id prompts of --prompt-len tokens, greedy, EOS ignored,
                   --max-tokens each: jaxcb's LLM.generate (one offline batch; compiling is
                   done when the engine is built and never timed) against transformers'
@@ -47,7 +47,7 @@ from jaxcb.bench.commands import SharedFlags
 from jaxcb.bench.timing import median_seconds
 from jaxcb.models import moe
 from jaxcb.models.base import ParamInfo
-from jaxcb.models.packed import matmul_backend, prepare_cpu_params
+from jaxcb.models.cpu_params import matmul_backend, prepare_cpu_params
 from jaxcb.models.sublayers import mlp
 
 DESCRIPTION = "a mixture of experts: one FFN layer against a dense one, and jaxcb vs transformers"
