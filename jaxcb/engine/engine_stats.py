@@ -9,8 +9,8 @@ from typing import Any, Protocol
 from jaxcb.config import EngineConfig
 from jaxcb.engine.grammar import GrammarCompiler
 from jaxcb.engine.interface import EngineInfo, KVUsage
+from jaxcb.engine.sched.base import BaseScheduler
 from jaxcb.engine.sched.itl_controller import ITLController
-from jaxcb.engine.sched.scheduler import BaseScheduler
 from jaxcb.engine.sched.swap import Swapper
 
 

@@ -1,8 +1,9 @@
 """The scheduler wing: what is decided each step, on the host, in plain Python.
 
-scheduler.py       BaseScheduler (the interface the engine drives) and the continuous
-                   Scheduler: decodes first, then chunked prefill under a token budget,
-                   admission, prefix sharing, preemption
+base.py            BaseScheduler: the interface the engine drives, the queues and page
+                   bookkeeping every scheduler shares
+scheduler.py       the continuous Scheduler: decodes first, then chunked prefill under a
+                   token budget, admission, prefix sharing, preemption
 schedule.py        SchedulerOutput / ScheduledChunk: what one step was decided to do
 policies.py        queue orders (fcfs, priority, srpf, edf) and preemption victims
 page_pool.py       the KV page free list, reference counts and prefix cache

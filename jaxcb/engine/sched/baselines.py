@@ -1,8 +1,8 @@
 """Batching baselines: static and dynamic batching of padded batches, on jaxcb's own engine.
 
 They exist to be compared with the real scheduler (`scheduler.batching`: continuous | static
-| dynamic; `python -m jaxcb.bench compare_batching`). Both are `BaseScheduler`s
-(scheduler.py), as the continuous `Scheduler` is, so `LLMEngine` runs them unchanged;
+| dynamic; `python -m jaxcb.bench compare_batching`). Both are `BaseScheduler`s (base.py),
+as the continuous `Scheduler` (scheduler.py) is, so `LLMEngine` runs them unchanged;
 `factory.make_scheduler` picks one from the config.
 
 Both model a *padded batch*: a rectangle of `rows x width` token slots in which every row is one
@@ -36,8 +36,8 @@ from __future__ import annotations
 from typing import Any
 
 from jaxcb.engine.request import Request, RequestStatus
+from jaxcb.engine.sched.base import BaseScheduler
 from jaxcb.engine.sched.schedule import ScheduledChunk, SchedulerOutput
-from jaxcb.engine.sched.scheduler import BaseScheduler
 
 
 class _PaddedBatchScheduler(BaseScheduler):

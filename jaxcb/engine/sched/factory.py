@@ -8,11 +8,12 @@ from typing import Any
 
 from jaxcb.config import BATCHING_MODES, EngineConfig
 from jaxcb.engine.interface import EngineInfo
+from jaxcb.engine.sched.base import BaseScheduler
 from jaxcb.engine.sched.baselines import DynamicBatchScheduler, StaticBatchScheduler
 from jaxcb.engine.sched.itl_controller import ITLController
 from jaxcb.engine.sched.page_pool import PagePool
 from jaxcb.engine.sched.policies import check_policy_name, make_policy
-from jaxcb.engine.sched.scheduler import BaseScheduler, Scheduler
+from jaxcb.engine.sched.scheduler import Scheduler
 from jaxcb.engine.sched.swap import SwapCostModel, Swapper, SwapSpace
 
 
