@@ -1,7 +1,8 @@
 """LLMEngine: add_request / step / abort — the loop shared by `LLM.generate` and the server.
 
 `step()` is: schedule (host) → pack into the smallest bucket → run the compiled step (device)
-→ append sampled tokens, detokenize, check stops, free finished requests' pages (host).
+→ append sampled tokens, detokenize, check stops, free finished requests' pages (host: the
+OutputProcessor, engine/output_processor.py, which also keeps the requests by id).
 With `scheduler.async_scheduling` it runs a step ahead of the device: schedule, pack and
 dispatch step N+1, then read back and apply step N's tokens, so the host's work overlaps the
 device's (engine/inflight.py); a request's tokens come one `step()` later.
@@ -12,9 +13,10 @@ page pool, the scheduler) and never imports jax, the models or the kernels.
 
 Fault isolation: an exception while handling one request's new token (detokenizer, stop
 strings, output building) fails that request alone — finish_reason "error", the message in
-`RequestOutput.error`, its pages freed — and every other request goes on. An exception from
-the step itself (scheduling, packing, the device) propagates: the engine's state is suspect
-then, and the caller (LLM.generate, the server's engine loop) decides what to do.
+`RequestOutput.error`, its pages freed — and every other request goes on (the
+OutputProcessor sees to it). An exception from the step itself (scheduling, packing, the
+device) propagates: the engine's state is suspect then, and the caller (LLM.generate, the
+server's engine loop) decides what to do.
 """
 
 from __future__ import annotations
@@ -34,9 +36,8 @@ from jaxcb.engine.engine_stats import engine_stats
 from jaxcb.engine.grammar import GrammarCompiler
 from jaxcb.engine.groups import RequestGroup, new_sample
 from jaxcb.engine.inflight import InFlightStep, link_to_inflight, sync_reason
-from jaxcb.engine.interface import Engine, EngineInfo, KVUsage, Runner, StepRecord, StepResult
-from jaxcb.engine.logprobs import append_sample_logprobs, record_prompt_logprobs
-from jaxcb.engine.request import Request
+from jaxcb.engine.interface import Engine, EngineInfo, KVUsage, Runner, StepRecord
+from jaxcb.engine.output_processor import OutputProcessor
 from jaxcb.engine.sched.factory import build_itl_controller, build_scheduler, build_swapper
 from jaxcb.engine.sched.page_pool import PagePool
 from jaxcb.engine.sched.schedule import SchedulerOutput
@@ -71,8 +72,6 @@ class LLMEngine(Engine):
         self.swapper = build_swapper(config, info)  # None: preemption by recompute only
         self.scheduler = build_scheduler(config, self.pool, self.swapper)
         self._rng = np.random.default_rng(config.seed)
-        self._groups: dict[str, RequestGroup] = {}
-        self._request_group: dict[int, RequestGroup] = {}  # id(child) -> group
         self._ids = itertools.count()
         self.itl = build_itl_controller(config, info)  # None: the fixed token budget
         self.observer = StepObserver(
@@ -81,6 +80,10 @@ class LLMEngine(Engine):
             swap_cost=self.swapper.cost if self.swapper is not None else None,
         )
         self._stats = self.observer.counts  # (requests, tokens, failures counted here too)
+        # The requests by id, and a step's tokens applied to them.
+        self.output_processor = OutputProcessor(
+            self.scheduler, self._stats, max_model_len=self.max_model_len
+        )
         # Async scheduling (engine/inflight.py): the step dispatched and not yet read back.
         self._sync_reason = sync_reason(
             config, runner, swap=self.swapper is not None, itl=self.itl is not None
@@ -110,7 +113,7 @@ class LLMEngine(Engine):
         params = params or SamplingParams()
         prompt_text, prompt_ids = self.validate_request(prompt, params, priority=priority)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self._groups:
+        if request_id in self.output_processor.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         grammar = self.grammars.compile(params.structured_outputs)  # None: unconstrained
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -140,10 +143,9 @@ class LLMEngine(Engine):
             for _ in children
         ]
         group = RequestGroup(request_id, prompt_text, prompt_ids, children, detoks, final_only)
-        self._groups[request_id] = group
+        self.output_processor.add(group)
         for child in children:
             child.grammar = grammar and self.grammars.matcher(grammar)
-            self._request_group[id(child)] = group
             self.scheduler.add(child)
         self._stats["requests"] += 1
         self._stats["prompt_tokens"] += len(prompt_ids) * params.n
@@ -161,7 +163,7 @@ class LLMEngine(Engine):
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages. Unknown or finished ids are ignored."""
-        group = self._groups.get(str(request_id))
+        group = self.output_processor.groups.get(str(request_id))
         if group is None:
             return None
         now = time.monotonic()
@@ -173,7 +175,7 @@ class LLMEngine(Engine):
         self._stats["aborted"] += 1
         if self._inflight is not None and self._inflight.all_finished:
             self._retire()  # its tokens are all dropped: leave nothing in flight
-        return self._output(group, now)
+        return self.output_processor.output(group, now)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -221,7 +223,7 @@ class LLMEngine(Engine):
         result = self.runner.execute(bucket, prepared)
         t2 = time.perf_counter()
         self.scheduler.update_after_step(sched)
-        outputs = self._process_results(sched, result, samples)
+        outputs = self.output_processor.process(sched, result, samples)
         t3 = time.perf_counter()
         times = StepTimes(t0, t3, host=(t1 - t0) + (t3 - t2), device=t2 - t1, swap=swap_seconds)
         self.observer.ran(
@@ -279,7 +281,7 @@ class LLMEngine(Engine):
         t0 = time.perf_counter()
         result = step.collect(self.runner)
         waited = time.perf_counter() - t0
-        return self._process_results(step.sched, result, step.samples), waited
+        return self.output_processor.process(step.sched, result, step.samples), waited
 
     def _swap(self, sched: SchedulerOutput) -> float:
         """The step's swap copies (out, then in) before it runs; returns their seconds."""
@@ -305,79 +307,6 @@ class LLMEngine(Engine):
         (engine/sched/baselines.py; 0 otherwise)."""
         tokens = sched.num_tokens + sched.num_padding_tokens
         return pick_bucket(self.info.buckets, tokens, len(sched.chunks))
-
-    def _process_results(
-        self, sched: SchedulerOutput, result: StepResult, samples: list[bool]
-    ) -> list[RequestOutput]:
-        """Apply a step's tokens; `samples`: per chunk, whether the step sampled for it
-        (ScheduledChunk.samples, asked before the step ran)."""
-        now = time.monotonic()
-        touched: dict[str, RequestGroup] = {}
-        record_prompt_logprobs(sched.chunks, result)
-        for s, chunk in enumerate(sched.chunks):
-            req = chunk.request
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
-            if not samples[s] or req.finished:
-                continue  # (finished: it stopped on the previous step's token, or aborted)
-            group = self._request_group[id(req)]
-            touched[group.request_id] = group
-            try:
-                self._append_sample(req, group, result, s, now)
-            except Exception as exc:  # this request's problem only: the others go on
-                self._fail_request(req, exc, now)
-        return [self._output(g, now) for g in touched.values() if g.finished or not g.final_only]
-
-    def _append_sample(
-        self, req: Request, group: RequestGroup, result: StepResult, s: int, now: float
-    ) -> None:
-        """The token sampled for row s: append it, detokenize, check every stop condition."""
-        token = int(result.token_ids[s])
-        req.append_token(token)
-        append_sample_logprobs(req, result, s)
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
-        req.metrics.last_token_time = now
-        self._stats["generated_tokens"] += 1
-        detok = group.detokenizer(req)
-        stop_str = detok.add_token(token)
-        if stop_str is None:
-            req.check_stop_tokens(self.max_model_len)
-            if req.finish_reason is not None:
-                stop_str = detok.flush()  # may complete a stop string too
-        if stop_str is not None:  # a stop string beats EOS and length limits
-            req.finish_reason, req.stop_reason = "stop", stop_str
-        if req.finish_reason is not None:
-            req.metrics.finished_time = now
-            self.scheduler.finish(req)
-
-    def _fail_request(self, req: Request, exc: BaseException, now: float) -> None:
-        """End one request with finish_reason "error" and free its pages."""
-        logger.error("request %s failed: %r", req.request_id, exc, exc_info=exc)
-        req.finish_reason, req.stop_reason = "error", None
-        req.error = f"{type(exc).__name__}: {exc}"
-        req.metrics.finished_time = now
-        self.scheduler.finish(req)
-        self._stats["failed"] += 1
-
-    def _output(self, group: RequestGroup, now: float) -> RequestOutput:
-        """The group's output; a finished group is forgotten. If building it fails, the
-        group's unfinished requests fail (and its texts are dropped) rather than the loop."""
-        try:
-            out = group.output()
-        except Exception as exc:
-            for child in group.children:
-                if not child.finished:
-                    self._fail_request(child, exc, now)
-                elif child.error is None:
-                    child.error = f"{type(exc).__name__}: {exc}"
-            group.broken = True
-            out = group.output()
-        if group.finished:
-            self._groups.pop(group.request_id, None)
-            for child in group.children:
-                self._request_group.pop(id(child), None)
-        return out
 
     # ---- introspection ------------------------------------------------------------------
 

@@ -197,7 +197,7 @@ def test_a_failing_request_fails_alone(cached):
     want = cached.generate(prompts, GREEDY, use_tqdm=False)
     ids = [engine.add_request(None, p, GREEDY) for p in prompts]
     calls = {"n": 0}
-    detok = engine._groups[ids[2]].detokenizers[0]
+    detok = engine.output_processor.groups[ids[2]].detokenizers[0]
     original = detok.add_token
 
     def broken(token: int):
@@ -208,7 +208,7 @@ def test_a_failing_request_fails_alone(cached):
 
     detok.add_token = broken
     # and one whose output cannot even be built
-    engine._groups[ids[4]].detokenizers[0].visible_text = lambda finished: 1 / 0
+    engine.output_processor.groups[ids[4]].detokenizers[0].visible_text = lambda finished: 1 / 0
     results = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -188,7 +188,8 @@ def run(engine: LLMEngine, requests: list, eos_every: int) -> dict[str, tuple[li
         step += 1
         assert step < 2_000, "the engine did not finish"
     assert engine.pool.num_used == 0
-    assert all(r.num_inflight == 0 for g in engine._groups.values() for r in g.children)
+    groups = engine.output_processor.groups.values()
+    assert all(r.num_inflight == 0 for g in groups for r in g.children)
     for rid, (tokens, reason) in final.items():
         if reason != "abort":
             assert tokens == want[rid], f"request {rid}"

@@ -42,15 +42,15 @@ def test_a_failing_request_is_an_error_for_its_client_only(
     healthy_reference, app_client, reference_llm, monkeypatch
 ):
     _, client = app_client
-    engine = reference_llm.engine
-    real = engine._append_sample
+    processor = reference_llm.engine.output_processor
+    real = processor.append_sample
 
     def append_sample(req, group, result, s, now):
         if req.prompt_token_ids[:3] == POISON and req.output_token_ids:
             raise RuntimeError("detokenizer exploded")
         return real(req, group, result, s, now)
 
-    monkeypatch.setattr(engine, "_append_sample", append_sample)
+    monkeypatch.setattr(processor, "append_sample", append_sample)
     healthy = {**BODY, "prompt": [5, 6, 7, 8], "max_tokens": 40, "stream": True}
     with client.stream("POST", "/v1/completions", json=healthy) as stream:
         lines = stream.iter_lines()

@@ -130,7 +130,7 @@ def one_round(llm: LLM, rec: Recorder, args: argparse.Namespace, on: bool) -> di
     after = engine.stats()
     gaps, idle = rec.host_gaps(first), rec.idle[first:]
     rows = {b.num_seqs for b, _ in rec.inputs[first:]}
-    for rid in list(engine._groups):
+    for rid in list(engine.output_processor.groups):
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
         engine.step()
