@@ -20,10 +20,6 @@ import jax.numpy as jnp
 
 from jaxcb import native
 from jaxcb.models.base import Params
-
-# runtime/setup.py and runtime/runner.py still import these three from here: they are
-# cpu_params.py's, and this line goes when those imports move there.
-from jaxcb.models.cpu_params import matmul_backend, matmul_report, prepare_cpu_params  # noqa: F401
 from jaxcb.models.layers import dense, precision, rms_norm
 from jaxcb.models.quant import CODE_OFFSET, is_quantized, quantized_matmul
 

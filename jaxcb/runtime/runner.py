@@ -31,7 +31,7 @@ from jaxcb.engine.buckets import Bucket
 from jaxcb.engine.interface import StepResult
 from jaxcb.engine.sched.schedule import SchedulerOutput
 from jaxcb.models.base import AttentionBackend, ModelSpec, Params
-from jaxcb.models.packed import prepare_cpu_params
+from jaxcb.models.cpu_params import prepare_cpu_params
 from jaxcb.models.stacking import stack_layers
 from jaxcb.runtime import sharding
 from jaxcb.runtime import step as step_module
@@ -93,7 +93,7 @@ class ModelRunner:
         """`infos`: the params' declarations (the family's `param_infos`: shapes, logical
         axes). `pack_matmuls`: a native matmul kernel ("amx", "avx512_bf16", "avx512") to run
         the matmuls of its dtype on, their weights packed for it (CPU, one device; see
-        models/packed.py). `greedy_screen`: with "avx512", also keep the bf16 screen of the
+        models/cpu_params.py). `greedy_screen`: with "avx512", also keep the bf16 screen of the
         float32 lm_head that finds greedy tokens at bf16 cost (if this CPU has AVX512-BF16).
         `num_swap_pages`: host slots for pages preempted by swap (0: none; kv_swap.py's
         HostSwapPool). `abstract`: `params` are jax.ShapeDtypeStructs and no KV pool is

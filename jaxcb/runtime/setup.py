@@ -27,9 +27,9 @@ from jaxcb.engine.buckets import Bucket
 from jaxcb.engine.interface import EngineInfo
 from jaxcb.models import registry
 from jaxcb.models.base import abstract_from_infos
+from jaxcb.models.cpu_params import matmul_backend, matmul_report
 from jaxcb.models.loading.default_model import DEFAULT_NAME
 from jaxcb.models.loading.loader import LoadedModel, load_model
-from jaxcb.models.packed import matmul_backend, matmul_report
 from jaxcb.models.quant import (
     check_stored,
     check_tensor_parallel,
@@ -172,7 +172,7 @@ def _stored_quantization(config: EngineConfig, stored: str) -> EngineConfig:
 
 
 def _matmul_backend(config: EngineConfig, dtype: Any, tensor_parallel_size: int) -> str:
-    """packed.matmul_backend's choice for the model dtype's matmuls (quantized weights go to
+    """cpu_params.matmul_backend's choice for the model dtype's matmuls (quantized weights go to
     the native int8 kernel wherever a native kernel is chosen and it runs, else to XLA);
     fp8 on a named native CPU kernel is a one-line ValueError."""
     requested = config.kernels.matmul
