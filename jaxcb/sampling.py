@@ -7,7 +7,8 @@ and a preempted request that is recomputed draws the same tokens again.
 Work that most batches do not need (filters, penalties, top logprobs) sits behind `lax.cond`
 so all-greedy batches pay only for an argmax. Nothing here sorts a vocabulary-sized row: the
 filters rank a bounded candidate set, or find their cut by a threshold search (see
-`_filtered_sample`), and top logprobs take a top-k that XLA runs as a TopK kernel.
+`_filtered_sample`), and top logprobs take a top-k that XLA runs as a TopK kernel (the
+ranking primitives are top_k.py's).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+
+from jaxcb.top_k import largest_k, order_keys, smallest_key_where, top_candidates
 
 NEG_INF = -jnp.inf
 
@@ -95,89 +98,6 @@ def apply_penalties(
 #: provably hold every token its filters keep (else a threshold search over the row, below).
 #: Sorting the 49,152 logits of SmolLM2 costs ~9 ms on a CPU core; taking the top 1,024 ~0.35 ms.
 FILTER_CANDIDATES = 1024
-
-#: The largest k that XLA's GPU backend runs as its TopK kernel: for a larger k it sorts the
-#: whole row (so compiled H100 programs show), hence `largest_k` and `_top_candidates`. On
-#: TPU, XLA's top-1,024 of a row is a TopK op for 49,152 or 128,256 tokens but a sort of the
-#: row for 32,000 or 151,936 (libtpu 0.0.42); top-20 is a TopK op at every size tried.
-GPU_TOP_K = 16
-
-
-def order_keys(x: jax.Array) -> jax.Array:  # i32, x's shape
-    """Integers ordered as `lax.sort` and `lax.top_k` order floats (total order, -0.0 below
-    +0.0): a negative float's sign-magnitude bits turned into two's-complement order."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
-    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
-
-
-def smallest_key_where(
-    keys: jax.Array,  # i32[1, V]: a row's order keys
-    weights: jax.Array,  # f32[W, V]
-    bounds: jax.Array,  # f32[W]
-) -> jax.Array:  # i32: one of the row's keys
-    """The smallest key t of the row at which the weight above it stays under every bound
-    (sum of weights[w] where keys > t, < bounds[w]; each bound > 0): a bisection over the
-    integers, at most 32 masked sums over the row and no sort. The sums only grow as t
-    falls and change only at the row's keys, so the answer is one of them."""
-
-    def fits(t: jax.Array) -> jax.Array:
-        return jnp.all(jnp.sum(jnp.where(keys > t, weights, 0.0), axis=-1) < bounds)
-
-    def halve(bracket: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        lo, hi = bracket  # the answer lies in [lo, hi]; hi fits
-        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2), no overflow
-        ok = fits(mid)
-        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
-
-    bracket = (keys.min(), keys.max())
-    return jax.lax.while_loop(lambda b: b[0] < b[1], halve, bracket)[1]
-
-
-def top_k_by_threshold(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """`lax.top_k(x, k)` of one row x f32[1, V] (V >= k) without sorting it: the k-th largest
-    key by `smallest_key_where`, the k tokens at or above it gathered (ties at it: lower ids
-    first, as top_k), and only those k sorted."""
-    keys = order_keys(x)
-    cut = smallest_key_where(keys, jnp.ones_like(x), jnp.full(1, k, jnp.float32))
-    above, at = keys > cut, keys == cut
-    taken = above | (at & (jnp.cumsum(at, axis=-1) <= k - jnp.sum(above)))  # k tokens
-    ids = jnp.nonzero(taken[0], size=k)[0].astype(jnp.int32)  # ascending
-    _, ids = jax.lax.sort((~keys[0, ids], ids), num_keys=2)  # largest first, then lower id
-    return x[:, ids], ids[None]
-
-
-def _top_candidates(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """`lax.top_k(x, k)` of one row: XLA's TopK on CPU (0.35 ms for 1,024 of 49,152 tokens,
-    where the threshold search takes ~1 ms), the threshold search on accelerators, where XLA
-    may sort the row instead (GPU_TOP_K)."""
-    return jax.lax.platform_dependent(
-        x, cpu=lambda x: tuple(jax.lax.top_k(x, k)), default=lambda x: top_k_by_threshold(x, k)
-    )
-
-
-def top_k_in_rounds(
-    x: jax.Array, k: int, per_round: int = GPU_TOP_K
-) -> tuple[jax.Array, jax.Array]:
-    """`lax.top_k(x, k)` over the last axis of [S, V] as rounds of top `per_round`, each
-    masking the tokens taken: the same answer wherever a row has k finite values."""
-    rows = jnp.arange(x.shape[0])[:, None]
-    values, ids = [], []
-    for _ in range(-(-k // per_round)):
-        v, i = jax.lax.top_k(x, per_round)
-        values.append(v)
-        ids.append(i)
-        x = x.at[rows, i].set(NEG_INF)
-    return jnp.concatenate(values, -1)[:, :k], jnp.concatenate(ids, -1)[:, :k]
-
-
-def largest_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """`lax.top_k(x, k)` over the last axis of [S, V] (top logprobs); on GPUs, for k over
-    GPU_TOP_K, `top_k_in_rounds` instead of the whole-row sort XLA would compile."""
-    if k <= GPU_TOP_K:
-        return jax.lax.top_k(x, k)
-    return jax.lax.platform_dependent(
-        x, cuda=lambda x: top_k_in_rounds(x, k), default=lambda x: tuple(jax.lax.top_k(x, k))
-    )
 
 
 def _threshold_draw(
@@ -279,7 +199,7 @@ def _filtered_sample(
 
     def filtered(x: jax.Array) -> tuple[jax.Array, jax.Array]:
         log_norm = jax.nn.logsumexp(x, axis=-1, keepdims=True)
-        values, ids = _top_candidates(x, cands)  # ties: the lower id first, as a sort
+        values, ids = top_candidates(x, cands)  # ties: the lower id first, as a sort
         probs = jnp.exp(values - log_norm)
         # The top `cands` tokens hold every kept one when top_k is at most that many, when
         # their mass reaches top_p (the next token has that much ranked above it), or when

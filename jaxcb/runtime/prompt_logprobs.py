@@ -22,7 +22,7 @@ from jaxcb.models.base import Params
 from jaxcb.models.layers import soft_cap
 from jaxcb.models.packed import lm_head_weight, matmul
 from jaxcb.runtime.step_input import FLAG_PROMPT_TOP_LOGPROBS, StepInput
-from jaxcb.sampling import largest_k
+from jaxcb.top_k import largest_k
 
 BLOCK_ROWS = 128  # rows of logits at a time
 

@@ -371,7 +371,7 @@ def tie_heavy_rows(vocab=3000):
 def test_gpu_top_k_variants_match_lax_top_k():
     """The GPU-side substitutes for XLA's whole-row sort give lax.top_k's answer exactly,
     ties (lower id first), signed zeros and -inf included."""
-    from jaxcb.sampling import top_k_by_threshold, top_k_in_rounds
+    from jaxcb.top_k import top_k_by_threshold, top_k_in_rounds
 
     rows = jnp.asarray(tie_heavy_rows())
     by_threshold = jax.jit(top_k_by_threshold, static_argnames="k")
