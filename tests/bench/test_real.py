@@ -276,10 +276,12 @@ def test_flags_and_presets(tmp_path, chat_model):
 
 
 def test_profile_splits_each_step_by_kind(tmp_path, chat_model):
-    """The profile benchmark on the tiny model: every step traced, its ops sorted into kinds."""
+    """The profile benchmark on the tiny model: every step traced, its ops sorted into kinds
+    (asked for async scheduling, as the SmolLM2 preset is, it times the steps one by one)."""
     out = tmp_path / "profile.json"
     config = REPO / "configs" / "tiny-cpu.yaml"
     argv = ["--model", str(chat_model), "--config", str(config), "--single"]
+    argv += ["--async-scheduling", "true"]
     assert main(["profile", *argv, "--max-tokens", "6", "--json", str(out)]) == 0
     record = json.loads(out.read_text())
     decode, prefill = record["phases"]["decode"], record["phases"]["prefill"]

@@ -151,6 +151,11 @@ def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
     if args.single:
         workload = single_request(workload, args.max_tokens or 256)
     overrides = config_overrides(args, workload.max_seq_len, log)
+    # One step at a time: each step's execute is timed whole (async scheduling's dispatch
+    # and collect overlap the next step's packing, which has no share of one step to show).
+    if overrides.get("async_scheduling") not in (None, False, "false"):
+        log("async scheduling off: the profile times one step at a time")
+    overrides["async_scheduling"] = False
     llm = LLM(args.jaxcb_model or model_dir, config=args.config, **overrides)
     prompts = [r.prompt_token_ids for r in workload.requests]
     params = [
