@@ -14,6 +14,9 @@ reads the compiled step's HLO text (`Compiled.as_text()`) and sorts each op into
   residual    the residual adds; sampling the sampler's conditionals and compares
   other       anything else (the embedding gather, converts, copies)
 
+A while loop (the layers' `lax.scan`) has an event of its own spanning its body's ops, which
+have theirs: it is kind `loop` and counted nowhere, so no time is counted twice.
+
 `run_profiles` then sums, per run, the op time of each kind and the run's span (first op's
 start to last op's end); span minus the summed op time is the thunk executor's own overhead
 and idle gaps (ops run one after another here, each custom call spreading over the threads
@@ -63,6 +66,8 @@ _FUSION_KINDS = (
     ("compare", "sampling"),
     ("cond", "sampling"),
 )
+#: A while loop's own event (the layers' scan) spans its body's ops, which are traced too.
+LOOP = "loop"
 _LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 
 
@@ -83,7 +88,9 @@ def op_kinds(hlo_text: str) -> dict[str, str]:
         name, rest = m.groups()
         target = re.search(r'custom_call_target="([^"]+)"', rest)
         calls = re.search(r"calls=%?([\w.\-]+)", rest)
-        if target:
+        if re.search(r"\bwhile\(", rest):
+            kinds[name] = LOOP  # (its body's ops are traced one by one: counted there)
+        elif target:
             t = target.group(1)
             kinds[name] = next((k for key, k in _TARGET_KINDS if key in t), "other")
         elif " dot(" in rest or (calls and calls.group(1) in with_dot):
@@ -117,7 +124,9 @@ def run_profiles(
             continue
         r = runs.setdefault(run, dict(start=e["ts"], end=e["ts"], ms=defaultdict(float)))
         r["start"], r["end"] = min(r["start"], e["ts"]), max(r["end"], e["ts"] + e["dur"])
-        r["ms"][kinds.get(op, "other")] += e["dur"] / 1e3
+        kind = kinds.get(op, "other")
+        if kind != LOOP:
+            r["ms"][kind] += e["dur"] / 1e3
     out = []
     for r in sorted(runs.values(), key=lambda r: r["start"]):
         ms = {k: r["ms"].get(k, 0.0) for k in KINDS}

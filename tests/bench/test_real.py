@@ -289,3 +289,4 @@ def test_profile_splits_each_step_by_kind(tmp_path, chat_model):
     for phase in (decode, prefill):
         assert phase["matmul"] > 0 and phase["attention"] > 0 and phase["lm_head"] > 0
         assert phase["span"] <= phase["execute"] <= phase["step"]
+        assert phase["executor"] >= 0  # the scan's while op is not counted over its body's
