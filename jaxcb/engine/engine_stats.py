@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from jaxcb.config import EngineConfig
 from jaxcb.engine.grammar import GrammarCompiler
-from jaxcb.engine.interface import EngineInfo, KVUsage
+from jaxcb.engine.interface import EngineInfo, KVUsage, Runner
 from jaxcb.engine.sched.base import BaseScheduler
 from jaxcb.engine.sched.itl_controller import ITLController
 from jaxcb.engine.sched.swap import Swapper
@@ -19,6 +19,7 @@ class StatsSource(Protocol):
 
     config: EngineConfig
     info: EngineInfo
+    runner: Runner
     scheduler: BaseScheduler
     grammars: GrammarCompiler
     swapper: Swapper | None
@@ -41,6 +42,7 @@ def engine_stats(
 ) -> dict[str, Any]:
     """`counters`: the engine's running totals; `bucket_hist`: steps per token bucket."""
     s, info, kv = counters, engine.info, engine.kv_usage()
+    compiling, background_seconds = engine.runner.background_compile()
     slots, queries = s["token_slots"], s["prefix_queries"]
     return {
         "steps": s["steps"],
@@ -57,7 +59,10 @@ def engine_stats(
         # token and KV head) and one token's K and V over all layers, scales included
         "kv_cache_dtype": info.kv_cache_dtype,
         "kv_bytes_per_token": info.kv_bytes_per_token,
-        "compile_seconds": info.compile_seconds,
+        # start-up's compile, plus what a background compile has done since (the server's
+        # default: compile_in_background) and the programs it still has to compile
+        "compile_seconds": info.compile_seconds + background_seconds,
+        "programs_compiling": compiling,
         "compile_cache": dict(info.compile_cache),
         "compile_seconds_per_bucket": dict(info.compile_seconds_per_bucket),
         "kernels": {

@@ -73,6 +73,15 @@ class Runner(Protocol):
         """RuntimeError if the device state was lost (a failed step consumed its buffers)."""
         ...
 
+    def background_compile(self) -> tuple[int, float]:
+        """(programs still compiling on a background thread, seconds spent on those done)
+        when the engine was made ready before every bucket was compiled; else (0, 0.0)."""
+        ...
+
+    def close(self) -> None:
+        """Stop a background compile (the step programs' compiles are all it holds)."""
+        ...
+
     def swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
         """Copy KV pages to host slots, (page, slot) pairs, then host slots into pages,
         (slot, page) pairs (preemption by swap, engine/sched/swap.py). The engine calls it after

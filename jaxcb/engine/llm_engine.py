@@ -353,3 +353,6 @@ class LLMEngine(Engine):
 
     def stats(self) -> dict[str, Any]:
         return engine_stats(self, self._stats, self.observer.bucket_hist)
+
+    def close(self) -> None:
+        self.runner.close()

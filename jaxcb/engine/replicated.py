@@ -51,6 +51,9 @@ def combined_info(infos: Sequence[EngineInfo]) -> EngineInfo:
             "dir": cache.get("dir"),
             "buckets_compiled": sum(i.compile_cache["buckets_compiled"] for i in infos),
             "buckets_from_cache": sum(i.compile_cache["buckets_from_cache"] for i in infos),
+            "buckets_in_background": sum(
+                i.compile_cache.get("buckets_in_background", 0) for i in infos
+            ),
         },
     )
 
@@ -218,3 +221,5 @@ class ReplicatedEngine(Engine):
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+        for replica in self.replicas:
+            replica.close()

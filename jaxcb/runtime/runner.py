@@ -35,6 +35,7 @@ from jaxcb.models.cpu_params import prepare_cpu_params
 from jaxcb.models.stacking import stack_layers
 from jaxcb.runtime import sharding
 from jaxcb.runtime import step as step_module
+from jaxcb.runtime.compile_queue import CompileQueue
 from jaxcb.runtime.distributed import collective
 from jaxcb.runtime.kv_cache import abstract_state, init_state
 from jaxcb.runtime.kv_swap import HostSwapPool
@@ -214,17 +215,33 @@ class ModelRunner:
         self.bucket_compile_seconds: dict[Bucket, float] = {}
         self.sampler_compile_seconds: dict[int, float] = {}
         self.lower_seconds: dict[Bucket, float] = {}
+        # What the programs are traced on: the params' and the state's shapes and shardings
+        # (the state a step donates is gone after it; a background compile traces later).
+        self._abstract = jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+            (self.params, self.state),
+        )
+        self._queue: CompileQueue | None = None  # programs compiling in the background
+        self._queue_keys: dict[Bucket | int, tuple[Bucket, int | None]] = {}
 
     def compile(
-        self, buckets: tuple[Bucket, ...], progress: bool = False, threads: int = 1
+        self,
+        buckets: tuple[Bucket, ...],
+        progress: bool = False,
+        threads: int = 1,
+        ready_after: int | None = None,
     ) -> float:
-        """AOT-compile the step for every bucket; returns the seconds summed over buckets
-        (each bucket's lowering and compile; with threads, more than the wall time).
+        """AOT-compile the step for every bucket and the sampling program of every sequence-
+        row count; returns the seconds summed over programs (each one's lowering and
+        compile; with threads, more than the wall time).
 
-        `threads` > 1: the buckets are lowered one after another (tracing is Python and
-        holds the GIL), then compiled that many at a time (XLA's compiler releases it)."""
+        `threads` > 1: the programs are lowered one after another (tracing is Python and
+        holds the GIL), then compiled that many at a time (XLA's compiler releases it).
+        `ready_after`: compile the first that many buckets before returning and the others
+        on a background thread, in order (runtime/compile_queue.py); a step whose program
+        is not compiled yet waits for it. The seconds returned are the first buckets'."""
         rows = max(b.num_seqs for b in buckets)
-        if self._compiled and rows > self.num_sampled_rows:
+        if (self._compiled or self._queue) and rows > self.num_sampled_rows:
             raise ValueError(
                 f"buckets of {rows} sequence rows need a larger sampled-token buffer than the "
                 f"{self.num_sampled_rows} rows already compiled: compile every bucket at once"
@@ -238,16 +255,16 @@ class ModelRunner:
             seqs = bucket.num_seqs
             if seqs not in self._compiled_samplers and all(k[1] != seqs for k in keys):
                 keys.append((bucket, seqs))
+        later: list[tuple[Bucket, int | None]] = []
+        if ready_after is not None and ready_after < len(buckets):
+            split = keys.index((buckets[ready_after], None))
+            keys, later = keys[:split], keys[split:]
         jobs: dict[tuple[Bucket, int | None], jax.stages.Lowered] = {}
         lower_seconds: dict[tuple[Bucket, int | None], float] = {}
         for key in keys:
-            bucket, num_seqs = key
             t0 = time.perf_counter()
-            traced = self.trace_step(bucket) if num_seqs is None else self.trace_sampler(num_seqs)
-            jobs[key] = traced.lower()
+            jobs[key] = self._trace(key).lower()
             lower_seconds[key] = time.perf_counter() - t0
-            if num_seqs is None:
-                self.lower_seconds[bucket] = lower_seconds[key]
 
         def compile_one(key: tuple[Bucket, int | None]) -> tuple:
             t0 = time.perf_counter()
@@ -263,21 +280,79 @@ class ModelRunner:
                 done = tqdm(
                     done, total=len(jobs), desc="compiling buckets", unit="program", leave=False
                 )
-            for (bucket, num_seqs), compiled, seconds in done:
-                t = bucket.num_tokens
-                if num_seqs is None:
-                    self._compiled[bucket] = compiled
-                    logger.info("compiled bucket T=%d S=%d in %.2fs", t, bucket.num_seqs, seconds)
-                else:
-                    self._compiled_samplers[num_seqs] = compiled
-                    self.sampler_compile_seconds[num_seqs] = seconds
-                    logger.info("compiled sampling for S=%d in %.2fs", num_seqs, seconds)
-                self.compile_seconds[t] = self.compile_seconds.get(t, 0.0) + seconds
-                self.bucket_compile_seconds[bucket] = (
-                    self.bucket_compile_seconds.get(bucket, 0.0) + seconds
-                )
+            for key, compiled, seconds in done:
+                self._record(key, compiled, seconds, lower_seconds[key])
                 total += seconds
+        if later:
+            self._queue_keys = {(b if s is None else s): (b, s) for b, s in later}
+            self._queue = CompileQueue(list(self._queue_keys), self._compile_later)
+            logger.info("compiling %d more programs in the background", len(later))
         return total
+
+    def _trace(self, key: tuple[Bucket, int | None]) -> jax.stages.Traced:
+        bucket, num_seqs = key
+        return self.trace_step(bucket) if num_seqs is None else self.trace_sampler(num_seqs)
+
+    def _record(
+        self,
+        key: tuple[Bucket, int | None],
+        compiled: jax.stages.Compiled,
+        seconds: float,
+        lower_seconds: float,
+    ) -> None:
+        """Keep a compiled program and its seconds (the stats and the start-up log's)."""
+        bucket, num_seqs = key
+        t = bucket.num_tokens
+        if num_seqs is None:
+            self.lower_seconds[bucket] = lower_seconds
+            self._compiled[bucket] = compiled
+            logger.info("compiled bucket T=%d S=%d in %.2fs", t, bucket.num_seqs, seconds)
+        else:
+            self._compiled_samplers[num_seqs] = compiled
+            self.sampler_compile_seconds[num_seqs] = seconds
+            logger.info("compiled sampling for S=%d in %.2fs", num_seqs, seconds)
+        self.compile_seconds[t] = self.compile_seconds.get(t, 0.0) + seconds
+        self.bucket_compile_seconds[bucket] = self.bucket_compile_seconds.get(bucket, 0.0) + seconds
+
+    def _compile_later(self, program: Bucket | int) -> jax.stages.Compiled:
+        """The background queue's compile of one program (a step's bucket, or a sampling
+        program's S): traced on the abstract params and state, as the state the engine's
+        steps donate may be gone by then."""
+        key = self._queue_keys[program]
+        t0 = time.perf_counter()
+        lowered = self._trace(key).lower()
+        lower_seconds = time.perf_counter() - t0
+        compiled = lowered.compile()
+        self._record(key, compiled, time.perf_counter() - t0, lower_seconds)
+        return compiled
+
+    def _program(self, program: Bucket | int) -> jax.stages.Compiled:
+        """A bucket's compiled step or an S's sampling program; one still in the background
+        queue is moved to its front and waited for."""
+        table = self._compiled if isinstance(program, Bucket) else self._compiled_samplers
+        compiled = table.get(program)
+        if compiled is None and self._queue is not None and program in self._queue:
+            if not self._queue.done(program):
+                logger.info(
+                    "a step waits for its %s, compiling in the background",
+                    f"bucket T={program.num_tokens} S={program.num_seqs}"
+                    if isinstance(program, Bucket)
+                    else f"sampling program for S={program}",
+                )
+            return self._queue.wait(program)
+        return table[program] if compiled is None else compiled
+
+    def background_compile(self) -> tuple[int, float]:
+        """(programs still compiling in the background, seconds spent on the ones done);
+        (0, 0.0) when every program was compiled before the engine was ready."""
+        if self._queue is None:
+            return 0, 0.0
+        return self._queue.pending, self._queue.seconds
+
+    def close(self) -> None:
+        """Stop the background compile (after the program it is on)."""
+        if self._queue is not None:
+            self._queue.stop()
 
     def trace_step(self, bucket: Bucket) -> jax.stages.Traced:
         """The step traced for the bucket's shapes: what `compile` lowers (its jaxpr names
@@ -292,7 +367,8 @@ class ModelRunner:
         layout = small_layout(example)  # (static: compiled into the bucket's step)
         ints, floats = pack_small(example)
         large = tuple(getattr(example, name) for name in LARGE_FIELDS)
-        return self._step.trace(self.params, self.state, ints, floats, large, layout)
+        params, state = self._abstract
+        return self._step.trace(params, state, ints, floats, large, layout)
 
     def trace_sampler(self, num_seqs: int) -> jax.stages.Traced:
         """The sampling program traced for S sequence rows (any bucket of that S)."""
@@ -311,11 +387,11 @@ class ModelRunner:
     def compiled_step(self, bucket: Bucket) -> jax.stages.Compiled:
         """The bucket's compiled step (after `compile`): its memory_analysis and
         cost_analysis are what runtime/aot.py reports."""
-        return self._compiled[bucket]
+        return self._program(bucket)
 
     def compiled_sampler(self, num_seqs: int) -> jax.stages.Compiled:
         """The compiled sampling program for S sequence rows (after `compile`)."""
-        return self._compiled_samplers[num_seqs]
+        return self._program(num_seqs)
 
     def prepare(self, sched: SchedulerOutput, bucket: Bucket) -> StepInput:
         return pack_step_input(
@@ -343,12 +419,12 @@ class ModelRunner:
         self._fill_sampling_defaults(bucket, inp)  # (the step's input tree has them too)
         ints, floats = pack_small(inp)
         large = tuple(getattr(inp, name) for name in LARGE_FIELDS)
-        greedy_ids, prompt_out, logits, self.state, self._sampled = self._compiled[bucket](
+        greedy_ids, prompt_out, logits, self.state, self._sampled = self._program(bucket)(
             self.params, self.state, ints, floats, large
         )  # step()
         out = None
         if step_module.needs_sampling(inp.flags):
-            out, self._sampled = self._compiled_samplers[bucket.num_seqs](
+            out, self._sampled = self._program(bucket.num_seqs)(
                 logits, greedy_ids, self._sampled, sampling_input(inp)
             )  # sample_step()
         num_prompt_rows = int(inp.num_prompt_logprob_rows[0])

@@ -147,7 +147,7 @@ def build_runner(
         platform=jax.default_backend(),
         load_seconds=load_seconds,
         compile_seconds=compile_seconds,
-        compile_seconds_per_bucket=dict(runner.compile_seconds),
+        compile_seconds_per_bucket=runner.compile_seconds,  # (grows with a background compile)
         compile_cache=cache_figures,
         cpu_kernels=cpu_kernels,
         num_swap_pages=swap_pages,
@@ -263,17 +263,21 @@ def _compile(
 ) -> tuple[float, dict[str, Any]]:
     """Compile every bucket through the persistent cache; (seconds, what the cache gave).
     On accelerators several buckets compile at once (aot.DEFAULT_COMPILE_THREADS: the host
-    compiles a GPU or TPU program, and XLA releases the GIL); CPU compiles one at a time."""
+    compiles a GPU or TPU program, and XLA releases the GIL); CPU compiles one at a time.
+    With compile_in_background, only the smallest bucket compiles here and the others on the
+    runner's background thread (what the cache gives them is not counted)."""
     cache_path = compile_cache.configure(config.compilation_cache)
     entries_before = compile_cache.count_step_entries(cache_path)
     on_cpu = runner.mesh.devices.flat[0].platform == "cpu"
     threads = 1 if on_cpu else aot.DEFAULT_COMPILE_THREADS
-    seconds = runner.compile(buckets, progress=progress, threads=threads)
+    now = 1 if config.compile_in_background else len(buckets)
+    seconds = runner.compile(buckets, progress=progress, threads=threads, ready_after=now)
     fresh = compile_cache.count_step_entries(cache_path) - entries_before
     return seconds, {
         "dir": str(cache_path) if cache_path else None,
-        "buckets_compiled": fresh if cache_path else len(buckets),
-        "buckets_from_cache": len(buckets) - fresh if cache_path else 0,
+        "buckets_compiled": fresh if cache_path else now,
+        "buckets_from_cache": now - fresh if cache_path else 0,
+        "buckets_in_background": len(buckets) - now,
     }
 
 
@@ -281,7 +285,7 @@ def _log_ready(info: EngineInfo, config: EngineConfig) -> None:
     logger.info(
         "engine ready: %s (%s%s), dtype %s%s, weights %.1f MiB, %d %s KV pages x %d tokens "
         "(%.1f MiB, %d bytes a token), buckets %s, attention %s, matmul %s, on %s, "
-        "load %.1fs, compile %.1fs (%d of %d buckets from the compilation cache)",
+        "load %.1fs, compile %.1fs (%d of %d buckets from the compilation cache%s)",
         info.model_path,
         info.architecture,
         ", RANDOM WEIGHTS" if info.random_weights else "",
@@ -301,6 +305,9 @@ def _log_ready(info: EngineInfo, config: EngineConfig) -> None:
         info.compile_seconds,
         info.compile_cache["buckets_from_cache"],
         len(info.buckets),
+        f", {info.compile_cache['buckets_in_background']} compiling in the background"
+        if info.compile_cache.get("buckets_in_background")
+        else "",
     )
     if info.cpu_kernels:
         others = "; ".join(

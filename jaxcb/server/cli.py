@@ -132,6 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = engine_config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if config.compile_in_background is None:  # the server answers once one bucket is compiled
+        config = config.replace(compile_in_background=True)
     try:
         settings = ServerSettings(
             served_model_names=tuple(args.served_model_name or [model_name(config)]),
@@ -262,7 +264,12 @@ def log_startup(engine: Engine, settings: ServerSettings, url: str, frozen: int 
         f"{'on' if config.cache.enable_prefix_caching else 'off'}, watermark "
         f"{sched.watermark_pages(info.num_pages)} pages, at most "
         f"{config.limits.max_waiting_requests} waiting",
-        f"  compiled in:  {info.compile_seconds:.1f} s",
+        f"  compiled in:  {info.compile_seconds:.1f} s"
+        + (
+            f", {later} more buckets compiling in the background (--compile-in-background)"
+            if (later := info.compile_cache.get("buckets_in_background"))
+            else ""
+        ),
         f"  gc:           {frozen} start-up objects frozen (full collections skip them)",
         f"  listening on: {url}  (OpenAI base_url {url}/v1)",
         f"  try:          {curl}",

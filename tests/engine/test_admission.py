@@ -372,6 +372,12 @@ class FakeRunner:
     def check_health(self) -> None:
         pass
 
+    def background_compile(self) -> tuple[int, float]:
+        return 0, 0.0
+
+    def close(self) -> None:
+        pass
+
 
 def fake_engine(**flat: object) -> LLMEngine:
     config = EngineConfig.from_dict(

@@ -99,6 +99,12 @@ class FakeDevice:
     def check_health(self) -> None:
         pass
 
+    def background_compile(self) -> tuple[int, float]:
+        return 0, 0.0
+
+    def close(self) -> None:
+        pass
+
 
 def fake_engine(eos_every: int = 0, **flat: object) -> tuple[LLMEngine, FakeDevice]:
     flat = {"max_num_seqs": 4, "max_num_batched_tokens": 16, "page_size": 4, **flat}

@@ -23,6 +23,7 @@ def test_second_start_uses_the_compilation_cache(tmp_path):
         "dir": str(cache),
         "buckets_compiled": 2,
         "buckets_from_cache": 0,
+        "buckets_in_background": 0,
     }
     second = LLM(compilation_cache=str(cache), **CONFIG)
     warm = second.stats()
@@ -41,4 +42,5 @@ def test_cache_off():
         "dir": None,
         "buckets_compiled": 2,
         "buckets_from_cache": 0,
+        "buckets_in_background": 0,
     }
