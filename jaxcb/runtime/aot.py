@@ -295,8 +295,8 @@ def measure_program_bytes(runner: ModelRunner, buckets: tuple[Bucket, ...]) -> i
     largest = max(buckets, key=lambda b: (b.num_tokens, b.num_seqs))
     runner.compile((largest,))
     return max(
-        program_bytes(runner.compiled_step(largest)),
-        program_bytes(runner.compiled_sampler(largest.num_seqs)),
+        program_bytes(runner.programs.compiled_step(largest)),
+        program_bytes(runner.programs.compiled_sampler(largest.num_seqs)),
     )
 
 

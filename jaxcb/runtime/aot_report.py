@@ -253,13 +253,13 @@ def report(build: AotBuild, *, context_len: int | None = None) -> AotReport:
     rows = []
     sampling_bytes_of: dict[int, int] = {}  # by S: one sampling program serves its buckets
     for bucket in build.buckets:
-        compiled = runner.compiled_step(bucket)
+        compiled = runner.programs.compiled_step(bucket)
         mem = compiled.memory_analysis()
-        traced = runner.trace_step(bucket)
+        traced = runner.programs.trace_step(bucket)
         cost = step_cost(compiled, traced, kv_array_bytes)
         # A step that samples or asks for logprobs runs the sampling program of its S after
         # the step: its traffic counts in the all-options bytes, its buffers in the peak.
-        sampler = runner.compiled_sampler(bucket.num_seqs)
+        sampler = runner.programs.compiled_sampler(bucket.num_seqs)
         if bucket.num_seqs not in sampling_bytes_of:
             sampling_bytes_of[bucket.num_seqs] = hbm_traffic.hbm_bytes(sampler.as_text())
         sampling_bytes = sampling_bytes_of[bucket.num_seqs]
@@ -282,8 +282,8 @@ def report(build: AotBuild, *, context_len: int | None = None) -> AotReport:
             BucketReport(
                 num_tokens=bucket.num_tokens,
                 num_seqs=bucket.num_seqs,
-                compile_seconds=runner.bucket_compile_seconds[bucket],
-                lower_seconds=runner.lower_seconds[bucket],
+                compile_seconds=runner.programs.bucket_compile_seconds[bucket],
+                lower_seconds=runner.programs.lower_seconds[bucket],
                 argument_bytes=mem.argument_size_in_bytes,
                 output_bytes=mem.output_size_in_bytes,
                 temp_bytes=mem.temp_size_in_bytes,

@@ -147,7 +147,8 @@ def build_runner(
         platform=jax.default_backend(),
         load_seconds=load_seconds,
         compile_seconds=compile_seconds,
-        compile_seconds_per_bucket=runner.compile_seconds,  # (grows with a background compile)
+        # (the runner's own dict: it grows while a background compile goes on)
+        compile_seconds_per_bucket=runner.programs.compile_seconds,
         compile_cache=cache_figures,
         cpu_kernels=cpu_kernels,
         num_swap_pages=swap_pages,

@@ -117,7 +117,7 @@ def test_step_compiles_for_target(model_dir, target, family, tp, backend, kernel
         assert b.decode_tokens_per_s == pytest.approx(b.num_seqs / b.roofline_seconds)
     assert rep.fits and rep.peak_bytes <= rep.memory_limit_bytes
     # Attention went through the Pallas kernel (Mosaic / Triton), one call per layer.
-    hlo = build.runner.compiled_step(build.buckets[0]).as_text()
+    hlo = build.runner.programs.compiled_step(build.buckets[0]).as_text()
     assert kernel_call in hlo and hbm_traffic.kernel_calls(hlo) == spec.num_layers
     text = aot_report.format_report(rep)
     assert "(32, 8)" in text and text.splitlines()[-1].startswith("fits:")
@@ -143,7 +143,7 @@ def test_quantized_kv_pool_compiles_for_target(model_dir, target, kv_dtype, kern
     assert rep.kv_pool_bytes == 96 * 16 * per_token
     for b in rep.buckets:  # (TPU pads the small scale arrays' tiles: a little more there)
         assert rep.kv_pool_bytes <= b.alias_bytes < 1.05 * rep.kv_pool_bytes and b.fits
-    hlo = build.runner.compiled_step(build.buckets[0]).as_text()
+    hlo = build.runner.programs.compiled_step(build.buckets[0]).as_text()
     assert hbm_traffic.kernel_calls(hlo) == build.spec.num_layers and kernel_call in hlo
 
 

@@ -88,6 +88,6 @@ def test_family_compiles_for_target(tmp_path, family, target, kernel_call):
     rep = aot_report.report(build)
     assert rep.fits and all(b.fits for b in rep.buckets)
     assert rep.attention.startswith("pallas-")
-    hlo = build.runner.compiled_step(build.buckets[0]).as_text()
+    hlo = build.runner.programs.compiled_step(build.buckets[0]).as_text()
     # attention through the Pallas kernel (on TPU the experts' ragged_dot is a Mosaic call too)
     assert kernel_call in hlo and hbm_traffic.kernel_calls(hlo) >= build.spec.num_layers

@@ -52,7 +52,7 @@ def test_the_compiled_step_takes_a_handful_of_arrays():
         num_pages=16,
     )
     runner = llm.engine.runner
-    (compiled,) = runner._compiled.values()
+    (compiled,) = [runner.programs.compiled_step(b) for b in llm.engine.info.buckets]
     args = jax.tree_util.tree_leaves(compiled.args_info)
     results = jax.tree_util.tree_leaves(compiled.out_info)
     weights = jax.tree_util.tree_leaves(runner.params)

@@ -88,7 +88,7 @@ def profile(llm: Any, prompts: list, params: list) -> tuple[list, list, list]:
     engine = llm.engine
     kinds: dict[str, str] = {}
     runner = engine.runner
-    for compiled in [*runner._compiled.values(), *runner._compiled_samplers.values()]:
+    for compiled in runner.programs.all_compiled():
         kinds |= op_kinds(compiled.as_text())
     timer = StepTimer(engine)
     with tempfile.TemporaryDirectory(prefix="jaxcb-profile-") as tmp:
