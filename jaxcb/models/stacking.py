@@ -127,11 +127,9 @@ def run_layers(
     vary, such as its pages), and the index of a layer of the same kind (an int: for what
     the trace depends on, such as its sliding window). `scan`: `layers` are the stacked runs
     (`stack_layers`) and each run's `segments` by `kinds` (each layer's static kind) are
-    scanned; else `layers` are the loaders' per-layer params, unrolled."""
+    scanned; else `layers` are the loaders' per-layer params, unrolled (`unrolled`)."""
     if not scan:
-        for i, layer in enumerate(layers):
-            carry = layer_fn(layer, carry, i, i)
-        return carry
+        return unrolled(layers, carry, layer_fn, kinds=kinds)
     first = 0
     for stack in layers:
         n = run_length(stack)
@@ -155,3 +153,26 @@ def run_layers(
             carry, _ = jax.lax.scan(body, carry, groups)
         first += n
     return carry
+
+
+def unrolled(
+    layers: Sequence[Params], carry: Any, layer_fn: LayerFn, *, kinds: Sequence[Hashable]
+) -> Any:
+    """The layers one after another, each its own copy in the program, but traced once per
+    kind of layer, not once per layer: `carry` is (x, the per-layer pools, a list), and each
+    layer runs as one nested jit of (its params, x, its own pool), which jax traces and lowers
+    once for every layer of the same shapes and kind (XLA inlines the calls, so the compiled
+    program is the unrolled one). Tracing a 32-layer model's bucket for an H100 took ~5 ms a
+    layer before."""
+    x, pools = carry
+    first_of_kind = {kind: kinds.index(kind) for kind in kinds}
+
+    def one_layer(layer: Params, x: Any, pool: Any, kind_index: int) -> tuple[Any, Any]:
+        x, (pool,) = layer_fn(layer, (x, [pool]), 0, kind_index)  # (its pool at index 0)
+        return x, pool
+
+    traced_once = jax.jit(one_layer, static_argnums=3)
+    pools = list(pools)
+    for i, layer in enumerate(layers):
+        x, pools[i] = traced_once(layer, x, pools[i], first_of_kind[kinds[i]])
+    return x, pools

@@ -259,14 +259,17 @@ def compile_for_target(
     # DeserializeLoadedExecutable"), so a second run would compile again anyway, after a
     # warning per bucket. (On a real device the engine's start-up does hit it.)
     compile_cache.configure("off")
-    sizing, probe_seconds = pool(), 0.0
+    sizing, probe_seconds, probe = pool(), 0.0, None
     if sizing.source == "device memory":
         log(f"sizing the KV pool: compiling the largest bucket with {sizing.num_pages} pages")
         t0 = time.perf_counter()
-        measured = measure_program_bytes(runner(sizing.num_pages), buckets)
+        probe = runner(sizing.num_pages)
+        measured = measure_program_bytes(probe, buckets, threads)
         probe_seconds = time.perf_counter() - t0
         sizing = pool(measured)
     built = runner(sizing.num_pages)
+    if probe is not None:  # (its sampling program is the built runner's: not compiled again)
+        built.programs.adopt_samplers(probe.programs)
     log(f"KV pool: {sizing.describe()}")
     t0 = time.perf_counter()
     built.compile(buckets, progress=progress, threads=threads)
@@ -288,12 +291,14 @@ def compile_for_target(
     )
 
 
-def measure_program_bytes(runner: ModelRunner, buckets: tuple[Bucket, ...]) -> int:
+def measure_program_bytes(
+    runner: ModelRunner, buckets: tuple[Bucket, ...], threads: int = DEFAULT_COMPILE_THREADS
+) -> int:
     """`program_bytes` of the largest bucket (most tokens, then most sequences) or of its
     sampling program, whichever is more, compiled on `runner` (an abstract one: no memory
-    taken)."""
+    taken), the two side by side with `threads`."""
     largest = max(buckets, key=lambda b: (b.num_tokens, b.num_seqs))
-    runner.compile((largest,))
+    runner.compile((largest,), threads=threads)
     return max(
         program_bytes(runner.programs.compiled_step(largest)),
         program_bytes(runner.programs.compiled_sampler(largest.num_seqs)),

@@ -135,6 +135,8 @@ class StepPrograms:
                 f"buckets of {rows} sequence rows need a larger sampled-token buffer than the "
                 f"{self.num_sampled_rows} rows already compiled: compile every bucket at once"
             )
+        if rows > self.num_sampled_rows:  # adopted samplers read a smaller buffer: not those
+            self._compiled_samplers.clear()
         self.num_sampled_rows = max(self.num_sampled_rows, rows)
         # Each bucket's step, and the sampling program of each S not compiled yet, keyed
         # (bucket, None) and (bucket, S) for the first bucket of that S.
@@ -230,6 +232,16 @@ class StepPrograms:
                 )
             return self._queue.wait(program)
         return table[program] if compiled is None else compiled
+
+    def adopt_samplers(self, other: StepPrograms) -> None:
+        """Take `other`'s compiled sampling programs, so `compile` does not compile them
+        again: the KV pool-sizing probe's (runtime/setup.py, aot.py), whose pool differs from
+        this one's, but a sampling program never reads the pool. The same mesh's, before
+        `compile`."""
+        if self._compiled or self._queue:
+            raise ValueError("sampling programs are adopted before anything is compiled")
+        self.num_sampled_rows = other.num_sampled_rows
+        self._compiled_samplers.update(other._compiled_samplers)
 
     def all_compiled(self) -> list[jax.stages.Compiled]:
         """Every program compiled so far: the steps, then the sampling programs."""

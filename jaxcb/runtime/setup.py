@@ -90,7 +90,7 @@ def build_runner(
     cpu_kernels = _cpu_kernels(config, matmul, dtype, sharding.tensor_parallel_size(mesh))
     kv_dtype, buckets, max_model_len = plan.kv_dtype, plan.buckets, plan.max_model_len
     runner_args = plan.runner_args(mesh)
-    pool = _size_pool(plan, model, infos, runner_args)
+    pool, probe = _size_pool(plan, model, infos, runner_args)
     num_pages = pool.num_pages
     swap_pages = 0
     swapping = sched.preemption_mode != "recompute" and sched.batching == "continuous"
@@ -108,6 +108,8 @@ def build_runner(
         num_swap_pages=swap_pages,
         **runner_args,
     )
+    if probe is not None:  # (the probe's sampling program is this runner's: not compiled again)
+        runner.programs.adopt_samplers(probe.programs)
     compile_seconds, cache_figures = _compile(runner, buckets, config, compile_progress)
     compile_seconds += runner.compile_swap()
     swap_bytes_per_s = runner.measure_swap_bandwidth()
@@ -231,26 +233,29 @@ def model_name(config: EngineConfig) -> str:
 
 def _size_pool(
     plan: DevicePlan, model: LoadedModel, infos: Any, runner_args: dict[str, Any]
-) -> PoolSizing:
-    """The KV pool's page count (DevicePlan.size_pool) and how it was found.
+) -> tuple[PoolSizing, ModelRunner | None]:
+    """The KV pool's page count (DevicePlan.size_pool) and how it was found, and the
+    abstract runner that measured the compiled step (None: none did).
 
     Sized from an accelerator's memory (auto sizing), the pool leaves room for the compiled
     step's own buffers: the largest bucket is compiled once beforehand on an abstract runner
     (no memory taken; runtime/aot.py) with the pool sized without them, and its temporaries
-    and fresh outputs are measured. That is one compile more at start-up (a cache hit on
-    later starts); with num_pages or kv_cache_memory_gb given, or on CPU, there is none."""
+    and fresh outputs are measured. That is one step compile more at start-up (a cache hit on
+    later starts; its sampling program is the runner's, not compiled again); with num_pages or
+    kv_cache_memory_gb given, or on CPU, there is none."""
     memory = dict(
         params_bytes=_host_bytes(model.params), device=runner_args["mesh"].devices.flat[0]
     )
     pool = plan.size_pool(**memory)
     if pool.source != "device memory":
-        return pool
+        return pool, None
     compile_cache.configure(plan.config.compilation_cache)
     params = abstract_from_infos(infos, jnp.dtype(plan.config.dtype))
     probe = ModelRunner(
         plan.spec, params, infos, num_pages=pool.num_pages, abstract=True, **runner_args
     )
-    return plan.size_pool(program_bytes=aot.measure_program_bytes(probe, plan.buckets), **memory)
+    measured = aot.measure_program_bytes(probe, plan.buckets)
+    return plan.size_pool(program_bytes=measured, **memory), probe
 
 
 def _host_bytes(params: Any) -> int:
