@@ -12,7 +12,7 @@ from helpers import hf_greedy, make_hf_model, random_prompts
 
 from jaxcb import LLM, SamplingParams
 from jaxcb.models.base import ParamInfo
-from jaxcb.models.stacking import layer_runs, segments, stack_layers
+from jaxcb.models.stacking import layer_runs, run_layers, segments, stack_layers
 
 W = 48  # a sliding window
 
@@ -62,6 +62,36 @@ DEEP = {
     "qwen3-moe": {"num_hidden_layers": 4},
     "llama3": {"num_hidden_layers": 4},
 }
+
+
+def test_unrolled_layers_are_traced_once_per_kind():
+    # Six layers, local and global alternating: every layer runs in order on its own params
+    # and pool, but layer_fn is traced twice (one per kind), not six times.
+    kinds = ("local", "global") * 3
+    traced: list[int] = []
+
+    def layer_fn(layer, carry, index, kind_index):
+        traced.append(kind_index)
+        x, pools = carry
+        scale = 2.0 if kinds[kind_index] == "global" else 1.0
+        pools = [*pools[:index], pools[index] + x.sum(), *pools[index + 1 :]]
+        return x * layer["w"] * scale + pools[index], pools
+
+    layers = [{"w": jax.numpy.float32(i + 1)} for i in range(6)]
+    pools = [jax.numpy.zeros((2,)) for _ in range(6)]
+
+    def run(x, layers, pools):
+        return run_layers(layers, (x, pools), layer_fn, kinds=kinds, scan=False)
+
+    x, pools = jax.jit(run)(jax.numpy.ones((2,)), layers, pools)
+    assert sorted(traced) == [0, 1]
+    want_x, want_pools = np.ones(2), []
+    for i in range(6):  # the same layers in Python, one after another
+        pool = want_x.sum()
+        want_x = want_x * (i + 1) * (2.0 if i % 2 else 1.0) + pool
+        want_pools.append(np.full(2, pool))
+    np.testing.assert_allclose(np.asarray(x), want_x, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(pools), np.asarray(want_pools), rtol=1e-6)
 
 
 @pytest.mark.parametrize("family", sorted(DEEP))

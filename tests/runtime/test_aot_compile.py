@@ -96,11 +96,15 @@ def test_step_compiles_for_target(model_dir, target, family, tp, backend, kernel
     spec = build.spec
     params = registry.num_params(spec) * 2  # bf16
     assert params / tp <= rep.params_bytes < params / tp * 1.05  # (norms stay whole)
+    programs = build.runner.programs
     if pages:
         assert rep.num_pages == 96 and rep.probe_seconds == 0
+        assert set(programs.sampler_compile_seconds) == {8}
     else:  # sized from the target's memory, with the compiled step's buffers measured
         assert "device memory" in rep.kv_pool_sizing and rep.probe_seconds > 0
         assert rep.num_pages == 8 * 256 // 16  # max_num_seqs full sequences fit easily
+        # the probe's sampling program is the runner's: not compiled a second time
+        assert programs.sampler_compile_seconds == {} and programs.compiled_sampler(8)
     for b in rep.buckets:
         assert 0 < b.lower_seconds < b.compile_seconds and b.fits
         # The KV pool is donated: every one of its bytes is aliased, output to argument.
