@@ -79,6 +79,7 @@ def attention_block(
         sm_scale=spec.sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        pool_layers=1 if per_layer else spec.num_layers,  # (the kernels' cost: one layer's)
         **dict(zip(("k_scales", "v_scales"), scales, strict=False)),
     )  # [T, Hq, D]
     pool = (k_pages, v_pages, *scales)

@@ -36,6 +36,7 @@ def ragged_paged_attention_native(
     level: str | None = None,
     k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
     v_scales: jax.Array | None = None,
+    pool_layers: int = 1,  # (layers whose pages the pool holds: read by the Pallas cost only)
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """Ragged paged attention on CPU (same contract as the jnp reference), by the library of
     ISA `level` (default: the active one; tests run each level this CPU can). Pages of

@@ -58,8 +58,12 @@ def ragged_paged_attention(
     num_kv_pages_per_block: int | None = None,
     k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
     v_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
+    pool_layers: int = 1,
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """Run the Pallas kernel of `backend`; same semantics as `ragged_paged_attention_reference`.
+
+    `pool_layers`: the pool holds that many layers' pages (a pool stacked over the layers,
+    each layer's pages a slice of it): the kernels' cost estimates count one layer's.
 
     Quantized pages (int8, float8_e4m3fn, float8_e5m2) take their `k_scales` / `v_scales`
     (kv_quant.py); both kernels read the pages as stored and dequantize on chip.
@@ -88,6 +92,7 @@ def ragged_paged_attention(
         interpret=interpret,
         k_scales=k_scales,
         v_scales=v_scales,
+        pool_layers=pool_layers,
     )
 
 

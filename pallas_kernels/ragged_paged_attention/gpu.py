@@ -124,6 +124,7 @@ def attention_cost_estimate(
         "num_warps",
         "num_stages",
         "interpret",
+        "pool_layers",
     ),
 )
 def ragged_paged_attention_gpu(
@@ -146,6 +147,7 @@ def ragged_paged_attention_gpu(
     interpret: bool = False,
     k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
     v_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
+    pool_layers: int = 1,
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """Ragged paged attention on GPU (Triton); semantics of `ragged_paged_attention_reference`.
 
@@ -163,6 +165,8 @@ def ragged_paged_attention_gpu(
       interpret: run the kernel in the Pallas interpreter (CPU), as the tests do.
       k_scales, v_scales: f32 `[num_kv_heads, num_pages, page_size]`, required with int8 /
         fp8 pages (and only then): a stored row stands for its values times its scale.
+      pool_layers: the pool holds that many layers' pages (stacked over the layers): the cost
+        estimate counts one layer's (`num_pages / pool_layers`).
 
     Returns:
       `[T, num_q_heads, head_dim]` in q's dtype; padding rows are zeros.
@@ -269,7 +273,7 @@ def ragged_paged_attention_gpu(
         head_dim=head_dim,
         max_num_seqs=max_num_seqs,
         pages_per_seq=pages_per_seq,
-        num_pages=num_pages,
+        num_pages=num_pages // pool_layers,  # (a pool stacked over the layers: one layer's)
         page_size=page_size,
         q_itemsize=q.dtype.itemsize,
         kv_itemsize=k_pages.dtype.itemsize,

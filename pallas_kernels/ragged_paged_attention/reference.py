@@ -68,6 +68,7 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,
     k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
     v_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
+    pool_layers: int = 1,  # (layers whose pages the pool holds: read by the Pallas cost only)
 ) -> jax.Array:  # [T, num_q_heads, head_dim], dtype of q
     """Ragged paged attention in plain jnp (see the module docstring for the semantics)."""
     quantized = check_scales(k_pages, v_pages, k_scales, v_scales)

@@ -74,6 +74,7 @@ def cost_estimate(
     block_q: int,
     soft_cap: float | None,
     quantized: bool = False,
+    pool_layers: int = 1,
 ) -> pl.CostEstimate:
     """What one call costs, for XLA's cost analysis (roofline and AOT reports).
 
@@ -85,10 +86,12 @@ def cost_estimate(
     K/V is read once per query block it spans (once for decode; sliding windows are
     ignored). At the decode buckets that is "the live KV pool once", the term that bounds
     decode on bandwidth. A quantized pool adds its scales, all of them read once (they are
-    fetched per KV head whole, see the module docstring).
+    fetched per KV head whole, see the module docstring). `pool_layers`: the pool stacks that
+    many layers' pages; one layer's are counted.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    num_pages //= pool_layers
     max_num_seqs, pages_per_seq = page_indices.shape
     live = max(1, min(num_tokens, max_num_seqs))
     context = page_size * min(pages_per_seq, max(1, num_pages // live))  # keys per sequence
@@ -116,6 +119,7 @@ def cost_estimate(
         "num_kv_pages_per_block",
         "vmem_limit_bytes",
         "interpret",
+        "pool_layers",
     ),
 )
 def ragged_paged_attention_tpu(
@@ -136,6 +140,7 @@ def ragged_paged_attention_tpu(
     interpret: bool = False,
     k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
     v_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
+    pool_layers: int = 1,
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """Ragged paged attention on TPU (Mosaic); semantics of `ragged_paged_attention_reference`.
 
@@ -153,6 +158,8 @@ def ragged_paged_attention_tpu(
         fp8 pages (and only then): a stored row stands for its values times its scale. One
         KV head's scales sit in VMEM at a time (`4 * page_size * num_pages` bytes per array,
         single-buffered): a very large pool may need a larger `vmem_limit_bytes`.
+      pool_layers: the pool holds that many layers' pages (stacked over the layers): the cost
+        estimate counts one layer's (`num_pages / pool_layers`).
 
     Returns:
       `[T, num_q_heads, head_dim]` in q's dtype; padding rows are zeros.
@@ -250,7 +257,13 @@ def ragged_paged_attention_tpu(
         ),
         interpret=pltpu.InterpretParams() if interpret else False,
         cost_estimate=cost_estimate(
-            q, k_pages, page_indices, block_q=block_q, soft_cap=soft_cap, quantized=quantized
+            q,
+            k_pages,
+            page_indices,
+            block_q=block_q,
+            soft_cap=soft_cap,
+            quantized=quantized,
+            pool_layers=pool_layers,
         ),
         name="ragged_paged_attention_tpu",
     )(

@@ -115,6 +115,7 @@ def ragged_paged_attention_xla(
     block_group: int = 4,
     k_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
     v_scales: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size]
+    pool_layers: int = 1,  # (layers whose pages the pool holds: read by the Pallas cost only)
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """Ragged paged attention with work proportional to the live lengths (see module doc)."""
     quantized = check_scales(k_pages, v_pages, k_scales, v_scales)
