@@ -233,7 +233,7 @@ class KernelConfig:
     attention: str = "auto"  # auto | native | xla | pallas | pallas-tpu | pallas-gpu
     matmul: str = "auto"  # auto | amx | avx512_bf16 | avx512 | avx2_bf16 | avx2 | xla
     greedy_screen: bool = True
-    scan_layers: bool | None = None  # None: the platform's (scanned on CPU, else unrolled)
+    scan_layers: bool | None = None  # None: the platform's (scanned on CPU and TPU)
 
     def __post_init__(self) -> None:
         _check_types(self)

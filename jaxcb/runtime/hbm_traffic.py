@@ -10,8 +10,9 @@ dot is counted again reading that copy. Set against HBM bandwidth, that is not a
 of its operands and results that live in HBM (no memory-space annotation `S(n)` in the
 layout; S(1) is VMEM, S(2) SMEM), with what a TPU program does in place or in part:
 
-- a fusion reads of an operand only what its fused computation slices or gathers from it
-  (an embedding lookup reads its rows, not the table);
+- a fusion reads of an operand only what its fused computation slices or gathers from it,
+  nested fusions included (an embedding lookup reads its rows, not the table; a scanned
+  layer's matmul its layer of the stacked weight);
 - a fusion whose root scatters or dynamic-update-slices into one of its operands (the
   donated KV pool) writes the update in place: the update's bytes, not the operand's;
 - an async copy or slice into VMEM (`copy-start`, `slice-start`) reads its HBM source
@@ -163,6 +164,7 @@ class _Walker:
         self.computations = computations
         self.pick = {"max": max, "min": min}[branch]
         self.shapes = {i.name: i.shape for insts in computations.values() for i in insts}
+        self.roots = {insts[-1].name for insts in computations.values() if insts}
         self.memo: dict[str, int] = {}
 
     def computation(self, name: str) -> int:
@@ -247,11 +249,35 @@ class _Walker:
         for user in inst.users:
             if user.op in _SLICING and user.operands and user.operands[0] == inst.name:
                 total += shape_bytes(user.shape, hbm_only=False)
-            elif user.op == "bitcast":
+            elif user.op == "bitcast" or (user.op == "fusion" and self.relayout(user)):
                 total += self.read_bytes(user, full)
+            elif user.op == "fusion":  # (a dynamic slice fused into a dot: a scan's layer)
+                total += sum(self.read_bytes(param, full) for param in self.params_fed(user, inst))
             else:
                 return full
-        return total if inst.users else 0
+        if not inst.users:  # unused, or (through bitcasts) a nested fusion's result: all of it
+            return full if inst.name in self.roots else 0
+        return total
+
+    def relayout(self, fusion: Instruction) -> bool:
+        """Whether a nested fusion only copies its one operand into another layout (a
+        stacked int8 weight retiled on TPU before its layer is sliced out): the elements
+        its users read are what it reads."""
+        called = _CALLS.findall(fusion.attrs)
+        body = self.computations.get(called[0], []) if called else []
+        ops = [i.op for i in body]
+        return len(fusion.operands) == 1 and ops in (
+            ["parameter", "copy"],
+            ["parameter", "bitcast"],
+        )
+
+    def params_fed(self, fusion: Instruction, value: Instruction) -> list[Instruction]:
+        """The parameters of nested `fusion`'s computation that `value` is passed as."""
+        called = _CALLS.findall(fusion.attrs)
+        body = self.computations.get(called[0], []) if called else []
+        params = {int(i.args): i for i in body if i.op == "parameter" and i.args.isdigit()}
+        fed = [i for i, operand in enumerate(fusion.operands) if operand == value.name]
+        return [params[i] for i in fed if i in params]
 
 
 class _KernelCalls(_Walker):

@@ -31,10 +31,11 @@ def write_kv(
     Under jit with the pages donated, XLA updates the pool in place. How the scatter indexes
     the pool depends on the platform the program is lowered for (`lax.platform_dependent`,
     so an ahead-of-time TPU compile on a CPU host gets the TPU form):
-    - TPU: by (page, offset) on the 4-D pool. A flattened `[H, num_pages * page_size, D]`
-      view does not fit TPU memory tiling (a page's `(page_size, head_dim)` tile), so XLA
-      copied the whole pool into the flat layout and back every step (2 x pool bytes of HBM
-      traffic per layer: 44.8 GB per chip per step for the Llama-3-8B preset on v5e).
+    - TPU: one row of head_dim per (head, token), by (head, page, offset) on the 4-D pool
+      (`scatter_by_page`). A flattened `[H, num_pages * page_size, D]` view does not fit TPU
+      memory tiling (a page's `(page_size, head_dim)` tile), so XLA copied the whole pool
+      into the flat layout and back every step (2 x pool bytes of HBM traffic per layer:
+      44.8 GB per chip per step for the Llama-3-8B preset on v5e).
     - elsewhere: along the flat slot axis, a bitcast on CPU and GPU; XLA's CPU scatter runs
       it 2-5x faster than the 4-D form (measured in docs/gpu-tpu.md).
     The scales of a quantized pool take the flat form off TPU too; on TPU see
@@ -66,10 +67,20 @@ def scatter_by_page(
     new: jax.Array,  # [T, num_kv_heads, head_dim] (or [T, num_kv_heads])
     slot: jax.Array,  # i32[T]: in range, or num_pages * page_size to drop the row
 ) -> jax.Array:
-    """`pages` with row t of `new` at (page, offset) = divmod(slot[t], page_size)."""
+    """`pages` with row t of `new` at (page, offset) = divmod(slot[t], page_size).
+
+    Each (head, token) is its own update of one head_dim row, indexed by (head, page,
+    offset), so the scatter's window is the pool's minor dimension alone. A window of every
+    head's row at once (`pages.at[:, page, offset]`) has XLA's TPU layout assignment keep the
+    pool with the heads next to head_dim (`{3,0,2,1}`) wherever it is free to choose: in a
+    scan over the layers' stacked pool it did, and copied the whole pool into and out of that
+    layout around every layer's write (the Mosaic kernel reads the row-major pool): 4.8 GB of
+    temporaries and ~400 GB a step for the Qwen3-8B preset on v5e x4 at (64, 16)."""
     page_size = pages.shape[2]
     rows = new.swapaxes(0, 1).astype(pages.dtype)  # [H, T, D] (or [H, T])
-    return pages.at[:, slot // page_size, slot % page_size].set(rows, mode="drop")
+    heads = jnp.arange(pages.shape[0], dtype=jnp.int32)[:, None]  # [H, 1]
+    page, offset = (slot // page_size)[None], (slot % page_size)[None]  # [1, T]
+    return pages.at[heads, page, offset].set(rows, mode="drop")
 
 
 def scatter_flat(
@@ -104,8 +115,10 @@ def scatter_scales_tpu(
     that lists the elements in memory order (heads, tile rows, tile columns, then within the
     tile) is a bitcast of either layout when the tiles are whole (`page_size % 8 == 0` and
     `num_pages % 128 == 0`, resp. `page_size % 128 == 0` and `num_pages % 8 == 0`), and XLA
-    scatters a 1-D array in place. Other pools take `scatter_by_page` (correct, with those
-    copies): a quantized pool on TPU should have a page count that is a multiple of 128.
+    scatters a 1-D array in place. Other pools take `scatter_by_page` (in place since it
+    writes one element per (head, token) update, but XLA counts ~6x the bytes for a layer:
+    test_rpa_tpu_compile.py): a quantized pool on TPU should have a page count that is a
+    multiple of 128.
     """
     num_kv_heads, num_pages, page_size = scales.shape
     sublanes, lanes = _TPU_TILE

@@ -137,9 +137,11 @@ def scatter_index_dims(platform: str) -> list[str]:
 
 
 def test_tpu_lowering_scatters_by_page_and_cpu_by_flat_slot():
-    """The TPU program indexes (page, offset) of the 4-D pool (no reshape: finding 1 of
-    ACCELERATORS.md); CPU keeps the flat slot scatter, its fastest form there."""
-    assert scatter_index_dims("tpu") == ["1, 2", "1, 2"]
+    """The TPU program indexes (head, page, offset) of the 4-D pool, a head_dim row per
+    update (no reshape: finding 1 of ACCELERATORS.md; no heads in the window: the scan's
+    pool stays row-major, test_rpa_tpu_compile.py); CPU keeps the flat slot scatter, its
+    fastest form there."""
+    assert scatter_index_dims("tpu") == ["0, 1, 2", "0, 1, 2"]
     assert scatter_index_dims("cpu") == ["1", "1"]
 
 
@@ -231,14 +233,14 @@ def test_every_scale_scatter_form_matches_numpy(form, num_pages, page_size):
 
 
 def test_quantized_write_scatters_in_place_forms_per_platform():
-    """TPU: values by (page, offset) on the 4-D pool, scales along a 1-D view of their tiles
+    """TPU: values by (head, page, offset) on the 4-D pool, scales along a 1-D view of their tiles
     (a bitcast there, scattered in place: test_rpa_tpu_compile.py); elsewhere: the flat slot."""
     pool = jax.ShapeDtypeStruct(kv_pages_shape(128, 16, 2, 128), jnp.int8)
     scales = jax.ShapeDtypeStruct(kv_scales_shape(128, 16, 2), jnp.float32)
     new = jax.ShapeDtypeStruct((8, 2, 128), jnp.bfloat16)
     slots = jax.ShapeDtypeStruct((8,), jnp.int32)
     traced = jax.jit(write_kv).trace(pool, pool, new, new, slots, scales, scales)
-    for platform, dims in (("tpu", ["1, 2", "1, 2", "0", "0"]), ("cpu", ["1"] * 4)):
+    for platform, dims in (("tpu", ["0, 1, 2", "0, 1, 2", "0", "0"]), ("cpu", ["1"] * 4)):
         text = traced.lower(lowering_platforms=(platform,)).as_text()
         found = re.findall(r"scatter_dims_to_operand_dims = \[([0-9, ]*)\]", text)
         assert found == dims, (platform, found)
