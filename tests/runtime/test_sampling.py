@@ -368,10 +368,11 @@ def tie_heavy_rows(vocab=3000):
     return rows
 
 
-def test_gpu_top_k_variants_match_lax_top_k():
-    """The GPU-side substitutes for XLA's whole-row sort give lax.top_k's answer exactly,
-    ties (lower id first), signed zeros and -inf included."""
-    from jaxcb.top_k import top_k_by_threshold, top_k_in_rounds
+def test_accelerator_top_k_variants_match_lax_top_k():
+    """The GPU-side substitutes for XLA's whole-row sort, and the TPU's top-k in blocks of
+    rows, give lax.top_k's answer exactly, ties (lower id first), signed zeros and -inf
+    included."""
+    from jaxcb.top_k import top_k_by_threshold, top_k_in_rounds, top_k_in_row_blocks
 
     rows = jnp.asarray(tie_heavy_rows())
     by_threshold = jax.jit(top_k_by_threshold, static_argnames="k")
@@ -381,6 +382,11 @@ def test_gpu_top_k_variants_match_lax_top_k():
             want_v, want_i = jax.lax.top_k(row[None], k)
             np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
             np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+    for rows_per_block in (1, 4, 16):  # (the TPU form: blocks of rows, the last padded)
+        got_v, got_i = top_k_in_row_blocks(rows, 20, rows_per_block)
+        want_v, want_i = jax.lax.top_k(rows, 20)
+        np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+        np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
     finite = rows[jnp.asarray([0, 1, 3, 4, 5])]  # k finite values per row
     got_v, got_i = jax.jit(top_k_in_rounds, static_argnames="k")(finite, k=20)
     want_v, want_i = jax.lax.top_k(finite, 20)
