@@ -17,6 +17,7 @@ from jaxcb.config import EngineConfig
 from jaxcb.engine.buckets import Bucket
 from jaxcb.models import registry
 from jaxcb.runtime import aot, aot_report, hbm_traffic
+from jaxcb.runtime.programs import kernel_cache_options
 from pallas_kernels.gpu_targets import cuda_plugin_installed
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -125,6 +126,9 @@ def test_step_compiles_for_target(model_dir, target, family, tp, backend, kernel
     assert kernel_call in hlo and hbm_traffic.kernel_calls(hlo) == spec.num_layers
     text = aot_report.format_report(rep)
     assert "(32, 8)" in text and text.splitlines()[-1].startswith("fits:")
+    if kernel_call == aot_report.TRITON_CALL:  # GPU: a token count's programs share kernels
+        options, _ = kernel_cache_options("step-16")
+        assert Path(options["xla_gpu_kernel_cache_file"]).stat().st_size > 0
 
 
 @pytest.mark.parametrize(
