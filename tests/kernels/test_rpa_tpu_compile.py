@@ -173,13 +173,19 @@ def test_layer_write_and_attention_never_copy_the_pool(mesh):
         return out, k_pages, v_pages
 
     compiled = compile_on(mesh, layer, *args, new, new, slots, donate=(1, 2))
+    assert_pool_in_place(compiled)
+    assert compiled.cost_analysis()["bytes accessed"] < 1.1 * 2 * POOL_BYTES
+
+
+def assert_pool_in_place(compiled) -> None:
+    """The donated bf16 K and V pools are aliased, never copied, and no temporary is
+    pool-sized."""
     memory = compiled.memory_analysis()
     assert memory.alias_size_in_bytes == 2 * POOL_BYTES
     assert memory.temp_size_in_bytes < POOL_BYTES // 100
     pool = re.escape("bf16[" + ",".join(map(str, POOL_SHAPE)) + "]")
     copies = re.findall(rf"= {pool}\S* copy(?:-start)?\(", compiled.as_text())
-    assert not copies, f"the compiled layer copies the KV pool: {copies}"
-    assert compiled.cost_analysis()["bytes accessed"] < 1.1 * 2 * POOL_BYTES
+    assert not copies, f"the compiled program copies the KV pool: {copies}"
 
 
 def test_scanned_layers_write_and_attend_the_stacked_pool_in_place(mesh):
@@ -213,13 +219,7 @@ def test_scanned_layers_write_and_attend_the_stacked_pool_in_place(mesh):
         return out, k_pages, v_pages
 
     args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new, new, slots)
-    compiled = compile_on(mesh, layers, *args, donate=(1, 2))
-    memory = compiled.memory_analysis()
-    assert memory.alias_size_in_bytes == 2 * POOL_BYTES
-    assert memory.temp_size_in_bytes < POOL_BYTES // 100
-    pool = re.escape("bf16[" + ",".join(map(str, POOL_SHAPE)) + "]")
-    copies = re.findall(rf"= {pool}\S* copy(?:-start)?\(", compiled.as_text())
-    assert not copies, f"the scanned layers copy the KV pool: {copies}"
+    assert_pool_in_place(compile_on(mesh, layers, *args, donate=(1, 2)))
 
 
 # --- quantized pools ----------------------------------------------------------------------
