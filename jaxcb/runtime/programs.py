@@ -49,7 +49,8 @@ def kernel_cache_options(group: str) -> tuple[dict[str, Any], threading.Lock]:
     """XLA compile options that share a GPU kernel cache file among a group's programs, and
     the lock to hold while compiling with them: XLA rewrites the file after each compile
     (read, merge, write: no locking of its own), so one group's programs compile one at a
-    time, in this process or in the one temporary directory it removes at exit."""
+    time, in this process or in the one temporary directory it removes at exit. Used while
+    jax's persistent compilation cache is off (the AOT compile; `StepPrograms._compile`)."""
     with _KERNEL_CACHE_LOCK:
         if _KERNEL_CACHE["dir"] is None:
             _KERNEL_CACHE["dir"] = Path(tempfile.mkdtemp(prefix="jaxcb-kernels-"))
@@ -236,7 +237,9 @@ class StepPrograms:
         """A lowered program compiled (on GPU with its group's kernel cache), and the seconds
         of lowering and compiling it."""
         t0 = time.perf_counter()
-        if not self._kernel_cache:
+        # Not with jax's persistent cache on: its keys include the compile options, and a
+        # temporary path would miss every entry (a warm start loads the programs anyway).
+        if not self._kernel_cache or jax.config.jax_compilation_cache_dir:
             compiled = lowered.compile()
         else:
             options, lock = kernel_cache_options(self._group(key))
