@@ -156,13 +156,15 @@ def test_quantized_kv_pool_compiles_for_target(model_dir, target, kv_dtype, kern
 
 
 @needs_tpu
-def test_int8_weights_fuse_into_the_dot_on_tpu(model_dir):
+@pytest.mark.parametrize(("target", "tp"), [("v5e:1x1", 1), ("v5e:2x2", 4)])
+def test_int8_weights_fuse_into_the_dot_on_tpu(model_dir, target, tp):
     """int8 weights on an accelerator take the per-channel form (models/quant.weight_form):
     the codes converted inside the dot, the scale on its result. The compiled decode step
     then moves fewer HBM bytes than the bfloat16 one (hbm_traffic, as the report counts
     them: XLA's own figure counts the whole stack where a scanned layer retiles its int8
     slice on the way to VMEM); the grouped form materialized its dequantized weights there
-    and moved more (10.4 GB vs 0.84 at Qwen3-8B's shapes)."""
+    and moved more (10.4 GB vs 0.84 at Qwen3-8B's shapes). At TP 4 too: merging the gate/up
+    weight's output axes before the dot had XLA gather it whole on every chip."""
     one_bucket = {**SMALL, "token_buckets": (16,), "max_num_batched_tokens": 16}
     tiny = {**TINY, **MODELS["llama"], "hidden_size": 512, "intermediate_size": 2048}
     path = model_dir["llama"].parent / "wide.json"
@@ -170,12 +172,20 @@ def test_int8_weights_fuse_into_the_dot_on_tpu(model_dir):
     moved = {}
     for quantization in ("none", "int8"):
         config = EngineConfig.from_dict(
-            None, model=str(path), quantization=quantization, num_pages=96, **one_bucket
+            None,
+            model=str(path),
+            quantization=quantization,
+            num_pages=96,
+            tensor_parallel_size=tp,
+            **one_bucket,
         )
-        build = aot.compile_for_target(config, aot.get_target("v5e:1x1"))
+        build = aot.compile_for_target(config, aot.get_target(target))
         rep = aot_report.report(build)
         (bucket,) = rep.buckets
         moved[quantization] = (rep.params_bytes, bucket.greedy_bytes)
+        hlo = build.runner.programs.compiled_step(build.buckets[0]).as_text()
+        gathered = [line for line in hlo.splitlines() if "all-gather" in line and "s8[" in line]
+        assert not gathered, f"int8 weights gathered across the chips: {gathered[:2]}"
     (bf16_params, bf16_moved), (int8_params, int8_moved) = moved["none"], moved["int8"]
     assert int8_params < 0.7 * bf16_params  # int8 layers; the embedding stays bfloat16
     assert int8_moved < bf16_moved - 0.3 * (bf16_params - int8_params)
