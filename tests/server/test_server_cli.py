@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 from server_helpers import REPO, SERVE
 
 from jaxcb.server import ServerSettings
-from jaxcb.server.cli import exposure_warning
+from jaxcb.server.cli import bind_socket, exposure_warning
 
 
 @pytest.mark.parametrize("key", ["clé", "key\twith-tab", "  "])
@@ -50,3 +51,15 @@ def test_listening_beyond_this_machine_without_a_key_is_warned_about(address, ke
     assert bool(warning) == warns
     if warns:
         assert "without --api-key" in warning and address in warning
+
+
+def test_the_socket_listens_before_uvicorn_starts():
+    """The start-up log names the URL before uvicorn runs; a client that connects at once
+    waits in the backlog rather than being refused (a bound socket that does not listen
+    refuses it)."""
+    sock = bind_socket("127.0.0.1", 0)
+    try:
+        with socket.create_connection(sock.getsockname()[:2], timeout=5):
+            pass
+    finally:
+        sock.close()
