@@ -214,9 +214,13 @@ class _Walker:
         source_in_hbm = self.operand_bytes(inst.operands[0]) > 0
         return moved * source_in_hbm + shape_bytes(text)
 
+    def called_body(self, fusion: Instruction) -> list[Instruction]:
+        """The instructions of the computation a fusion calls."""
+        called = _CALLS.findall(fusion.attrs)
+        return self.computations.get(called[0], []) if called else []
+
     def fusion(self, inst: Instruction) -> int:
-        called = _CALLS.findall(inst.attrs)
-        body = self.computations.get(called[0], []) if called else []
+        body = self.called_body(inst)
         params = {int(i.args): i for i in body if i.op == "parameter" and i.args.isdigit()}
         root = body[-1] if body else None
         written = shape_bytes(inst.shape)
@@ -263,9 +267,7 @@ class _Walker:
         """Whether a nested fusion only copies its one operand into another layout (a
         stacked int8 weight retiled on TPU before its layer is sliced out): the elements
         its users read are what it reads."""
-        called = _CALLS.findall(fusion.attrs)
-        body = self.computations.get(called[0], []) if called else []
-        ops = [i.op for i in body]
+        ops = [i.op for i in self.called_body(fusion)]
         return len(fusion.operands) == 1 and ops in (
             ["parameter", "copy"],
             ["parameter", "bitcast"],
@@ -273,8 +275,7 @@ class _Walker:
 
     def params_fed(self, fusion: Instruction, value: Instruction) -> list[Instruction]:
         """The parameters of nested `fusion`'s computation that `value` is passed as."""
-        called = _CALLS.findall(fusion.attrs)
-        body = self.computations.get(called[0], []) if called else []
+        body = self.called_body(fusion)
         params = {int(i.args): i for i in body if i.op == "parameter" and i.args.isdigit()}
         fed = [i for i, operand in enumerate(fusion.operands) if operand == value.name]
         return [params[i] for i in fed if i in params]

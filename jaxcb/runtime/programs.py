@@ -192,25 +192,23 @@ class StepPrograms:
         def compile_group(group: list[tuple[Bucket, int | None]]) -> list[tuple]:
             return [(key, *self._compile(key, *lowered[key])) for key in group]
 
-        total = 0.0
-        with ThreadPoolExecutor(threads) if threads > 1 else contextlib.nullcontext() as pool:
-            done = (
-                pool.map(compile_group, groups.values())
-                if pool
-                else map(compile_group, groups.values())
-            )
-            if progress:
-                from tqdm.auto import tqdm
+        from tqdm.auto import tqdm
 
-                bar = tqdm(total=len(keys), desc="compiling buckets", unit="program", leave=False)
-            for results in done:
+        total = 0.0
+        bar = tqdm(
+            total=len(keys),
+            desc="compiling buckets",
+            unit="program",
+            leave=False,
+            disable=not progress,
+        )
+        with ThreadPoolExecutor(threads) if threads > 1 else contextlib.nullcontext() as pool:
+            for results in (pool.map if pool else map)(compile_group, groups.values()):
                 for key, compiled, seconds in results:
                     self._record(key, compiled, seconds, lowered[key][1])
                     total += seconds
-                if progress:
-                    bar.update(len(results))
-            if progress:
-                bar.close()
+                bar.update(len(results))
+        bar.close()
         if later:
             self._queue_keys = {(b if s is None else s): (b, s) for b, s in later}
             self._queue = CompileQueue(list(self._queue_keys), self._compile_later)
