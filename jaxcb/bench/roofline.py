@@ -1,4 +1,5 @@
-"""Honest FLOP counts of a workload and the machine's matmul peak on the model's own shapes.
+"""Honest FLOP counts of a workload and the machine's matmul peak on the model's own shapes;
+the bytes a decode token reads and the memory's read limit.
 
 Useful work only (shared/BENCHMARKS.md): per request, every token fed through the model
 (the prompt and all generated tokens but the last) costs 2 x the decoder layers' matmul
@@ -10,6 +11,12 @@ The peak is measured, not quoted: a jitted `jnp.dot` with float32 accumulation (
 `dense`) on the shapes one step of the largest bucket runs, in the benchmark's dtype, median of
 20 calls. Model FLOPs utilisation (MFU) = useful FLOP/s over the best of those figures; on
 a shared machine that figure is itself noisy (a busy neighbour halves it).
+
+A single stream's decode is bound by memory instead: each token reads every layer's matmul
+weights and the LM head once. Its limit is those bytes over the read bandwidth of the
+native probe (jaxcb.native.read_bandwidth: all cores, the widest loads, eight chains), taken
+in the same minute as the decode it is set against: on a shared VM the probe reads 28-92
+GB/s from one minute to the next.
 """
 
 from __future__ import annotations
@@ -85,3 +92,23 @@ def measure_matmul_peak(shapes: dict[str, tuple], dtype: str, *, iters: int = 20
     return dict(
         dtype=dtype, per_shape=per_shape, best_gflops=max(v["gflops"] for v in per_shape.values())
     )
+
+
+def decode_weight_bytes(spec: ModelSpec, itemsize: float) -> int:
+    """Bytes of weights one decode token reads at `itemsize` bytes a weight: every layer's
+    matmuls (a mixture of experts: its active experts) and the LM head. The norms' vectors
+    and the one embedding row it gathers are left out (< 0.1% of a model)."""
+    h, d = spec.hidden_size, spec.head_dim
+    layer = h * d * (2 * spec.num_q_heads + 2 * spec.num_kv_heads)
+    layer += 3 * h * spec.active_intermediate_size
+    return round((spec.num_layers * layer + spec.vocab_size * h) * itemsize)
+
+
+def measure_read_limit(nbytes: int, passes: int = 10) -> float | None:
+    """The memory's read bandwidth now (bytes/s): the best of `passes` reads of an
+    `nbytes` buffer on every usable core; None where the native kernels are not built."""
+    from jaxcb import native
+
+    if not native.available():
+        return None
+    return native.read_bandwidth(nbytes, passes=passes)

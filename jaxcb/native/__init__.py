@@ -3,9 +3,10 @@ write, and matmuls over weights packed once at load time (AMX, AVX512-BF16, AVX-
 float32, bfloat16 and int8), compiled per ISA level and chosen by what the CPU has.
 
     build.py      the ISA levels, what this CPU fits (capped by JAXCB_CPU_ISA), compiling the
-                  sources (attention.cc, matmul.cc, common.h, simd.h) once per level into the
-                  jaxcb cache directory, loading a level's library and registering its FFI
-                  targets
+                  sources (attention.cc, matmul.cc, read_probe.cc over common.h, simd.h) once
+                  per level into the jaxcb cache directory, loading a level's library and
+                  registering its FFI targets; the memory's read bandwidth (read_probe.cc),
+                  which the single-stream benchmark states its rates against
     packing.py    the weight layouts the matmul kernels read (numpy, at load time)
     attention.py  the attention kernels as jax functions: ragged paged attention, KV write
     matmul.py     the matmul kernels as jax functions, the PACKED_MATMULS table
@@ -32,6 +33,7 @@ from jaxcb.native.build import (
     cpu_model,
     cpu_summary,
     force_tile_shape,
+    read_bandwidth,
     supported_levels,
     tile_shapes,
 )
@@ -108,6 +110,7 @@ __all__ = [
     "packed_norm_matmul",
     "packed_swiglu",
     "ragged_paged_attention_native",
+    "read_bandwidth",
     "supported_levels",
     "tile_shapes",
     "write_kv_native",

@@ -1,10 +1,11 @@
 """Building and loading jaxcb's native CPU kernels, one library per ISA level.
 
-The C++ sources (attention.cc, matmul.cc over common.h / simd.h) are compiled once per ISA
-level into the jaxcb cache directory, never with -march=native: a library is built for a named
-level (x86-64-v3 for "avx2", x86-64-v4 for "avx512", ...), keyed by the sources, jaxlib
-version and flags, and loaded only on a CPU whose flags hold everything that level needs, so
-a cache directory shared between machines never hands one CPU another's code.
+The C++ sources (attention.cc, matmul.cc over common.h / simd.h; read_probe.cc, the memory's
+read bandwidth for benchmarks) are compiled once per ISA level into the jaxcb cache directory,
+never with -march=native: a library is built for a named level (x86-64-v3 for "avx2",
+x86-64-v4 for "avx512", ...), keyed by the sources, jaxlib version and flags, and loaded only
+on a CPU whose flags hold everything that level needs, so a cache directory shared between
+machines never hands one CPU another's code.
 
 The *active* level is the highest this CPU fits (capped by the JAXCB_CPU_ISA environment
 variable: the forced-ISA switch, e.g. JAXCB_CPU_ISA=avx2 runs the AVX2 kernels on an AVX-512
@@ -42,7 +43,7 @@ from jaxcb.paths import cache_dir
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / "attention.cc", _HERE / "matmul.cc"]
+SOURCES = [_HERE / "attention.cc", _HERE / "matmul.cc", _HERE / "read_probe.cc"]
 HEADERS = [_HERE / "common.h", _HERE / "simd.h", _HERE / "quant_matmul.h"]
 FLAGS = [
     "-O3",
@@ -345,6 +346,22 @@ def force_tile_shape(shape: str | None, level: str | None = None) -> None:
         raise ValueError(f"tile shape must be one of {TILE_SHAPES} or None, got {shape!r}")
     choice = -1 if shape is None else TILE_SHAPES.index(shape)
     _open(level or active_level()).JaxcbForceTiles(choice)
+
+
+def read_bandwidth(nbytes: int, threads: int | None = None, passes: int = 10) -> float:
+    """The best of `passes` reads of an `nbytes` buffer by `threads` threads (default: the
+    usable cores), in bytes per second, with the widest loads of the active level's library
+    (read_probe.cc): the memory's read limit that a decode step's weight stream meets. The
+    buffer is written once first, so its pages exist before the timed passes."""
+    import numpy as np  # (jax's own dependency)
+
+    if threads is None:
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    buf = np.ones(max(int(nbytes), 512 * threads) // 4, np.float32)
+    fn = _open(active_level()).JaxcbReadBandwidth
+    fn.restype = ctypes.c_double
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    return float(fn(buf.ctypes.data, buf.nbytes, int(threads), int(passes)))
 
 
 def registered_target(base: str, level: str) -> str:

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from helpers import REPO
 
+from jaxcb import native
 from jaxcb.bench.base import check_lengths, cut_at_stop
 from jaxcb.bench.commands import command_parser, load, main
-from jaxcb.bench.commands.single_stream import paired, parse_llama_bench
+from jaxcb.bench.commands.single_stream import paired, parse_llama_bench, share_of_limit
 from jaxcb.bench.llamacpp_system import LlamaCppSystem, completion_payload, parse_completion
 from jaxcb.bench.models import MODEL_PRESETS, save_word_tokenizer
 from jaxcb.bench.smollm2 import resolve_gguf
@@ -271,8 +272,39 @@ def test_flags_and_presets(tmp_path, chat_model):
     ratio = paired([(8.0, 7.0), (8.0, None), (4.0, 5.0)], [125.0, 100.0, 250.0])
     assert ratio == pytest.approx(dict(median=1000 / 7 / 125, min=0.8, max=1.25))
     assert paired([(8.0, 7.0)], []) is None
+    # against the read limit: bytes a token reads x tok/s over the same round's bandwidth
+    share = share_of_limit([100.0, 50.0, 80.0], [40e9, 10e9, 20e9], 200_000_000)
+    assert share == pytest.approx(dict(median=0.8, min=0.5, max=1.0))
+    assert share_of_limit([100.0], [], 200_000_000) is None
     with pytest.raises(SystemExit):  # --llama-bench needs a GGUF file to run
         main(["single_stream", "--systems", "jaxcb", "--llama-bench", str(tmp_path)])
+
+
+def test_decode_weight_bytes_count_the_layers_matmuls_and_the_lm_head():
+    """SmolLM2-135M's shapes: 30 layers of q, k, v, o (9 and 3 heads of 64) and gate, up,
+    down (576 -> 1536), and the 49,152 x 576 LM head: 269.0 MB in bf16, twice that in f32."""
+    from jaxcb.bench.roofline import decode_weight_bytes
+    from jaxcb.models.loading.loader import spec_from_hf_config
+
+    spec = spec_from_hf_config(
+        dict(
+            architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536,
+            num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+            vocab_size=49152, max_position_embeddings=2048, rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+        )
+    )  # fmt: skip
+    layer = 576 * 64 * (2 * 9 + 2 * 3) + 3 * 576 * 1536
+    assert decode_weight_bytes(spec, 2) == 2 * (30 * layer + 49152 * 576) == 268_959_744
+    assert decode_weight_bytes(spec, 4) == 2 * decode_weight_bytes(spec, 2)
+
+
+@pytest.mark.skipif(not native.available(), reason="no native kernels here")
+def test_read_limit_reads_the_buffer_on_one_thread_and_on_all():
+    """The native read probe gives a bandwidth, on one thread and on every usable core (a
+    figure, not a timing check: > 100 MB/s means it read the buffer and timed it)."""
+    assert native.read_bandwidth(8 << 20, threads=1, passes=2) > 1e8
+    assert native.read_bandwidth(8 << 20, passes=2) > 1e8
 
 
 def test_profile_splits_each_step_by_kind(tmp_path, chat_model):

@@ -16,6 +16,10 @@ an untimed warm-up, taking turns; medians are reported:
                   system's tok/s over the same round's llama-bench tok/s, median over the
                   rounds (a small machine's memory speed drifts by 20% between minutes:
                   ratios within a round hold where separate runs' figures do not)
+  of limit        (bfloat16 / float32 weights) the bytes a token reads (every layer's matmul
+                  weights and the LM head) times tok/s over the memory's read bandwidth,
+                  measured by the native probe at the start of the same round
+                  (bench/roofline.py): how close to the memory's limit each system decodes
 
     python -m jaxcb.bench single_stream --model smollm2-135m --dtype float32 \\
         --llamacpp-server <llama.cpp>/build/bin/llama-server --llamacpp-bench \\
@@ -44,6 +48,7 @@ from jaxcb.bench.cli import (
 )
 from jaxcb.bench.commands import SharedFlags
 from jaxcb.bench.llamacpp_system import KV_TYPES
+from jaxcb.bench.roofline import decode_weight_bytes, measure_read_limit
 from jaxcb.bench.systems import SYSTEMS, BenchContext, environment
 from jaxcb.bench.workloads import single_request
 
@@ -162,14 +167,25 @@ def build(args: argparse.Namespace, ctx: BenchContext) -> dict[str, Any]:
     return systems
 
 
+#: Bytes a weight of each --dtype takes (no figure against the read limit for other forms).
+WEIGHT_BYTES = {"float32": 4, "bfloat16": 2}
+
+
 def take_turns(
-    args: argparse.Namespace, systems: dict[str, Any], tokens: int
-) -> tuple[dict[str, list], list[float]]:
+    args: argparse.Namespace, systems: dict[str, Any], tokens: int, read_bytes: int | None = None
+) -> tuple[dict[str, list], list[float], list[float]]:
     """--repeats rounds, the systems taking turns: (wall ms/tok, decode ms/tok) per pass;
-    and with --llama-bench its tok/s after each round."""
+    with --llama-bench its tok/s after each round; with `read_bytes` the memory's read
+    bandwidth (bytes/s, over a buffer of that size) at the start of each round."""
     passes: dict[str, list] = {n: [] for n in systems}
     turns: list[float] = []
+    limits: list[float] = []
     for round_ in range(args.repeats):
+        if read_bytes:
+            limit = measure_read_limit(read_bytes)
+            if limit:
+                limits.append(limit)
+                log(f"read limit {round_ + 1}/{args.repeats}: {limit / 1e9:.1f} GB/s")
         for name, system in systems.items():
             result = system.run_pass()
             passes[name].append(
@@ -179,7 +195,7 @@ def take_turns(
         if args.llama_bench:
             turns.append(llama_bench(args, args.llama_bench_gguf, "", repeats=1)["tok_s"])
             log(f"llama-bench {round_ + 1}/{args.repeats}: {turns[-1]:.1f} tok/s")
-    return passes, turns
+    return passes, turns, limits if len(limits) == args.repeats else []
 
 
 def paired(passes: list, turns: list[float]) -> dict[str, float] | None:
@@ -191,8 +207,19 @@ def paired(passes: list, turns: list[float]) -> dict[str, float] | None:
     return dict(median=statistics.median(ratios), min=min(ratios), max=max(ratios))
 
 
+def share_of_limit(
+    tok_s: list[float], limits: list[float], read_bytes: int
+) -> dict[str, float] | None:
+    """Per round, the bytes a token reads times tok/s over that round's read limit: median,
+    min, max (None without limits)."""
+    if not limits:
+        return None
+    shares = [read_bytes * t / lim for t, lim in zip(tok_s, limits, strict=True)]
+    return dict(median=statistics.median(shares), min=min(shares), max=max(shares))
+
+
 def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
-    model_dir, _, workload = load_model_and_workload(args)
+    model_dir, spec, workload = load_model_and_workload(args)
     workload = single_request(workload, args.max_tokens)
     overrides = config_overrides(args, workload.max_seq_len, log)
     ctx = BenchContext(
@@ -208,9 +235,12 @@ def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
         **(llamacpp_context(args) | dict(llamacpp_parallel=1)),
     )
     log(f"model {model_dir}; one request: {workload.prompt_tokens} prompt + {args.max_tokens}")
+    read_bytes = None
+    if args.dtype in WEIGHT_BYTES and not overrides.get("quantization"):
+        read_bytes = decode_weight_bytes(spec, WEIGHT_BYTES[args.dtype])
     systems = build(args, ctx)
     try:
-        passes, turns = take_turns(args, systems, args.max_tokens)
+        passes, turns, limits = take_turns(args, systems, args.max_tokens, read_bytes)
         infos = {n: s.info() for n, s in systems.items()}
         ggufs = {
             n: (Path(i["gguf"]), i["file_type"]) for n, i in infos.items() if n.startswith("llama")
@@ -220,13 +250,22 @@ def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
             system.close()
     bench = {n: llama_bench(args, *g) for n, g in ggufs.items()} if args.llamacpp_bench else {}
     rows = summarize(passes, infos, bench, args.dtype, turns)
+    for row in rows:
+        ps = passes[row["system"]]
+        tok_s = [1e3 / (d or w) for w, d in ps]
+        row["share_of_read_limit"] = share_of_limit(tok_s, limits, read_bytes)
+    llama_share = share_of_limit(turns, limits, read_bytes) if turns else None
     print_table(rows, args, turns)
+    print_limits(rows, limits, read_bytes, llama_share)
     record |= dict(
         workload=workload.summary(),
         infos=infos,
         passes=passes,
         llama_bench=bench,
         llama_bench_turns=turns,
+        decode_read_bytes=read_bytes,
+        read_limits=limits,
+        llama_bench_share_of_read_limit=llama_share,
         results=rows,
         environment=environment(),
     )
@@ -281,3 +320,24 @@ def print_table(
                 f"{r['system']} / llama-bench, paired by round: {p['median']:.3f}x median "
                 f"({p['min']:.3f}-{p['max']:.3f}, {len(turns)} rounds)"
             )
+
+
+def print_limits(
+    rows: list[dict[str, Any]], limits: list[float], read_bytes: int | None, llama_share
+) -> None:
+    """Each system's decode rate as a share of the memory's read limit, round by round."""
+    if not limits:
+        return
+    print(
+        "\nread limit (native probe, start of each round): "
+        + ", ".join(f"{lim / 1e9:.1f}" for lim in limits)
+        + f" GB/s; a token reads {read_bytes / 1e6:.1f} MB of weights"
+    )
+    shares = [(r["system"], r["share_of_read_limit"]) for r in rows]
+    if llama_share:
+        shares.append(("llama-bench", llama_share))
+    for name, p in shares:
+        print(
+            f"{name}: {100 * p['median']:.1f}% of the round's limit, median "
+            f"({100 * p['min']:.1f}-{100 * p['max']:.1f}%, {len(limits)} rounds)"
+        )
