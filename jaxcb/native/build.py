@@ -75,6 +75,12 @@ MATMUL_INT8_TARGET = "jaxcb_matmul_int8"
 SWIGLU_INT8_TARGET = "jaxcb_swiglu_int8"
 MATMUL_INT4_TARGET = "jaxcb_matmul_int4"
 SWIGLU_INT4_TARGET = "jaxcb_swiglu_int4"
+NORM_MATMUL_F32_TARGET = "jaxcb_norm_matmul_f32"
+NORM_SWIGLU_F32_TARGET = "jaxcb_norm_swiglu_f32"
+NORM_MATMUL_BF16_WIDE_TARGET = "jaxcb_norm_matmul_bf16_wide"
+NORM_SWIGLU_BF16_WIDE_TARGET = "jaxcb_norm_swiglu_bf16_wide"
+NORM_MATMUL_BF16_DOT_TARGET = "jaxcb_norm_matmul_bf16_dot"
+NORM_SWIGLU_BF16_DOT_TARGET = "jaxcb_norm_swiglu_bf16_dot"
 NORM_MATMUL_INT8_TARGET = "jaxcb_norm_matmul_int8"
 NORM_SWIGLU_INT8_TARGET = "jaxcb_norm_swiglu_int8"
 NORM_MATMUL_INT4_TARGET = "jaxcb_norm_matmul_int4"
@@ -283,6 +289,10 @@ def _load_level(name: str) -> Features:
             (SWIGLU_BF16_WIDE_TARGET, "JaxcbSwigluBf16Wide"),
             (MATMUL_ARGMAX_BF16_WIDE_TARGET, "JaxcbMatmulArgmaxBf16Wide"),
             (MATMUL_ARGMAX_SCREENED_F32_TARGET, "JaxcbMatmulArgmaxScreenedF32"),
+            (NORM_MATMUL_F32_TARGET, "JaxcbNormMatmulF32"),
+            (NORM_SWIGLU_F32_TARGET, "JaxcbNormSwigluF32"),
+            (NORM_MATMUL_BF16_WIDE_TARGET, "JaxcbNormMatmulBf16Wide"),
+            (NORM_SWIGLU_BF16_WIDE_TARGET, "JaxcbNormSwigluBf16Wide"),
             (MATMUL_INT8_TARGET, "JaxcbMatmulInt8"),
             (SWIGLU_INT8_TARGET, "JaxcbSwigluInt8"),
             (MATMUL_INT4_TARGET, "JaxcbMatmulInt4"),
@@ -301,6 +311,8 @@ def _load_level(name: str) -> Features:
             (MATMUL_BF16_DOT_TARGET, "JaxcbMatmulBf16Dot"),
             (SWIGLU_BF16_DOT_TARGET, "JaxcbSwigluBf16Dot"),
             (MATMUL_ARGMAX_BF16_DOT_TARGET, "JaxcbMatmulArgmaxBf16Dot"),
+            (NORM_MATMUL_BF16_DOT_TARGET, "JaxcbNormMatmulBf16Dot"),
+            (NORM_SWIGLU_BF16_DOT_TARGET, "JaxcbNormSwigluBf16Dot"),
             (GROUPED_MATMUL_BF16_DOT_TARGET, "JaxcbGroupedMatmulBf16Dot"),
             (GROUPED_SWIGLU_BF16_DOT_TARGET, "JaxcbGroupedSwigluBf16Dot"),
         ]

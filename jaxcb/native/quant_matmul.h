@@ -388,29 +388,6 @@ void QuantMatmul(ffi::ThreadPool& pool, const float* a, const char* w, float* ou
   });
 }
 
-// The RMS-normed rows [0, m) of a [., k] into out: a_i * (1 / sqrt(mean(a_i^2) + eps)) * g,
-// in float32 as layers.rms_norm computes it.
-inline void RmsNormRows(const float* a, const float* g, float eps, int64_t m, int64_t k,
-                        float* out) {
-  for (int64_t i = 0; i < m; ++i) {
-    const float* x = a + i * k;
-    float* y = out + i * k;
-    __m256 squares = _mm256_setzero_ps();
-    int64_t c = 0;
-    for (; c + 8 <= k; c += 8) {
-      const __m256 v = _mm256_loadu_ps(x + c);
-      squares = _mm256_fmadd_ps(v, v, squares);
-    }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, squares);
-    float sum = 0.0f;
-    for (float lane : lanes) sum += lane;
-    for (; c < k; ++c) sum += x[c] * x[c];
-    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(k) + eps);
-    for (c = 0; c < k; ++c) y[c] = g[c] * (x[c] * inv);
-  }
-}
-
 // out = a x w (or its SwiGLU), a's m real rows first RMS-normed with weight g ([K]; null:
 // not normed): the checks and the call shared by both entry points.
 template <int kBits, bool kSwiglu>
@@ -470,22 +447,7 @@ ffi::Error NormMatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ff
                                ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> layer,
                                ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::Buffer<ffi::F32>> out,
                                float eps) {
-  const int64_t k = a.dimensions().back();
-  const bool bf16 = g.element_type() == ffi::DataType::BF16;
-  if (static_cast<int64_t>(g.element_count()) != k ||
-      !(bf16 || g.element_type() == ffi::DataType::F32)) {
-    return ffi::Error::InvalidArgument("the norm weight must be f32[K] or bf16[K]");
-  }
-  const float* g32 = static_cast<const float*>(g.untyped_data());
-  thread_local std::vector<float> widened;
-  if (bf16) {
-    const uint16_t* bits = static_cast<const uint16_t*>(g.untyped_data());
-    widened.resize(k);
-    for (int64_t c = 0; c < k; ++c) {
-      const uint32_t word = static_cast<uint32_t>(bits[c]) << 16;
-      std::memcpy(&widened[c], &word, 4);
-    }
-    g32 = widened.data();
-  }
+  const float* g32 = NormWeightF32(g, a.dimensions().back());
+  if (g32 == nullptr) return NormWeightError();
   return QuantMatmulEntry<kBits, kSwiglu>(pool, a, g32, eps, w, layer, rows, out);
 }

@@ -55,6 +55,12 @@ def test_packed_matmul_and_swiglu_read_their_layer(kernel):
             lambda layer: native.packed_swiglu(kernel, x, stack[layer]),
             lambda layer: native.packed_swiglu(kernel, x, stack, layer=layer),
         )
+    if kernel in native.NORM_TARGETS:
+        norm = jnp.linspace(0.5, 1.5, 64, dtype=jnp.float32)
+        _each_layer_agrees(
+            lambda layer: native.packed_norm_matmul(kernel, x, norm, 1e-5, stack[layer], 3),
+            lambda layer: native.packed_norm_matmul(kernel, x, norm, 1e-5, stack, 3, layer=layer),
+        )
 
 
 @needs_int8

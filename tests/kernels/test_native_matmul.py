@@ -134,6 +134,40 @@ def test_swiglu_matches_xla(kernel, m, k, i):
     )
 
 
+NORMED = [p for p in KERNELS if p.values[0] in native.NORM_TARGETS]
+
+
+@pytest.mark.parametrize("kernel", NORMED)
+@pytest.mark.parametrize("rows", [1, 5, 13])
+def test_norm_fused_matmul_is_the_matmul_of_the_normed_rows(kernel, rows):
+    """native.packed_norm_matmul on a float kernel: the rows RMS-normed in its call (the
+    norm weight float32 or bfloat16), rounded to the weights' dtype as the unfused call's
+    input is, then the same matmul / SwiGLU; the padding rows stay zero. The bf16 kernels
+    agree to the bit here: the last-ulp difference of a float32 sum in another order rarely
+    survives the rounding to bf16."""
+    from jaxcb.models.layers import rms_norm
+
+    spec = native.PACKED_MATMULS[kernel]
+    k, n = 96, 64
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((16, k)) * 3.0, jnp.float32)
+    g32 = jnp.asarray(rng.uniform(0.5, 1.5, k), jnp.float32)
+    w = rng.standard_normal((k, 2 * n)).astype(np.float32).astype(spec.dtype)
+    real = jnp.int32(rows)
+    fused = jax.jit(native.packed_norm_matmul, static_argnames=("kernel", "eps", "swiglu"))
+    for g in (g32, g32.astype(jnp.bfloat16)):
+        for swiglu, plain in [(False, spec.kernel), (True, spec.swiglu)]:
+            packed = jnp.asarray(spec.pack(w if swiglu else w[:, :n]))
+            got = fused(
+                x=x, weight=g, w_packed=packed, rows=real, kernel=kernel, eps=1e-5, swiglu=swiglu
+            )
+            want = jax.jit(plain)(rms_norm(x, g, 1e-5), packed, real)
+            assert got.shape == want.shape and got.dtype == want.dtype
+            got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+            assert not got[rows:].any()
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("rows", [0, 5, 13])
 def test_padding_rows_are_skipped_and_zero(kernel, rows):
