@@ -26,6 +26,9 @@ _HELP_OVERRIDES = {
     "compile_in_background": "compile the smallest bucket before the engine is ready and the "
     "others on a background thread while it serves (a step whose bucket is not compiled yet "
     "waits for it); default: on in serve.py, off for LLM and batch jobs",
+    "async_scheduling": "schedule and pack step N+1 while the device runs step N (the same "
+    "tokens, read back one step later); default: on wherever the engine can overlap, off "
+    "under swap preemption, itl_target_ms and the padded-batch baselines",
     "token_buckets": "precompiled token buckets, e.g. '16 32 64' or '16,32,64'; default: "
     "powers of two up to max_num_batched_tokens",
 }

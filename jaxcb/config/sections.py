@@ -108,7 +108,9 @@ class SchedulerConfig:
     # Schedule and pack step N+1 while the device runs step N; step N's tokens are read back
     # after N+1 is dispatched, and decode rows take their input token on device. The same
     # tokens; runs synchronously with swap preemption, the ITL controller or a baseline.
-    async_scheduling: bool = False  # overlap host scheduling with the device step
+    # None: on wherever the engine can overlap (engine/inflight.py's sync_reason), silently
+    # off where it cannot; True: the same, with a warning where it cannot; False: off.
+    async_scheduling: bool | None = None  # overlap host scheduling with the device step
 
     def __post_init__(self) -> None:
         _check_types(self)

@@ -88,9 +88,10 @@ class LLMEngine(Engine):
         self._sync_reason = sync_reason(
             config, runner, swap=self.swapper is not None, itl=self.itl is not None
         )
-        if config.scheduler.async_scheduling and self._sync_reason:
+        asked = config.scheduler.async_scheduling  # None: wherever it can overlap
+        if asked and self._sync_reason:
             logger.warning("async_scheduling is off: %s", self._sync_reason)
-        self._async = config.scheduler.async_scheduling and self._sync_reason is None
+        self._async = asked is not False and self._sync_reason is None
         self._inflight: InFlightStep | None = None
 
     # ---- requests -----------------------------------------------------------------------

@@ -13,6 +13,7 @@ scheduling on and off.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 
 import numpy as np
@@ -206,7 +207,7 @@ def run(engine: LLMEngine, requests: list, eos_every: int) -> dict[str, tuple[li
 def test_async_scheduling_gives_the_tokens_of_sync(seed: int) -> None:
     config, requests = workload(seed)
     eos_every = [0, 7, 13][seed % 3]
-    sync, _ = fake_engine(eos_every, **config)
+    sync, _ = fake_engine(eos_every, async_scheduling=False, **config)
     overlapped, device = fake_engine(eos_every, async_scheduling=True, **config)
     assert overlapped.async_scheduling and not sync.async_scheduling
     want = run(sync, requests, eos_every)
@@ -272,8 +273,21 @@ def test_engines_that_cannot_overlap_run_synchronously(flat: dict, reason: str) 
         engine.async_scheduling = True
 
 
+def test_async_scheduling_is_on_by_default_where_the_engine_can_overlap(caplog) -> None:
+    """Unset (None): on, or off without a word where the engine cannot overlap; `true` where
+    it cannot: off with a warning; `false`: off."""
+    assert fake_engine(num_pages=20)[0].async_scheduling
+    assert not fake_engine(async_scheduling=False, num_pages=20)[0].async_scheduling
+    with caplog.at_level(logging.WARNING, logger="jaxcb.engine.llm_engine"):
+        quiet, _ = fake_engine(num_pages=20, itl_target_ms=50.0)
+    assert not quiet.async_scheduling and "async_scheduling is off" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="jaxcb.engine.llm_engine"):
+        asked, _ = fake_engine(async_scheduling=True, num_pages=20, itl_target_ms=50.0)
+    assert not asked.async_scheduling and "async_scheduling is off" in caplog.text
+
+
 def test_switching_waits_for_nothing_in_flight() -> None:
-    engine, _ = fake_engine(num_pages=20)
+    engine, _ = fake_engine(async_scheduling=False, num_pages=20)
     engine.async_scheduling = True
     engine.add_request(None, [5, 6], SamplingParams(max_tokens=5, ignore_eos=True))
     engine.step()
