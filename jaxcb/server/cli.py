@@ -36,7 +36,7 @@ from jaxcb.runtime.setup import model_name
 from jaxcb.server.app import ServerSettings, build_app
 from jaxcb.server.engine_loop import EngineLoop
 from jaxcb.server.prompts import read_chat_template
-from jaxcb.server.tools import PARSERS
+from jaxcb.server.tool_parsers import PARSERS
 
 logger = logging.getLogger("jaxcb.server")
 
@@ -103,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(PARSERS),
         default="hermes",
         help="how tool_choice auto finds the calls in the model's output: hermes, "
-        '<tool_call>{"name": ..., "arguments": ...}</tool_call> (default: %(default)s)',
+        '<tool_call>{"name": ..., "arguments": ...}</tool_call> blocks (Hermes, Qwen, '
+        'SmolLM); llama3_json, {"name": ..., "parameters": ...} objects at the start of the '
+        "output, separated by ';' (Llama 3.1 / 3.2) (default: %(default)s)",
     )
     add_engine_args(parser, taken=set(vars(parser.parse_args([]))))
     return parser

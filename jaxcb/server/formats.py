@@ -20,7 +20,7 @@ from typing import Any
 from jaxcb.outputs import CompletionOutput, RequestOutput
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.submission import Submission
-from jaxcb.server.tools import ToolMode
+from jaxcb.server.tools import ToolCall, ToolMode
 
 MIN_LOGPROB = -9999.0  # stands in for -inf, which JSON cannot carry
 
@@ -48,6 +48,7 @@ class ChoiceState:
     text_offset: int = 0
     finished: bool = False
     started: bool = False  # a chunk was sent (an echo goes in the first)
+    call_chars: list[int] = dataclasses.field(default_factory=list)  # arguments sent, per call
 
 
 class Format:
@@ -285,10 +286,26 @@ def _tool_finish(finish_reason: str | None, calls: list[Any]) -> str | None:
     return "tool_calls" if calls and finish_reason == "stop" else finish_reason
 
 
+def _call_deltas(calls: list[tuple[str, str]], state: ChoiceState) -> list[dict[str, Any]]:
+    """OpenAI's tool_calls deltas for (name, arguments so far) of each call: a new call's
+    id, type and name with the arguments it has, then each call's new arguments text."""
+    deltas = []
+    for index, (name, arguments) in enumerate(calls):
+        if index == len(state.call_chars):
+            deltas.append(ToolCall(name, arguments).to_json(index))
+            state.call_chars.append(len(arguments))
+        elif len(arguments) > state.call_chars[index]:
+            new = arguments[state.call_chars[index] :]
+            deltas.append({"index": index, "function": {"arguments": new}})
+            state.call_chars[index] = len(arguments)
+    return deltas
+
+
 class ChatFormat(Format):
     """Chat shapes; with `tools`, outputs are read into `tool_calls` (server/tools.py): a
-    stream sends content while it is surely content, and the calls, whole, when the choice
-    finishes (their deltas assemble to the non-streamed calls)."""
+    stream sends content while it is surely content, each call's id and name once they are
+    known and its arguments as deltas while they are generated; the deltas assemble to the
+    non-streamed calls (the arguments are the model's own text, which only grows)."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
@@ -303,20 +320,24 @@ class ChatFormat(Format):
         sample = self.visible(sample)
         if sample.finish_reason is None:
             content = self.tools.streamable_content(sample.text)
-            if len(content) <= state.num_chars:
-                return None
-            choice = self.delta_choice(key, content[state.num_chars :], None, None)
-            state.num_chars, state.started = len(content), True
-            return choice
-        content, calls = self.tools.calls(sample.text)
+            grown = [(c.name, c.arguments or "") for c in self.tools.call_texts(sample.text)]
+        else:
+            content, calls = self.tools.calls(sample.text)
+            content = content or ""
+            grown = [(c.name, c.arguments) for c in calls]
         delta: dict[str, Any] = {}
-        rest = (content or "")[state.num_chars :]
-        if rest:
-            delta["content"] = rest
-        if calls:
-            delta["tool_calls"] = [call.to_json(i) for i, call in enumerate(calls)]
-        state.num_chars, state.finished, state.started = len(content or ""), True, True
-        finish = _tool_finish(sample.finish_reason, calls)
+        if len(content) > state.num_chars:
+            delta["content"] = content[state.num_chars :]
+            state.num_chars = len(content)
+        if deltas := _call_deltas(grown, state):
+            delta["tool_calls"] = deltas
+        if sample.finish_reason is None:
+            if not delta:
+                return None
+            state.started = True
+            return {"index": key, "delta": delta, "logprobs": None, "finish_reason": None}
+        state.finished, state.started = True, True
+        finish = _tool_finish(sample.finish_reason, grown)
         return {"index": key, "delta": delta, "logprobs": None, "finish_reason": finish}
 
     def final_choice(self, key, out, sample, token_texts):

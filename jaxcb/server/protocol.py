@@ -291,7 +291,7 @@ class ChatCompletionRequest(_SamplingBody):
         )
         params = self._sampling_params(max_tokens, logprobs)
         tools = self.tool_mode()
-        constraint = tool_constraint(tools.choice, tools.tools)
+        constraint = tool_constraint(tools.choice, tools.tools, tools.parallel)
         if constraint is not None:  # required / a named function: the calls' schema
             if params.structured_outputs is not None:
                 raise bad_request(
@@ -307,7 +307,8 @@ class ChatCompletionRequest(_SamplingBody):
         `tool_choice` is a 400 naming it."""
         try:
             tools = parse_tools(self.tools or [])
-            return ToolMode(resolve_choice(self.tool_choice, tools), tools, parser)
+            choice = resolve_choice(self.tool_choice, tools)
+            return ToolMode(choice, tools, parser, parallel=self.parallel_tool_calls is not False)
         except ToolError as exc:
             raise bad_request(str(exc), exc.param) from None
 

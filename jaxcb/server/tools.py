@@ -4,14 +4,16 @@ in what the model wrote (`--tool-call-parser`).
 
 - `none`: the tools are rendered (the template decides how) and the output is plain content.
 - `auto` (the default with tools): the output is free; the parser finds the calls the model
-  made in its own format (Hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`)
-  and the rest is content.
+  made in its own format (`--tool-call-parser`: Hermes' `<tool_call>` blocks, or Llama 3's
+  JSON; server/tool_parsers.py) and the rest is content.
 - `required`: the output is a JSON array of at least one `{"name", "parameters"}` object, each
   name one of the tools and its parameters valid under that tool's schema (vLLM's form).
 - a named function: the output is that function's arguments, valid under its schema.
 
 A response with calls carries them as `tool_calls` (ids, names, JSON `arguments`) with
-`finish_reason: "tool_calls"`.
+`finish_reason: "tool_calls"` (or "length" when max_tokens cut the arguments off); a stream
+sends each call's id and name once known and its arguments as deltas while they are
+generated. `parallel_tool_calls: false` keeps one call (`required`: an array of one).
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import contextlib
 import json
 import re
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from jaxcb.server.tool_parsers import PARSERS, CallText, json_array_calls
 
 
 class ToolError(ValueError):
@@ -124,8 +127,11 @@ def resolve_choice(tool_choice: Any, tools: list[Tool]) -> str | Tool:
     raise ToolError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
 
 
-def tool_constraint(choice: str | Tool, tools: list[Tool]) -> dict[str, Any] | None:
-    """The structured-outputs constraint a choice puts on the output (None: free)."""
+def tool_constraint(
+    choice: str | Tool, tools: list[Tool], parallel: bool = True
+) -> dict[str, Any] | None:
+    """The structured-outputs constraint a choice puts on the output (None: free); not
+    `parallel`: `required` asks for exactly one call."""
     if isinstance(choice, Tool):
         return {"json": choice.parameters}
     if choice != "required":
@@ -139,84 +145,55 @@ def tool_constraint(choice: str | Tool, tools: list[Tool]) -> dict[str, Any] | N
         }
         for t in tools
     ]
-    return {"json": {"type": "array", "minItems": 1, "items": {"anyOf": calls}}}
-
-
-def hermes_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """Hermes' format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks
-    (the closing tag may be missing at the end); (the text around them or None, the calls).
-    A block that is not such JSON stays in the content."""
-    calls: list[ToolCall] = []
-    kept: list[str] = []
-    pos = 0
-    for match in re.finditer(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", text, re.S):
-        try:
-            value = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
-            continue
-        arguments = value.get("arguments", value.get("parameters", {}))
-        calls.append(ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False)))
-        kept.append(text[pos : match.start()])
-        pos = match.end()
-    kept.append(text[pos:])
-    content = "".join(kept)  # (not stripped: streamed content is a prefix of it)
-    return (content if content.strip() else None), calls
-
-
-#: --tool-call-parser choices: the model's own format -> (content, calls).
-PARSERS: dict[str, Callable[[str], tuple[str | None, list[ToolCall]]]] = {"hermes": hermes_calls}
-#: Where a parser's calls start: streamed content stops before it (and before a partial one).
-CALL_OPENERS = {"hermes": "<tool_call>"}
+    array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        array["maxItems"] = 1
+    return {"json": array}
 
 
 @dataclass
 class ToolMode:
-    """One chat request's tool handling: how to read the output into calls."""
+    """One chat request's tool handling: how to read the output, whole or growing, into
+    content and calls (server/tool_parsers.py: each call's arguments are the model's own
+    text of them, so a stream's argument deltas join to the whole output's arguments)."""
 
     choice: str | Tool
     tools: list[Tool]
     parser: str = "hermes"
+    parallel: bool = True  # parallel_tool_calls: false keeps the first call only
 
     @property
     def constrained(self) -> bool:
         return self.choice == "required" or isinstance(self.choice, Tool)
 
-    def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a whole output; no calls for `none`, or an output that is not
-        what the constraint asked for (cut off by max_tokens: left as content)."""
+    def call_texts(self, text: str) -> list[CallText]:
+        """The calls in `text` (a prefix of the output or all of it), as far as it goes."""
         if self.choice == "none":
+            return []
+        if isinstance(self.choice, Tool):  # the output is the arguments
+            calls = [CallText(self.choice.name, text)]
+        elif self.choice == "required":
+            calls = json_array_calls(text)
+        else:
+            calls = PARSERS[self.parser].parse(text).calls
+        return calls if self.parallel else calls[:1]
+
+    def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a whole output. A constrained output cut off by max_tokens
+        still gives its calls, with the arguments it got; `required` cut off before its first
+        call's name gives the text as content."""
+        calls = [ToolCall(c.name, c.arguments or "") for c in self.call_texts(text)]
+        if self.choice == "none" or (self.constrained and not calls):
             return text, []
-        if isinstance(self.choice, Tool):
-            try:
-                json.loads(text)
-            except json.JSONDecodeError:
-                return text, []
-            return None, [ToolCall(self.choice.name, text)]
-        if self.choice == "required":
-            try:
-                items = json.loads(text)
-            except json.JSONDecodeError:
-                return text, []
-            return None, [
-                ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
-                for item in items
-            ]
-        return PARSERS[self.parser](text)
+        if self.constrained:
+            return None, calls
+        return PARSERS[self.parser].parse(text).content, calls
 
     def streamable_content(self, text: str) -> str:
-        """The part of a growing output that is surely content: before any call opener, and
-        before a tail that may be the start of one; nothing for a constrained output."""
+        """The part of a growing output that is surely content: none of a constrained one;
+        under `auto`, what the parser cannot take for (the start of) a call."""
         if self.constrained:
             return ""
         if self.choice == "none":
             return text
-        opener = CALL_OPENERS[self.parser]
-        at = text.find(opener)
-        if at >= 0:
-            return text[:at]
-        for k in range(min(len(opener) - 1, len(text)), 0, -1):
-            if text.endswith(opener[:k]):
-                return text[:-k]
-        return text
+        return PARSERS[self.parser].content_prefix(text)

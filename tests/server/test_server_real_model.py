@@ -74,14 +74,18 @@ TOOLS = [
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ARGS_PARIS = '{"city": "Paris", "unit": "celsius"}'
+# a regex that forces the output to be a Hermes call (auto's parser reads it)
+HERMES_PARIS = r'<tool_call>\{"name": "get_weather", "arguments": '
+HERMES_PARIS += r'\{"city": "Paris", "unit": "celsius"\}\}</tool_call>'
 
 
 def _calls(client, stream: bool, **kw):
     """(content, [(name, arguments)], finish_reason) of one chat answer; a stream's deltas
     assembled as OpenAI clients assemble them."""
+    kw.setdefault("max_tokens", 96)
     out = client.chat.completions.create(
-        model=NAME, messages=kw.pop("messages", ASK), tools=TOOLS, max_tokens=96,
-        temperature=0, stream=stream, **kw,
+        model=NAME, messages=kw.pop("messages", ASK), tools=TOOLS, temperature=0,
+        stream=stream, **kw,
     )  # fmt: skip
     if not stream:
         m = out.choices[0].message
@@ -116,11 +120,9 @@ def test_named_and_required_tool_choices_give_valid_arguments(client, stream):
 
 def test_auto_parses_a_call_and_returns_plain_content_otherwise(client):
     # The output is forced (a regex) to be a Hermes call, or plain text: auto's parser reads it.
-    call = r'<tool_call>\{"name": "get_weather", "arguments": '
-    call += r'\{"city": "Paris", "unit": "celsius"\}\}</tool_call>'
     for stream in (False, True):
         content, calls, finish = _calls(
-            client, stream, tool_choice="auto", extra_body={"guided_regex": call}
+            client, stream, tool_choice="auto", extra_body={"guided_regex": HERMES_PARIS}
         )
         assert content is None and finish == "tool_calls"
         assert calls == [("get_weather", ARGS_PARIS)]
@@ -128,6 +130,41 @@ def test_auto_parses_a_call_and_returns_plain_content_otherwise(client):
             client, stream, tool_choice="auto", extra_body={"guided_regex": "It is sunny[.]"}
         )
         assert (content, calls, finish) == ("It is sunny.", [], "stop")
+
+
+@pytest.mark.parametrize(
+    ("choice", "extra"),
+    [
+        ({"type": "function", "function": {"name": "get_weather"}}, {}),
+        ("required", {}),
+        ("auto", {"guided_regex": HERMES_PARIS}),
+    ],
+    ids=["named", "required", "auto"],
+)
+def test_streamed_tool_calls_send_their_arguments_while_they_are_generated(client, choice, extra):
+    """The OpenAI SDK's own stream accumulation (`chat.completions.stream`, as its docs
+    show) gives the non-streamed calls, and the arguments arrive in many deltas, not whole
+    at the end."""
+    with client.chat.completions.stream(
+        model=NAME, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=96,
+        temperature=0, extra_body=extra,
+    ) as stream:  # fmt: skip
+        deltas = sum(1 for e in stream if e.type == "tool_calls.function.arguments.delta")
+        final = stream.get_final_completion().choices[0]
+    streamed = [(c.function.name, c.function.arguments) for c in final.message.tool_calls]
+    assert streamed == _calls(client, False, tool_choice=choice, extra_body=extra)[1]
+    assert final.finish_reason == "tool_calls" and deltas > 3, deltas
+
+
+def test_a_cut_off_named_call_is_still_a_call_and_one_call_when_parallel_is_off(client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for stream in (False, True):
+        content, calls, finish = _calls(client, stream, tool_choice=named, max_tokens=4)
+        assert content is None and finish == "length"
+        assert [name for name, _ in calls] == ["get_weather"] and calls[0][1].startswith("{")
+    for stream in (False, True):
+        calls = _calls(client, stream, tool_choice="required", parallel_tool_calls=False)[1]
+        assert len(calls) == 1
 
 
 def test_tool_results_go_back_as_tool_messages(client):
