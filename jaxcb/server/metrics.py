@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from jaxcb.engine.interface import EngineInfo, StepRecord
+from jaxcb.engine.request import RequestMetrics
 
 # Histogram bounds in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40)
@@ -66,6 +67,27 @@ class ServerMetrics:
             "jaxcb:e2e_request_latency_seconds",
             "Seconds from arrival to the end of a request that was not aborted.",
             E2E_BUCKETS,
+        )
+        # A finished request's phases, from the engine's own clock (RequestMetrics).
+        self.request_queue_time = histogram(
+            "jaxcb:request_queue_time_seconds",
+            "Seconds a request waited from arrival until its first step.",
+            E2E_BUCKETS,
+        )
+        self.request_prefill_time = histogram(
+            "jaxcb:request_prefill_time_seconds",
+            "Seconds from a request's first step to its first generated token.",
+            E2E_BUCKETS,
+        )
+        self.request_decode_time = histogram(
+            "jaxcb:request_decode_time_seconds",
+            "Seconds from a request's first generated token to its last.",
+            E2E_BUCKETS,
+        )
+        self.request_time_per_output_token = histogram(
+            "jaxcb:request_time_per_output_token_seconds",
+            "A request's decode time over its generated tokens after the first (TPOT).",
+            ITL_BUCKETS,
         )
         self.step_bucket_tokens = histogram(
             "jaxcb:step_bucket_tokens",
@@ -161,6 +183,23 @@ class ServerMetrics:
 
     def request_finished(self, finish_reason: str) -> None:
         self._request_success.labels(self._model_name, finish_reason).inc()
+
+    def request_phases(self, times: RequestMetrics, num_output_tokens: int) -> None:
+        """A finished request's queue, prefill and decode times and its time per output
+        token, each where the engine recorded both of its ends."""
+        first_step, first, last = (
+            times.first_scheduled_time,
+            times.first_token_time,
+            times.last_token_time,
+        )
+        if first_step is not None:
+            self.request_queue_time.observe(first_step - times.arrival_time)
+            if first is not None:
+                self.request_prefill_time.observe(first - first_step)
+        if first is not None and last is not None:
+            self.request_decode_time.observe(last - first)
+            if num_output_tokens > 1:
+                self.request_time_per_output_token.observe((last - first) / (num_output_tokens - 1))
 
     def step(self, record: StepRecord) -> None:
         """Record one engine step: its bucket, real tokens, preemptions and the tokens they

@@ -120,6 +120,9 @@ class Route:
                 metrics.request_finished(reason)
             if "abort" not in reasons:
                 metrics.e2e_request_latency.observe(now - self.arrival_time)
+                if out.metrics is not None:
+                    tokens = max(len(s.token_ids) for s in out.outputs)
+                    metrics.request_phases(out.metrics, tokens)
 
     def attach_token_texts(self, out: RequestOutput, token_text: Callable[[int], str]) -> None:
         """Put the text of each token not yet sent into `out.extra` (for logprobs)."""

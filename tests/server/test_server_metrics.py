@@ -19,6 +19,10 @@ EXPECTED = {
     "jaxcb:time_to_first_token_seconds": "histogram",
     "jaxcb:inter_token_latency_seconds": "histogram",
     "jaxcb:e2e_request_latency_seconds": "histogram",
+    "jaxcb:request_queue_time_seconds": "histogram",
+    "jaxcb:request_prefill_time_seconds": "histogram",
+    "jaxcb:request_decode_time_seconds": "histogram",
+    "jaxcb:request_time_per_output_token_seconds": "histogram",
     "jaxcb:step_bucket_tokens": "histogram",
     "jaxcb:prompt_tokens": "counter",
     "jaxcb:generation_tokens": "counter",
@@ -73,6 +77,14 @@ def test_counters_move_as_expected(server):
     assert grew("jaxcb:time_to_first_token_seconds_count") == 1
     assert grew("jaxcb:e2e_request_latency_seconds_count") == 1
     assert grew("jaxcb:inter_token_latency_seconds_count") == 6
+    for phase in ("queue_time", "prefill_time", "decode_time", "time_per_output_token"):
+        assert grew(f"jaxcb:request_{phase}_seconds_count") == 1, phase
+    # the phases add up to no more than the request's own time (the engine's clock)
+    phases = ("queue_time", "prefill_time", "decode_time")
+    phases = sum(grew(f"jaxcb:request_{p}_seconds_sum") for p in phases)
+    assert 0 < phases <= grew("jaxcb:e2e_request_latency_seconds_sum")
+    tpot = grew("jaxcb:request_time_per_output_token_seconds_sum")
+    assert tpot == pytest.approx(grew("jaxcb:request_decode_time_seconds_sum") / 6)
     # one prefill step (9 tokens: the 16-token bucket) and six decode steps (the 1-token
     # bucket): on CPU the default buckets are powers of two from 1
     assert grew("jaxcb:step_bucket_tokens_count") == 7
