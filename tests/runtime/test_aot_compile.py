@@ -16,7 +16,7 @@ import pytest
 from jaxcb.config import EngineConfig
 from jaxcb.engine.buckets import Bucket
 from jaxcb.models import registry
-from jaxcb.runtime import aot, aot_report, hbm_traffic
+from jaxcb.runtime import aot, aot_report, hbm_traffic, xla_count_fixes
 from jaxcb.runtime.programs import kernel_cache_options
 from pallas_kernels.gpu_targets import cuda_plugin_installed
 
@@ -194,7 +194,7 @@ def test_int8_weights_fuse_into_the_dot_on_tpu(model_dir, target, tp):
 @needs_cuda
 def test_scanned_step_counts_every_layers_flops(model_dir):
     """XLA's cost analysis counts a while body once; the report counts a scanned step's
-    layer once per layer (aot_report.loop_flops_undercount), so scanned and unrolled steps
+    layer once per layer (xla_count_fixes.loop_flops_undercount), so scanned and unrolled steps
     of a 6-layer model report the same flops (both costed by the HLO cost analysis on GPU)."""
     one_bucket = {**SMALL, "token_buckets": (32,), "max_num_batched_tokens": 32}
     path = model_dir["llama"].parent / "deep.json"
@@ -206,7 +206,7 @@ def test_scanned_step_counts_every_layers_flops(model_dir):
         )
         build = aot.compile_for_target(config, aot.get_target("h100"))
         hlo = build.runner.programs.compiled_step(build.buckets[0]).as_text()
-        undercount = aot_report.loop_flops_undercount(hlo)
+        undercount = xla_count_fixes.loop_flops_undercount(hlo)
         assert (undercount > 0) == scan
         (bucket,) = aot_report.report(build).buckets
         flops[scan] = bucket.flops
