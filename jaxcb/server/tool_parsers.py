@@ -218,8 +218,8 @@ def llama3_json(text: str) -> Parsed:
             break
         i = _skip_space(text, end)
         if i < len(text) and text[i] == ";":
-            i += 1
-        if _skip_space(text, i) >= len(text) or text[_skip_space(text, i)] != "{":
+            i = _skip_space(text, i + 1)
+        if i >= len(text) or text[i] != "{":
             break
     return Parsed(None, calls)
 
