@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import json
 import re
 import typing
 from types import UnionType
@@ -80,11 +81,34 @@ def add_engine_args(parser: argparse.ArgumentParser, taken: set[str] = frozenset
         else:
             kwargs["metavar"] = name.upper()
         group.add_argument("--" + name.replace("_", "-"), **kwargs)
+    group.add_argument(
+        "--speculative-config",
+        dest="speculative_config",
+        type=_json_mapping,
+        default=argparse.SUPPRESS,
+        metavar="JSON",
+        help="speculative decoding as vLLM spells it, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+        "(the same fields as the flags of speculative_config)",
+    )
+
+
+def _json_mapping(text: str) -> dict[str, Any]:
+    """A JSON object given on the command line (argparse reports the ValueError)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from --config and the config flags that were given (ValueError if bad)."""
     given = {}
+    if hasattr(args, "speculative_config"):  # (the flags of its fields apply after it)
+        given["speculative_config"] = args.speculative_config
     for name in flat_fields():
         if hasattr(args, name):
             value = getattr(args, name)

@@ -16,6 +16,7 @@ from jaxcb.config import (
     LimitsConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     flat_fields,
 )
 
@@ -166,6 +167,7 @@ def test_flat_names_are_unique_and_complete() -> None:
         "kernels": KernelConfig,
         "limits": LimitsConfig,
         "parallel": ParallelConfig,
+        "speculative_config": SpeculativeConfig,
     }
     names = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in sections]
     for cls in sections.values():

@@ -57,6 +57,19 @@ INSTRUCTIONS = (
     "{passage}\n\nWhat does the text above say about {title}?",
 )
 
+#: The input-grounded kind ("grounded"): the answer repeats much of the passage (quoting,
+#: copying, light edits), where prompt-lookup speculation pays (docs/speculative_decoding.md).
+GROUNDED_INSTRUCTIONS = (
+    "Copy the following text exactly, word for word.\n\n{passage}",
+    "Quote the first paragraph of the following text exactly.\n\n{passage}",
+    "Fix any spelling mistakes in the following text and return the whole text.\n\n{passage}",
+    "Rewrite the following text with 'Python' replaced by 'the language'; change nothing "
+    "else.\n\n{passage}",
+    "{passage}\n\nRepeat the text above, one sentence per line.",
+)
+#: Request kinds: their instructions, and the share of short questions without a passage.
+KINDS = {"chat": (INSTRUCTIONS, SHORT_QUESTION_SHARE), "grounded": (GROUNDED_INSTRUCTIONS, 0.0)}
+
 
 @dataclass(frozen=True)
 class Topic:
@@ -125,20 +138,27 @@ def stop_token_ids(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:
 
 
 def draw_messages(
-    n: int, seed: int, topics: list[Topic], tokenizer: Any, output_len: tuple[int, int]
+    n: int,
+    seed: int,
+    topics: list[Topic],
+    tokenizer: Any,
+    output_len: tuple[int, int],
+    kind: str = "chat",
 ) -> list[tuple[str, int]]:
-    """n (user message, fixed output length) pairs, drawn as the module docstring says."""
+    """n (user message, fixed output length) pairs, drawn as the module docstring says,
+    with the instructions of `kind` (KINDS)."""
+    instructions, short_share = KINDS[kind]
     rng = random.Random(seed)
     big = sorted(topics, key=lambda t: sum(t.tokens))
     lo, hi = PASSAGE_TOKENS
     out = []
     for _ in range(n):
-        if rng.random() < SHORT_QUESTION_SHARE:
+        if rng.random() < short_share:
             topic = rng.choice(topics)
             title = topic.title[0].lower() + topic.title[1:]  # 'The "with" statement'
             message = rng.choice(QUESTIONS).format(title=title)
         else:
-            template = rng.choice(INSTRUCTIONS)
+            template = rng.choice(instructions)
             target = round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
             fits = [t for t in big if sum(t.tokens) >= target] or big[-1:]
             topic = rng.choice(fits)
@@ -149,11 +169,11 @@ def draw_messages(
 
 
 def build_text_requests(
-    model_dir: Path, n: int, seed: int, output_len: tuple[int, int]
+    model_dir: Path, n: int, seed: int, output_len: tuple[int, int], kind: str = "chat"
 ) -> tuple[list[list[int]], list[int], tuple[int, ...], dict[str, Any]]:
     """Prompt token ids (chat-templated), fixed output lengths, stop ids and source info for
-    the first n requests, tokenized by `model_dir`'s tokenizer (ValueError without a chat
-    template)."""
+    the first n requests of `kind` (KINDS), tokenized by `model_dir`'s tokenizer
+    (ValueError without a chat template)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -164,7 +184,7 @@ def build_text_requests(
         )
     texts, info = source_text()
     topics = [split_topic(texts[k], tokenizer) for k in sorted(texts)]
-    messages = draw_messages(n, seed, topics, tokenizer, output_len)
+    messages = draw_messages(n, seed, topics, tokenizer, output_len, kind)
     prompts = [
         list(
             tokenizer.apply_chat_template(

@@ -42,6 +42,9 @@ class WorkloadSpec:
     source: str = "random"
     #: False: greedy to the end of the turn, max_tokens a cap (natural output lengths)
     ignore_eos: bool = True
+    #: A text workload's requests: "chat" (questions and instructions about a passage) or
+    #: "grounded" (answers that repeat the passage: bench/text_workload.py's KINDS)
+    text_kind: str = "chat"
 
 
 #: chat-fixed's output lengths; chat-natural draws them too, unused, so the prompts match.
@@ -90,6 +93,17 @@ WORKLOADS: dict[str, WorkloadSpec] = {
             prompt_len=(0, 0),
             max_tokens=TEXT_FIXED_LEN,
             source="text",
+        ),
+        WorkloadSpec(
+            "grounded",
+            "64 input-grounded chat requests: copy, quote, correct or rewrite a Python-doc "
+            "passage (~50 to ~2,000 tokens), greedy to the end of the turn, at most 256 tokens",
+            num_requests=64,
+            prompt_len=(0, 0),
+            max_tokens=(256, 256),
+            source="text",
+            ignore_eos=False,
+            text_kind="grounded",
         ),
     )
 }
@@ -201,7 +215,9 @@ def text_workload(spec: WorkloadSpec, n: int, seed: int, model_dir: Path | None)
 
     if model_dir is None:
         raise ValueError(f"workload {spec.name} needs a model with a chat tokenizer")
-    prompts, fixed, stops, info = build_text_requests(Path(model_dir), n, seed, TEXT_FIXED_LEN)
+    prompts, fixed, stops, info = build_text_requests(
+        Path(model_dir), n, seed, TEXT_FIXED_LEN, spec.text_kind
+    )
     lengths = fixed if spec.ignore_eos else [spec.max_tokens[1]] * n
     requests = [BenchRequest(p, m) for p, m in zip(prompts, lengths, strict=True)]
     return Workload(spec, requests, seed, stop_token_ids=stops, source_info=info)

@@ -10,6 +10,7 @@ A YAML preset mirrors the dataclasses one to one::
     kernels:   {attention: auto, matmul: auto}
     limits:    {max_waiting_requests: 1024, max_n: 128}
     parallel:  {tensor_parallel_size: 1, data_parallel_size: 1}
+    speculative_config: {method: ngram, num_speculative_tokens: 4}   # as vLLM's
 
 Every field, however nested, can also be given flat (`LLM(page_size=16)`,
 `serve.py --page-size 16`): field names are unique across sections. Unknown names and bad
@@ -39,6 +40,7 @@ from jaxcb.config.sections import (
     LimitsConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from jaxcb.config.values import check as _check
 from jaxcb.config.values import check_types as _check_types
@@ -59,6 +61,7 @@ __all__ = [
     "LimitsConfig",
     "ParallelConfig",
     "SchedulerConfig",
+    "SpeculativeConfig",
     "field_type",
     "flat_fields",
 ]
@@ -85,6 +88,7 @@ class EngineConfig:
     kernels: KernelConfig = field(default_factory=KernelConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -97,6 +101,14 @@ class EngineConfig:
             self.max_model_len is None or self.max_model_len >= 1,
             f"max_model_len must be >= 1, got {self.max_model_len}",
         )
+
+    @property
+    def max_num_sample_rows(self) -> int:
+        """Sampling rows of the largest step (the buckets' S at most): one per sequence,
+        and with speculative decoding one more per token it may propose for each."""
+        spec = self.speculative_config
+        per_seq = 1 + (spec.num_speculative_tokens if spec.enabled else 0)
+        return self.scheduler.max_num_seqs * per_seq
 
     # ---- construction -------------------------------------------------------------------
 
@@ -142,6 +154,7 @@ SECTIONS: dict[str, type] = {
     "kernels": KernelConfig,
     "limits": LimitsConfig,
     "parallel": ParallelConfig,
+    "speculative_config": SpeculativeConfig,
 }
 
 

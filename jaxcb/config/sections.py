@@ -22,6 +22,7 @@ MATMUL_BACKENDS = ("auto", "amx", "avx512_bf16", "avx512", "avx2_bf16", "avx2", 
 ADMISSION_MODES = ("greedy", "reserve", "predicted")
 BATCHING_MODES = ("continuous", "static", "dynamic")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
+SPECULATIVE_METHODS = ("none", "ngram")
 
 
 @dataclass(frozen=True)
@@ -336,3 +337,45 @@ class ParallelConfig:
             self.heartbeat_timeout_s > 0,
             f"heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}",
         )
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (docs/speculative_decoding.md), spelled as vLLM's
+    `speculative_config`: each step, a proposer guesses up to `num_speculative_tokens` next
+    tokens of every decoding request and the step verifies them with the target model, at
+    once, next to the other requests' tokens; the output is exactly what decoding one
+    token at a time gives (token for token for greedy and seeded requests).
+
+    method "ngram" (prompt lookup): the proposal is what followed the latest earlier
+    occurrence of the request's last n tokens (n from prompt_lookup_max down to
+    prompt_lookup_min) in its prompt and output: no model, a gain where the output quotes
+    its input. The engine turns the proposals down, step by step, when its measured step
+    times and acceptance say they cost more than they bring (a large batch)."""
+
+    SECTION: ClassVar[str] = "speculative_config"
+
+    method: str = "none"  # speculative decoding: none | ngram (prompt lookup)
+    num_speculative_tokens: int = 4  # speculative decoding: tokens proposed per step at most
+    prompt_lookup_min: int = 2  # ngram: the shortest suffix matched against earlier tokens
+    prompt_lookup_max: int = 4  # ngram: the longest suffix matched (tried first)
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _check(
+            self.method in SPECULATIVE_METHODS,
+            f"speculative method must be one of {list(SPECULATIVE_METHODS)}, got {self.method!r}",
+        )
+        _check(
+            1 <= self.num_speculative_tokens <= 16,
+            f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}",
+        )
+        _check(
+            1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+            "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
+            f"{self.prompt_lookup_min} and {self.prompt_lookup_max}",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"

@@ -70,6 +70,17 @@ def engine_stats(
             "matmul": info.matmul_backend,
             **info.cpu_kernels,
         },
+        # speculative decoding (vLLM's spec_decode counters): steps' verified proposal
+        # lists, their tokens, those kept, and the tokens each list brought on average
+        "spec_decode": {
+            "method": engine.config.speculative_config.method,
+            "num_drafts": s["spec_drafts"],
+            "num_draft_tokens": s["spec_draft_tokens"],
+            "num_accepted_tokens": s["spec_accepted_tokens"],
+            "mean_acceptance_length": (
+                1 + s["spec_accepted_tokens"] / s["spec_drafts"] if s["spec_drafts"] else 0.0
+            ),
+        },
         "preemptions": s["preemptions"],
         # computed tokens the preempted requests dropped (prefix cache hits not subtracted)
         "recomputed_tokens": s["recomputed_tokens"],

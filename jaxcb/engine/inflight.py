@@ -107,6 +107,11 @@ def sync_reason(config: EngineConfig, runner: Runner, *, swap: bool, itl: bool) 
         )
     if itl:
         return "itl_target_ms: the ITL controller times each step from schedule to tokens"
+    if config.speculative_config.enabled:
+        return (
+            "speculative decoding: each step's proposals follow the tokens the step before "
+            "it sampled"
+        )
     if not (hasattr(runner, "dispatch") and hasattr(runner, "collect")):
         return f"{type(runner).__name__} has no dispatch/collect"
     return None

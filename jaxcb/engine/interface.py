@@ -156,6 +156,11 @@ class StepRecord:
     swapped_in: int = 0
     swap_fallbacks: int = 0
     replica: int | None = None  # data-parallel replica that ran it
+    # Speculative decoding: requests whose proposals it verified, their proposed tokens,
+    # and of them those kept
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @classmethod
     def of(
@@ -167,9 +172,11 @@ class StepRecord:
                 (
                     c.request.request_id,
                     c.num_tokens,
-                    # from the chunk alone: the request has moved on by now
+                    # from the chunk alone: the request has moved on by now (a decode's
+                    # tokens count its proposals: speculative decoding)
                     "decode"
-                    if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens
+                    if c.num_tokens == 1 + c.num_draft_tokens
+                    and c.start >= c.request.num_prompt_tokens
                     else "prefill",
                 )
                 for c in sched.chunks
@@ -187,6 +194,9 @@ class StepRecord:
             swapped_out=sched.num_swapped_out,
             swapped_in=sched.num_swapped_in,
             swap_fallbacks=sched.num_swap_fallbacks,
+            spec_drafts=sum(1 for c in sched.chunks if c.draft_token_ids),
+            spec_draft_tokens=sched.num_draft_tokens,
+            spec_accepted_tokens=sum(c.num_accepted_drafts for c in sched.chunks),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -207,6 +217,9 @@ class StepRecord:
             "swapped_in": self.swapped_in,
             "swap_fallbacks": self.swap_fallbacks,
         }
+        if self.spec_drafts:
+            out["spec_draft_tokens"] = self.spec_draft_tokens
+            out["spec_accepted_tokens"] = self.spec_accepted_tokens
         if self.replica is not None:
             out["replica"] = self.replica
         return out

@@ -41,6 +41,7 @@ from jaxcb.engine.output_processor import OutputProcessor
 from jaxcb.engine.sched.factory import build_itl_controller, build_scheduler, build_swapper
 from jaxcb.engine.sched.page_pool import PagePool
 from jaxcb.engine.sched.schedule import SchedulerOutput
+from jaxcb.engine.spec import Speculator
 from jaxcb.engine.step_observer import StepObserver, StepTimes
 from jaxcb.engine.validation import check_params, check_prompt_length, encode_prompt
 from jaxcb.outputs import RequestOutput
@@ -74,6 +75,8 @@ class LLMEngine(Engine):
         self._rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self.itl = build_itl_controller(config, info)  # None: the fixed token budget
+        # Speculative decoding (engine/spec/): None when off.
+        self.speculator = Speculator.build(config.speculative_config, self.max_model_len)
         self.observer = StepObserver(
             self.pool,
             itl=self.itl,
@@ -210,6 +213,8 @@ class LLMEngine(Engine):
         if self._async:
             return self._step_async()
         t0 = time.perf_counter()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched, budget = self._schedule()
         if sched.is_empty:
             self._swap(sched)  # (a step that only preempts: its victims' pages still go out)
@@ -225,6 +230,8 @@ class LLMEngine(Engine):
         t2 = time.perf_counter()
         self.scheduler.update_after_step(sched)
         outputs = self.output_processor.process(sched, result, samples)
+        if self.speculator is not None:
+            self.speculator.observe(sched, t2 - t1 - swap_seconds)
         t3 = time.perf_counter()
         times = StepTimes(t0, t3, host=(t1 - t0) + (t3 - t2), device=t2 - t1, swap=swap_seconds)
         self.observer.ran(
@@ -307,7 +314,7 @@ class LLMEngine(Engine):
         """The smallest bucket the step fits; a padded-batch baseline's padding is run too
         (engine/sched/baselines.py; 0 otherwise)."""
         tokens = sched.num_tokens + sched.num_padding_tokens
-        return pick_bucket(self.info.buckets, tokens, len(sched.chunks))
+        return pick_bucket(self.info.buckets, tokens, sched.num_sample_rows)
 
     # ---- introspection ------------------------------------------------------------------
 

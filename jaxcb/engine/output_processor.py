@@ -25,7 +25,7 @@ from jaxcb.engine.interface import StepResult
 from jaxcb.engine.logprobs import append_sample_logprobs, record_prompt_logprobs
 from jaxcb.engine.request import Request
 from jaxcb.engine.sched.base import BaseScheduler
-from jaxcb.engine.sched.schedule import SchedulerOutput
+from jaxcb.engine.sched.schedule import SchedulerOutput, sample_row_starts
 from jaxcb.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class OutputProcessor:
         now = time.monotonic()
         touched: dict[str, RequestGroup] = {}
         record_prompt_logprobs(sched.chunks, result)
+        rows = sample_row_starts(sched.chunks)
         for s, chunk in enumerate(sched.chunks):
             req = chunk.request
             if req.metrics.first_scheduled_time is None:
@@ -68,7 +69,12 @@ class OutputProcessor:
             group = self._group_of[id(req)]
             touched[group.request_id] = group
             try:
-                self.append_sample(req, group, result, s, now)
+                if chunk.draft_token_ids:
+                    chunk.num_accepted_drafts = self.append_verified(
+                        req, group, result, rows[s], chunk.draft_token_ids, now
+                    )
+                else:
+                    self.append_sample(req, group, result, rows[s], now)
             except Exception as exc:  # this request's problem only: the others go on
                 self.fail(req, exc, now)
         return [self.output(g, now) for g in touched.values() if g.finished or not g.final_only]
@@ -95,6 +101,36 @@ class OutputProcessor:
         if req.finish_reason is not None:
             req.metrics.finished_time = now
             self.scheduler.finish(req)
+
+    def append_verified(
+        self,
+        req: Request,
+        group: RequestGroup,
+        result: StepResult,
+        row: int,
+        drafts: tuple[int, ...],
+        now: float,
+    ) -> int:
+        """Speculative decoding: rows row.. hold the tokens sampled after the request's
+        newest token and after each proposed one. The first is appended; each next one is
+        too while the token before it confirmed the proposal fed there (sampled exactly as
+        without speculation, from the same key: the same distribution, and the same tokens
+        for a seeded or greedy request). The confirmed proposals' K/V, written by the step,
+        count as computed; the pages past the request's tokens are freed. Returns how many
+        proposals were kept."""
+        kept = 0
+        for j in range(len(drafts) + 1):
+            self.append_sample(req, group, result, row + j, now)
+            if req.finished or j == len(drafts) or req.output_token_ids[-1] != drafts[j]:
+                break
+            kept += 1
+        self.counts["spec_drafts"] += 1
+        self.counts["spec_draft_tokens"] += len(drafts)
+        self.counts["spec_accepted_tokens"] += kept
+        if not req.finished:
+            req.num_computed_tokens += kept
+            self.scheduler.release_unneeded_pages(req)
+        return kept
 
     def fail(self, req: Request, exc: BaseException, now: float) -> None:
         """End one request with finish_reason "error" and free its pages."""

@@ -91,6 +91,11 @@ class Request:
     # Structured outputs: the sequence's place in its grammar (engine/grammar.Matcher),
     # advanced with each token it appends; None when the output is unconstrained.
     grammar: Any = None
+    # Speculative decoding (engine/spec/): the tokens its proposer guesses follow its newest
+    # one, for the next step to verify (the scheduler may feed fewer); and the proposer's
+    # own state for it (an n-gram index, ...).
+    draft_token_ids: list[int] = field(default_factory=list)
+    proposer_state: Any = None
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:

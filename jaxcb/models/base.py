@@ -11,7 +11,7 @@ A family is one module (llama.py, ...) registered in registry.py. It declares:
                      logical axes runtime/sharding.py maps onto the mesh
     params_from_hf(tensors, spec, dtype) -> Params   (Hugging Face weight names → the pytree)
     forward(params, kv_caches, input_ids, positions, logits_indices, meta, *, spec,
-            attention, num_compute_tokens, need_logits)
+            attention, num_compute_tokens, num_logits_rows, need_logits)
                      -> (logits, greedy ids | None, caches, hidden): hidden is the final
                      normed hidden state of every token row, which the step turns into
                      prompt logprobs through the output head (runtime/prompt_logprobs.py);

@@ -173,6 +173,7 @@ def forward(
     spec: GemmaSpec,
     attention: AttentionBackend,
     num_compute_tokens: jax.Array,  # i32[1]
+    num_logits_rows: jax.Array,  # i32[1]: the real rows of logits_indices
     need_logits: jax.Array,  # bool[]
     scan_layers: bool = True,
 ) -> tuple[jax.Array, jax.Array | None, KVCache, jax.Array]:
@@ -214,7 +215,7 @@ def forward(
         params["layers"], (x, kv_caches), layer_fn, kinds=spec.sliding_windows, scan=scan_layers
     )
     hidden = rms_norm(x, params["final_norm"], eps)  # [T, H]
-    logits, greedy = lm_head(params, hidden[logits_indices], meta.num_seqs[0], need_logits)
+    logits, greedy = lm_head(params, hidden[logits_indices], num_logits_rows[0], need_logits)
     if spec.final_logit_soft_cap is not None:  # monotonic: the greedy tokens stay
         logits = soft_cap(logits, spec.final_logit_soft_cap)
     return logits, greedy, kv_caches, hidden

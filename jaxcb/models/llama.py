@@ -343,6 +343,7 @@ def forward(
     spec: ModelSpec,
     attention: AttentionBackend,
     num_compute_tokens: jax.Array,  # i32[1]
+    num_logits_rows: jax.Array,  # i32[1]: the real rows of logits_indices
     need_logits: jax.Array,  # bool[]: whether anything but the greedy tokens is read
     scan_layers: bool = True,
 ) -> tuple[jax.Array, jax.Array | None, KVCache, jax.Array]:
@@ -353,7 +354,7 @@ def forward(
     else unrolled (models/stacking.py).
 
     The native matmuls compute only the first `num_compute_tokens` token rows (the real ones,
-    plus a batching baseline's padding, which is charged that way) and the first num_seqs
+    plus a batching baseline's padding, which is charged that way) and the first num_logits_rows
     sampled rows; the rest of the bucket is padding and comes out zero (a 150-token step in a
     192 bucket, 5 sequences of a prefill step in 128 LM-head rows)."""
     real_tokens = num_compute_tokens[0]
@@ -386,5 +387,5 @@ def forward(
         params["layers"], (x, kv_caches), layer_fn, kinds=spec.sliding_windows, scan=scan_layers
     )
     hidden = rms_norm(x, params["final_norm"], spec.rms_norm_eps)  # [T, H]
-    logits, greedy = lm_head(params, hidden[logits_indices], meta.num_seqs[0], need_logits)
+    logits, greedy = lm_head(params, hidden[logits_indices], num_logits_rows[0], need_logits)
     return logits, greedy, kv_caches, hidden

@@ -332,6 +332,7 @@ def forward(
     spec: MoESpec,
     attention: AttentionBackend,
     num_compute_tokens: jax.Array,  # i32[1]
+    num_logits_rows: jax.Array,  # i32[1]: the real rows of logits_indices
     need_logits: jax.Array,  # bool[]: whether anything but the greedy tokens is read
     scan_layers: bool = True,
 ) -> tuple[jax.Array, jax.Array | None, KVCache, jax.Array]:
@@ -367,7 +368,7 @@ def forward(
         params["layers"], (x, kv_caches), layer_fn, kinds=kinds, scan=scan_layers
     )
     hidden = rms_norm(x, params["final_norm"], spec.rms_norm_eps)  # [T, H]
-    logits, greedy = lm_head(params, hidden[logits_indices], meta.num_seqs[0], need_logits)
+    logits, greedy = lm_head(params, hidden[logits_indices], num_logits_rows[0], need_logits)
     return logits, greedy, kv_caches, hidden
 
 

@@ -79,7 +79,7 @@ def plan_device(config: EngineConfig, spec: ModelSpec, platform: str) -> DeviceP
     token_buckets = sched.token_buckets or default_token_buckets(
         sched.max_num_batched_tokens, smallest=smallest_token_bucket(platform)
     )
-    buckets = make_buckets(token_buckets, sched.max_num_seqs, sched.seq_buckets)
+    buckets = make_buckets(token_buckets, config.max_num_sample_rows, sched.seq_buckets)
     scan = config.kernels.scan_layers
     scan = scan_layers_default(platform) if scan is None else scan
     return DevicePlan(config, spec, platform, max_model_len, attention, kv_dtype, buckets, scan)

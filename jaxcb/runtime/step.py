@@ -105,6 +105,7 @@ def step(
         spec=spec,
         attention=attention,
         num_compute_tokens=inp.num_compute_tokens,
+        num_logits_rows=inp.num_sample_rows,
         # `sample_step` reads the logits; greedy rows need only their argmax.
         need_logits=jnp.any(inp.flags[SAMPLING_FLAGS] > 0),
         scan_layers=scan_layers,
@@ -174,7 +175,7 @@ def sample_step(
         penalty_args=penalty_args,
         num_top_logprobs=num_top_logprobs,
         greedy_ids=greedy_ids,
-        num_rows=inp.num_seqs[0],
+        num_rows=inp.num_sample_rows[0],
         token_mask=inp.token_mask,
         any_mask=inp.flags[FLAG_MASK] > 0,
         rows_at_once=None if platform is None else platform != "cpu",

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxcb.engine.buckets import Bucket
 from jaxcb.engine.grammar import fill_masks
-from jaxcb.engine.sched.schedule import ScheduledChunk, SchedulerOutput
+from jaxcb.engine.sched.schedule import ScheduledChunk, SchedulerOutput, sample_row_starts
 from pallas_kernels.ragged_paged_attention import PADDING_SLOT
 
 FLAG_RANDOM, FLAG_PENALTY, FLAG_LOGPROBS, FLAG_TOP_LOGPROBS = 0, 1, 2, 3
@@ -47,8 +47,10 @@ class StepInput:
     # i32[1]: token rows the matmuls must compute: the real ones plus a batching baseline's
     # padding (SchedulerOutput.num_padding_tokens), not the bucket's rounding
     num_compute_tokens: np.ndarray
-    logits_indices: np.ndarray  # i32[S]: the row of each sequence's last token
-    # sequence rows (sampling)
+    # sampling rows: one per sequence, plus one per proposed token (speculative decoding;
+    # ScheduledChunk.num_sample_rows): the first num_sample_rows of the S rows below
+    num_sample_rows: np.ndarray  # i32[1]
+    logits_indices: np.ndarray  # i32[S]: the token row each sampling row's logits are of
     num_prompt_tokens: np.ndarray  # i32[S]
     temperature: np.ndarray  # f32[S]
     top_k: np.ndarray  # i32[S]
@@ -95,7 +97,7 @@ class SamplingInput:
     """The sequence rows of a StepInput that `sample_step` reads (views of its arrays): its
     shapes depend on S alone, so one sampling program serves every bucket of that S."""
 
-    num_seqs: np.ndarray | jax.Array
+    num_sample_rows: np.ndarray | jax.Array
     temperature: np.ndarray | jax.Array
     top_k: np.ndarray | jax.Array
     top_p: np.ndarray | jax.Array
@@ -200,6 +202,7 @@ def empty_step_input(
         page_indices=np.zeros((s, pages_per_seq), i32),
         num_seqs=np.zeros(1, i32),
         num_compute_tokens=np.zeros(1, i32),
+        num_sample_rows=np.zeros(1, i32),
         logits_indices=np.zeros(s, i32),
         num_prompt_tokens=np.zeros(s, i32),
         temperature=np.zeros(s, f32),
@@ -254,9 +257,10 @@ def pack_step_input(
 
     token_ids: list[int] = []
     for c in chunks:
-        token_ids += c.request.token_ids[c.start : c.end]
+        token_ids += c.request.token_ids[c.start : c.end - c.num_draft_tokens]
         if c.prev_sample_row >= 0:  # its last token is still on the device (async scheduling)
             token_ids.append(0)
+        token_ids += c.draft_token_ids
     seq_of_row = np.repeat(np.arange(num_seqs, dtype=np.int32), lens)
     positions = np.arange(total, dtype=np.int32) + np.repeat(starts - (cu - lens), lens)
     for s, req in enumerate(reqs):
@@ -269,25 +273,41 @@ def pack_step_input(
     inp.cu_q_lens[1 : num_seqs + 1] = cu
     inp.cu_q_lens[num_seqs + 1 :] = total
     inp.kv_lens[:num_seqs] = ends
-    inp.logits_indices[:num_seqs] = cu - 1
     linked = [(s, c.prev_sample_row) for s, c in enumerate(chunks) if c.prev_sample_row >= 0]
     if linked:
         rows, prev = zip(*linked, strict=True)
         inp.prev_rows[cu[list(rows)] - 1] = prev
     inp.num_seqs[0] = num_seqs
     inp.num_compute_tokens[0] = min(total + sched.num_padding_tokens, bucket.num_tokens)
-    inp.num_prompt_tokens[:num_seqs] = [r.num_prompt_tokens for r in reqs]
+
+    # Sampling rows: a chunk's first samples after its last token that is not a proposal,
+    # each next one after the next proposal (speculative decoding); row j of a request
+    # draws as its (j + 1)-th next token would without speculation: the same key, and the
+    # same count of tokens before it.
+    drafts = np.fromiter((c.num_draft_tokens for c in chunks), np.int32, num_seqs)
+    num_rows = num_seqs + int(drafts.sum())
+    chunk_of = np.repeat(np.arange(num_seqs), drafts + 1)
+    first_row = np.cumsum(drafts + 1) - drafts - 1
+    offset = np.arange(num_rows, dtype=np.int32) - np.repeat(first_row, drafts + 1)
+    inp.num_sample_rows[0] = num_rows
+    inp.logits_indices[:num_rows] = (cu - 1 - drafts)[chunk_of] + offset
+
+    def per_row(values: list) -> np.ndarray:
+        return np.asarray(values)[chunk_of] if num_rows > num_seqs else np.asarray(values)
+
+    inp.num_prompt_tokens[:num_rows] = per_row([r.num_prompt_tokens for r in reqs])
     # (tokens generated so far: those read back, and the one a step in flight is sampling)
-    inp.sample_counters[:num_seqs] = [len(r.output_token_ids) + r.num_inflight for r in reqs]
-    inp.rng_keys[:num_seqs, 0] = [(r.seed >> 32) & 0xFFFFFFFF for r in reqs]
-    inp.rng_keys[:num_seqs, 1] = [r.seed & 0xFFFFFFFF for r in reqs]
-    inp.temperature[:num_seqs] = [p.temperature for p in params]
-    inp.top_k[:num_seqs] = [p.effective_top_k for p in params]
-    inp.top_p[:num_seqs] = [p.top_p for p in params]
-    inp.min_p[:num_seqs] = [p.min_p for p in params]
-    inp.presence_penalty[:num_seqs] = [p.presence_penalty for p in params]
-    inp.frequency_penalty[:num_seqs] = [p.frequency_penalty for p in params]
-    inp.repetition_penalty[:num_seqs] = [p.repetition_penalty for p in params]
+    generated = per_row([len(r.output_token_ids) + r.num_inflight for r in reqs])
+    inp.sample_counters[:num_rows] = generated + offset
+    inp.rng_keys[:num_rows, 0] = per_row([(r.seed >> 32) & 0xFFFFFFFF for r in reqs])
+    inp.rng_keys[:num_rows, 1] = per_row([r.seed & 0xFFFFFFFF for r in reqs])
+    inp.temperature[:num_rows] = per_row([p.temperature for p in params])
+    inp.top_k[:num_rows] = per_row([p.effective_top_k for p in params])
+    inp.top_p[:num_rows] = per_row([p.top_p for p in params])
+    inp.min_p[:num_rows] = per_row([p.min_p for p in params])
+    inp.presence_penalty[:num_rows] = per_row([p.presence_penalty for p in params])
+    inp.frequency_penalty[:num_rows] = per_row([p.frequency_penalty for p in params])
+    inp.repetition_penalty[:num_rows] = per_row([p.repetition_penalty for p in params])
 
     sampling = [p for c, p in zip(chunks, params, strict=True) if c.samples]
     inp.flags[FLAG_RANDOM] = any(p.temperature > 0 for p in sampling)
@@ -296,9 +316,12 @@ def pack_step_input(
     inp.flags[FLAG_TOP_LOGPROBS] = num_top_logprobs > 0 and any(
         (p.logprobs or 0) > 0 for p in sampling
     )
-    constrained = [(s, c.request.grammar) for s, c in enumerate(chunks) if c.samples]
-    constrained = [(s, grammar) for s, grammar in constrained if grammar is not None]
+    first_rows = sample_row_starts(chunks)
+    constrained = [(first_rows[s], c.request.grammar) for s, c in enumerate(chunks) if c.samples]
+    constrained = [(row, grammar) for row, grammar in constrained if grammar is not None]
     if constrained:  # each constrained row's mask from its grammar; the others allow all
+        # (a constrained request is never given proposals: its mask after one would need
+        # the grammar advanced past it; engine/spec/)
         inp.flags[FLAG_MASK] = 1
         inp.token_mask = all_tokens_allowed(bucket.num_seqs, vocab_size)
         fill_masks(constrained, inp.token_mask)
@@ -308,9 +331,14 @@ def pack_step_input(
         # A row linked to a step in flight lacks its newest token here; the engine links no
         # row with penalties (their history is read here, on the host), so such a row's
         # history is never used.
+        # (a proposal's row counts the proposals before it, as if they were output)
         inp.penalty_tokens, inp.penalty_counts = penalty_arrays(
-            [c.request.token_ids[: c.end] for c in chunks],
-            [c.request.num_prompt_tokens for c in chunks],
+            [
+                c.request.token_ids[: c.end - c.num_draft_tokens] + list(c.draft_token_ids[:j])
+                for c in chunks
+                for j in range(c.num_sample_rows)
+            ],
+            per_row([c.request.num_prompt_tokens for c in chunks]).tolist(),
             num_rows=bucket.num_seqs,
             max_model_len=max_model_len,
         )

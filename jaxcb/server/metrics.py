@@ -141,6 +141,23 @@ class ServerMetrics:
         self.prefix_cache_hits = counter(
             "jaxcb:prefix_cache_hits", "Of the looked-up tokens, those found cached."
         )
+        # speculative decoding, as vLLM's spec_decode counters
+        self.spec_decode_num_drafts = counter(
+            "jaxcb:spec_decode_num_drafts",
+            "Speculative decoding: proposals verified (one per request and step).",
+        )
+        self.spec_decode_num_draft_tokens = counter(
+            "jaxcb:spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed."
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "jaxcb:spec_decode_num_accepted_tokens",
+            "Speculative decoding: proposed tokens the target model's samples kept.",
+        )
+        self.spec_decode_mean_acceptance_length = gauge(
+            "jaxcb:spec_decode_mean_acceptance_length",
+            "Speculative decoding: tokens a verified proposal brought on average (the kept "
+            "ones and the target's own next token), since start.",
+        )
         self.weight_bytes = gauge(
             "jaxcb:weight_bytes", "Bytes of the model weights as stored on the devices."
         )
@@ -168,6 +185,7 @@ class ServerMetrics:
         )
         self._model_name = model_name
         self._token_slots = 0
+        self._spec_drafts = self._spec_accepted = 0
         self._tokens_scheduled = 0
         self._idle_pages: dict[int | None, int] = {}  # per data-parallel replica
 
@@ -228,6 +246,13 @@ class ServerMetrics:
         if record.prefix_queries:
             self.prefix_cache_queries.inc(record.prefix_queries)
             self.prefix_cache_hits.inc(record.prefix_hits)
+        if record.spec_drafts:
+            self.spec_decode_num_drafts.inc(record.spec_drafts)
+            self.spec_decode_num_draft_tokens.inc(record.spec_draft_tokens)
+            self.spec_decode_num_accepted_tokens.inc(record.spec_accepted_tokens)
+            self._spec_drafts += record.spec_drafts
+            self._spec_accepted += record.spec_accepted_tokens
+            self.spec_decode_mean_acceptance_length.set(1 + self._spec_accepted / self._spec_drafts)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

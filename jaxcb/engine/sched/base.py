@@ -89,6 +89,14 @@ class BaseScheduler(abc.ABC):
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
 
+    def release_unneeded_pages(self, request: Request) -> None:
+        """Free the pages past the request's tokens (those allocated for proposals that were
+        not kept): what is written there is never read."""
+        keep = -(-request.num_tokens // self.page_size)
+        if len(request.page_ids) > keep:
+            self.pool.free(reversed(request.page_ids[keep:]))
+            del request.page_ids[keep:]
+
     def owners(self) -> Iterable[list[int]]:
         """Page lists of every request holding pages (for the pool invariant)."""
         return [r.page_ids for r in self.running]

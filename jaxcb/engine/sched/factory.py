@@ -51,6 +51,7 @@ def build_scheduler(
         admission=sched.admission,
         admission_quantile=sched.admission_quantile,
         swapper=swapper,
+        max_num_sample_rows=config.max_num_sample_rows,
     )
 
 
@@ -63,6 +64,7 @@ def make_scheduler(
     admission: str = "greedy",
     admission_quantile: float = 0.9,
     swapper: Swapper | None = None,
+    max_num_sample_rows: int | None = None,
     **base: Any,  # BaseScheduler's: page_pool, page_size, max_num_seqs, ...
 ) -> BaseScheduler:
     """The scheduler for `batching`: the real (continuous) one, or a padded-batch baseline
@@ -76,6 +78,7 @@ def make_scheduler(
             admission=admission,
             admission_quantile=admission_quantile,
             swapper=swapper,
+            max_num_sample_rows=max_num_sample_rows,
             **base,
         )
     classes = {"static": StaticBatchScheduler, "dynamic": DynamicBatchScheduler}

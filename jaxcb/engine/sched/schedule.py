@@ -21,16 +21,31 @@ class ScheduledChunk:
     # Async scheduling: the row of the step in flight whose sampled token is this chunk's
     # last input token (the host has not read it back yet); -1: every input is on the host.
     prev_sample_row: int = -1
+    # Speculative decoding: the proposed tokens fed after the request's newest token (the
+    # last `len(draft_token_ids)` of num_tokens); the step samples a token after each of
+    # them too, and the engine keeps the proposals its samples confirm (engine/spec/).
+    draft_token_ids: tuple[int, ...] = ()
+    num_accepted_drafts: int = 0  # of them, those kept (set once the step's tokens are in)
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
 
     @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
+
+    @property
     def samples(self) -> bool:
         """The chunk reaches the newest token, so the step samples the next one. (Asked
         before the step runs: the tokens it samples move the request's newest token on.)"""
-        return self.end == self.request.num_tokens
+        return self.end - self.num_draft_tokens == self.request.num_tokens
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Rows of the step's logits and sampling that are this chunk's: one after its last
+        token (used only when it `samples`), and one after each proposed token."""
+        return 1 + self.num_draft_tokens
 
     @property
     def prompt_logprob_positions(self) -> range:
@@ -73,8 +88,28 @@ class SchedulerOutput:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(1 for c in self.chunks if c.num_tokens == 1 and c.samples)
+        return sum(1 for c in self.chunks if c.num_tokens == 1 + c.num_draft_tokens and c.samples)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(c.num_draft_tokens for c in self.chunks)
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Logits and sampling rows the step needs (see `sample_row_starts`)."""
+        return sum(c.num_sample_rows for c in self.chunks)
 
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+
+def sample_row_starts(chunks: list[ScheduledChunk]) -> list[int]:
+    """Each chunk's first row among the step's sampling rows: the chunks' rows follow one
+    another, one each, plus one per proposed token (speculative decoding). Without
+    proposals, row s is chunk s's."""
+    starts, row = [], 0
+    for chunk in chunks:
+        starts.append(row)
+        row += chunk.num_sample_rows
+    return starts

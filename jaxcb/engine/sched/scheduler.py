@@ -64,6 +64,9 @@ class Scheduler(BaseScheduler):
         admission: str = "greedy",
         admission_quantile: float = 0.9,
         swapper: Swapper | None = None,  # None: preemption by recompute only
+        # sampling rows of the largest step; those past max_num_seqs take proposed tokens
+        # (speculative decoding). None: max_num_seqs
+        max_num_sample_rows: int | None = None,
         **base: Any,  # BaseScheduler's: page_pool, page_size, max_num_seqs, ...
     ) -> None:
         super().__init__(**base)
@@ -88,6 +91,7 @@ class Scheduler(BaseScheduler):
             long_prefill_token_threshold or self.max_num_batched_tokens
         )
         self.watermark_pages = watermark_pages
+        self.max_num_sample_rows = max_num_sample_rows or self.max_num_seqs
         self.prefix_queries = 0  # tokens looked up in the prefix cache at admissions
         self.prefix_hits = 0  # of which found cached
 
@@ -108,6 +112,10 @@ class Scheduler(BaseScheduler):
         self.num_steps += 1
         self.policy.reorder(self.waiting)
 
+        # Speculative decoding: proposed tokens take the sampling rows past those of
+        # max_num_seqs requests, and budget that leaves every decode its token.
+        spare_rows = self.max_num_sample_rows - self.max_num_seqs
+        decodes_left = sum(r.is_decoding for r in self.running)
         for decode_pass in (True, False):
             for request in list(self.running):
                 if request.status is not RequestStatus.RUNNING or id(request) in scheduled:
@@ -117,13 +125,22 @@ class Scheduler(BaseScheduler):
                 if request.reached_max_tokens:
                     continue  # its token in flight is its last (async scheduling)
                 n = min(request.num_uncomputed_tokens, budget, self.long_prefill_token_threshold)
+                drafts: tuple[int, ...] = ()
+                if decode_pass:
+                    decodes_left -= 1
+                    room = min(spare_rows, budget - 1 - decodes_left)
+                    drafts = self._drafts_that_fit(request, room)
+                    spare_rows -= len(drafts)
+                    n += len(drafts)
                 num_preempted = len(out.preempted)
                 reserved = self._reserve_pages(request, n, scheduled, out)
                 if len(out.preempted) != num_preempted:  # victims give their tokens back
                     budget = token_budget - sum(c.num_tokens for c in scheduled.values())
                 if not reserved:
                     continue  # the request itself was preempted
-                scheduled[id(request)] = ScheduledChunk(request, request.num_computed_tokens, n)
+                scheduled[id(request)] = ScheduledChunk(
+                    request, request.num_computed_tokens, n, draft_token_ids=drafts
+                )
                 budget -= n
 
         if not out.preempted:
@@ -179,7 +196,8 @@ class Scheduler(BaseScheduler):
                 # (async scheduling: it stopped on the token the step before this one
                 # sampled; what this step computed for it is dropped, its pages are free)
                 continue
-            request.num_computed_tokens = chunk.end
+            # (proposed tokens count once kept: OutputProcessor)
+            request.num_computed_tokens = chunk.end - chunk.num_draft_tokens
             if self.enable_prefix_caching:
                 self._register_full_pages(request)
 
@@ -225,6 +243,14 @@ class Scheduler(BaseScheduler):
         request.num_hashed_pages = num_full
 
     # ---- internals ----------------------------------------------------------------------
+
+    def _drafts_that_fit(self, request: Request, room: int) -> tuple[int, ...]:
+        """The request's proposed tokens that `room` sampling rows and budget and the free
+        pages hold (never a preemption for a proposal)."""
+        drafts = request.draft_token_ids[: max(0, min(room, self.long_prefill_token_threshold - 1))]
+        while drafts and not self.pool.can_allocate(self._pages_short(request, 1 + len(drafts))):
+            drafts = drafts[:-1]
+        return tuple(drafts)
 
     def _pages_short(self, request: Request, num_new_tokens: int) -> int:
         needed = -(-(request.num_computed_tokens + num_new_tokens) // self.page_size)
