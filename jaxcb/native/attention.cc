@@ -714,6 +714,8 @@ void RunItemBf16Dot(const Problem& P, const Item& it) {
     ChunkKeyOffsets(P, it, c0, n, D * 2, key_offset.data());
     for (int64_t b0 = 0; b0 < n; b0 += 16) {
       const int64_t nb = std::min<int64_t>(16, n - b0);
+      bool all_live = nb == 16;
+      for (int64_t t = 0; t < nb; ++t) all_live &= key_offset[b0 + t] >= 0;
       __m512i kt[D / 2];
       if (transposed) {
         alignas(64) int32_t idx[16];
@@ -766,7 +768,11 @@ void RunItemBf16Dot(const Problem& P, const Item& it) {
         for (int g = 0; g < kRowGroup; ++g) {
           float* out = &scores[(r0 + g) * kChunk + b0];
           Mul(sums[g], V16::Set(P.sm_scale)).Store(out);
-          const int64_t p = row_pos(r0 + g);
+          const int64_t p = row_pos(r0 + g), first = c0 + b0;
+          // (a block every key of which the row sees, live, uncapped: nothing to mask)
+          const bool whole = all_live && P.soft_cap <= 0.0f && Visible(first + 15, p, 0) &&
+                             (P.sliding_window <= 0 || first > p - P.sliding_window);
+          if (whole) continue;
           for (int64_t t = 0; t < 16; ++t) {
             const bool live = t < nb && key_offset[b0 + t] >= 0;
             out[t] = MaskedScore(P, out[t], live, c0 + b0 + t, p);
