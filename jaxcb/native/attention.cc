@@ -21,6 +21,12 @@
 namespace {
 
 constexpr int kRowsPerItem = 16;  // query rows of one sequence handled by one work item
+// A sequence with at most this many query tokens in a step has each row computed exactly as
+// a lone decode row is (the row-by-row scores, never the rows-in-lanes or transposed-key
+// forms, which sum in another order): speculative decoding verifies 1 + up to 16 proposed
+// tokens (SpeculativeConfig.num_speculative_tokens <= 16), and a verified row's token must
+// be the one decoding it alone gives.
+constexpr int64_t kMaxRowByRowTokens = 17;
 
 // exp(x) for x <= 0 in a form the compiler vectorizes (std::exp is a scalar libm call):
 // Cody-Waite reduction x = n ln2 + r, a degree-6 polynomial for e^r on |r| <= ln2 / 2, and
@@ -617,7 +623,7 @@ void RunItemV16(const Problem& P, const Item& it) {
   const int64_t hi = std::min<int64_t>(first_pos + rows, len);  // positions [lo, hi) matter
   int64_t lo = 0;
   if (P.sliding_window > 0) lo = std::max<int64_t>(0, first_pos - P.sliding_window + 1);
-  const bool in_lanes = nq >= 16;
+  const bool in_lanes = nq >= 16 && q_len > kMaxRowByRowTokens;
   const int64_t work_rows = RoundUp(nq, kRowGroup);  // zero rows past nq
   const int64_t lanes = in_lanes ? RoundUp(nq, 16) : work_rows;
 
@@ -706,7 +712,8 @@ void RunItemBf16Dot(const Problem& P, const Item& it) {
   // a head's pool (in 32-bit words) is addressable by 32-bit gather indices.
   const int64_t head_elems = P.num_pages * P.page_size * D;
   const int64_t head_base = it.kv_head * head_elems;
-  const bool transposed = nq4 >= 16 && head_elems / 2 < (int64_t{1} << 31);
+  const bool transposed =
+      nq4 >= 16 && q_len > kMaxRowByRowTokens && head_elems / 2 < (int64_t{1} << 31);
   auto row_pos = [&](int64_t i) { return first_pos + std::min(i, nq - 1) / P.group; };
 
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {

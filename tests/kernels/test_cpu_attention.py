@@ -198,3 +198,31 @@ def test_engine_falls_back_to_xla_without_a_compiler(monkeypatch):
     assert attention.resolve_backend("auto", platform="cpu") == "xla"
     with pytest.raises(ValueError, match="C\\+\\+ compiler"):
         attention.get_attention_backend("native", platform="cpu")
+
+
+@pytest.mark.parametrize("level", [pytest.param(v, marks=needs_native) for v in LEVELS])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("num_q_heads", [6, 8])  # groups of 3 and 4 query heads per KV head
+def test_native_row_is_computed_as_a_lone_decode_row(level, dtype, num_q_heads):
+    """A sequence's query row comes out bit for bit as the same row decoded alone (kv_len up
+    to its position) while the sequence has at most 17 query tokens: the rows a speculative
+    step verifies give the tokens decoding them one by one gives."""
+    shape = Shape(
+        num_tokens=32, num_q_heads=num_q_heads, num_pages=40, pages_per_seq=24, dtype=dtype
+    )
+    attend = BACKENDS[f"native-{level}"]
+    for q_len, kv_len in ((5, 300), (17, 280), (2, 17)):
+        q, k, v, kv_lens, pages, cu, num_seqs = make_batch(shape, [(q_len, kv_len)], seed=q_len)
+        many = attend(q, k, v, kv_lens, pages, cu, num_seqs, sm_scale=0.125)
+        for j in range(q_len):
+            alone = attend(
+                jnp.zeros_like(q).at[0].set(q[j]),
+                k,
+                v,
+                kv_lens.at[0].set(kv_len - q_len + j + 1),
+                pages,
+                jnp.zeros_like(cu).at[1:].set(1),
+                num_seqs,
+                sm_scale=0.125,
+            )
+            np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(many[j]))
