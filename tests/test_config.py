@@ -383,3 +383,35 @@ def test_round_trip(cfg: EngineConfig) -> None:
     # The plain dict is what a YAML preset holds.
     yaml = pytest.importorskip("yaml")
     assert EngineConfig.from_dict(yaml.safe_load(yaml.safe_dump(plain))) == cfg
+
+
+def test_speculative_config_as_vllm_spells_it() -> None:
+    """The section takes vLLM's dict: as a keyword, in YAML, or as --speculative-config
+    JSON (its fields' own flags apply after it); bad values are one-line errors."""
+    import argparse
+
+    from jaxcb.cli import add_engine_args, engine_config_from_args
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}
+    cfg = EngineConfig.from_dict(None, speculative_config=spec)
+    assert (cfg.speculative_config.method, cfg.speculative_config.prompt_lookup_max) == ("ngram", 5)
+    assert cfg.max_num_sample_rows == cfg.scheduler.max_num_seqs * 4
+    assert EngineConfig().max_num_sample_rows == EngineConfig().scheduler.max_num_seqs
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(
+        ["--speculative-config", '{"method": "ngram"}', "--num-speculative-tokens", "2"]
+    )
+    assert engine_config_from_args(args).speculative_config == SpeculativeConfig(
+        method="ngram", num_speculative_tokens=2
+    )
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", "{ngram}"])  # argparse: not valid JSON
+    with pytest.raises(ValueError, match="speculative method must be one of"):
+        EngineConfig.from_dict(None, speculative_config={"method": "eagle"})
+    with pytest.raises(ValueError, match="num_speculative_tokens must be in"):
+        EngineConfig.from_dict(
+            None, speculative_config={"method": "ngram", "num_speculative_tokens": 0}
+        )
+    with pytest.raises(ValueError, match="unknown key 'draft'"):
+        EngineConfig.from_dict(None, speculative_config={"draft": 1})

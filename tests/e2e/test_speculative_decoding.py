@@ -221,3 +221,37 @@ def test_speculative_sampling_draws_from_the_target_distribution(llm, monkeypatc
         keep_rejected_proposals_half_the_time(OutputProcessor.append_verified),
     )
     assert p_value(draw(20_000, proposal)) < 1e-6  # (3e-56 when written)
+
+
+def test_the_server_streams_verified_tokens_and_counts_them(llm):
+    """The OpenAI server on a speculating engine: a streamed completion (several tokens per
+    step) is the plain one, and the spec_decode counters move."""
+    import json
+    import re
+
+    from starlette.testclient import TestClient
+
+    from jaxcb.server import ServerSettings, build_app
+
+    prompt = prompts(1, seed=21)[0]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = run(llm, [(prompt, params)], None)[0].outputs[0]
+    speculator = llm.engine.speculator
+    replay = {replay_key(prompt, params, 0): list(want.token_ids)}
+    speculator.proposer = ReplayProposer(replay, llm.engine.info.vocab_size)
+    speculator.cost = AlwaysPropose()
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+    app = build_app(llm.engine, ServerSettings(served_model_names=("tiny",)))
+    with TestClient(app) as client:
+        with client.stream(
+            "POST", "/v1/completions", json={**body, "ignore_eos": True, "stream": True}
+        ) as answer:
+            assert answer.status_code == 200
+            events = [line[6:] for line in answer.iter_lines() if line.startswith("data: {")]
+        metrics = client.get("/metrics").text
+    chunks = [json.loads(e)["choices"][0]["text"] for e in events]
+    assert "".join(chunks) == want.text
+    assert len(chunks) < len(want.token_ids)  # some events carried several tokens
+    kept = re.search(r"jaxcb:spec_decode_num_accepted_tokens_total\{[^}]*\} ([\d.]+)", metrics)
+    assert kept is not None and float(kept.group(1)) > 0, metrics
+    assert llm.engine.pool.num_used == 0

@@ -202,13 +202,19 @@ def throughput(
 ) -> dict[str, Any]:
     """--concurrent: every prompt at once, the engines in turns; output tok/s of each."""
     rounds: dict[str, list[float]] = {name: [] for name in systems}
+    differ = 0
+    preemptions = {name: llm.stats()["preemptions"] for name, llm in systems.items()}
     for round_ in range(args.repeats):
+        tokens = []
         for name, llm in systems.items():
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params[: len(prompts)], use_tqdm=False)
             seconds = time.perf_counter() - t0
             rounds[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / seconds)
+            tokens.append([o.outputs[0].token_ids for o in outs])
             log(f"{name} {round_ + 1}/{args.repeats}: {rounds[name][-1]:.1f} output tok/s")
+        differ += sum(a != b for a, b in zip(*tokens, strict=True))
+    preemptions = {n: llm.stats()["preemptions"] - preemptions[n] for n, llm in systems.items()}
     best = {name: max(v) for name, v in rounds.items()}
     names = list(systems)
     ratio = [a / b for a, b in zip(rounds[names[1]], rounds[names[0]], strict=True)]
@@ -216,7 +222,20 @@ def throughput(
     for name, value in best.items():
         print(f"  jaxcb {name:<10}{value:>10.1f}")
     print(f"  {names[1]} / off per round: {', '.join(f'{r:.3f}' for r in ratio)}")
+    print(
+        f"  outputs whose tokens differ: {differ} of {len(prompts) * args.repeats}; "
+        f"preemptions: {preemptions}"
+    )
     stats = systems[names[1]].stats()["spec_decode"]
+    print(
+        f"  acceptance: {stats['num_accepted_tokens']} of {stats['num_draft_tokens']} proposed "
+        f"tokens kept"
+    )
     return dict(
-        concurrent=len(prompts), output_tok_s=rounds, ratio_per_round=ratio, spec_decode=stats
+        concurrent=len(prompts),
+        output_tok_s=rounds,
+        ratio_per_round=ratio,
+        outputs_differing=differ,
+        preemptions=preemptions,
+        spec_decode=stats,
     )
