@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any, Protocol
 
 from jaxcb.config import EngineConfig
 from jaxcb.engine.grammar import GrammarCompiler
-from jaxcb.engine.interface import EngineInfo, KVUsage, Runner
+from jaxcb.engine.interface import EngineInfo, KVUsage, Runner, SpecDecodeCounts
 from jaxcb.engine.sched.base import BaseScheduler
 from jaxcb.engine.sched.itl_controller import ITLController
 from jaxcb.engine.sched.swap import Swapper
@@ -36,12 +37,15 @@ class StatsSource(Protocol):
 
     def kv_usage(self) -> KVUsage: ...
 
+    def spec_decode_counts(self) -> SpecDecodeCounts: ...
+
 
 def engine_stats(
     engine: StatsSource, counters: Counter[str], bucket_hist: Counter[int]
 ) -> dict[str, Any]:
     """`counters`: the engine's running totals; `bucket_hist`: steps per token bucket."""
     s, info, kv = counters, engine.info, engine.kv_usage()
+    spec = engine.spec_decode_counts()
     compiling, background_seconds = engine.runner.background_compile()
     slots, queries = s["token_slots"], s["prefix_queries"]
     return {
@@ -74,12 +78,8 @@ def engine_stats(
         # lists, their tokens, those kept, and the tokens each list brought on average
         "spec_decode": {
             "method": engine.config.speculative_config.method,
-            "num_drafts": s["spec_drafts"],
-            "num_draft_tokens": s["spec_draft_tokens"],
-            "num_accepted_tokens": s["spec_accepted_tokens"],
-            "mean_acceptance_length": (
-                1 + s["spec_accepted_tokens"] / s["spec_drafts"] if s["spec_drafts"] else 0.0
-            ),
+            **dataclasses.asdict(spec),
+            "mean_acceptance_length": spec.mean_acceptance_length,
         },
         "preemptions": s["preemptions"],
         # computed tokens the preempted requests dropped (prefix cache hits not subtracted)

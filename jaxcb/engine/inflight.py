@@ -19,7 +19,10 @@ behind the device's. What makes that give the same tokens:
   the step in flight outputs, so the device runs it first.
 - Rows with penalties read their history on the host, and constrained rows (structured
   outputs) need their last token in the grammar before the next mask: a step after one that
-  sampled such a row waits for its tokens first (`needs_host_tokens`).
+  sampled such a row waits for its tokens first (`needs_host_tokens`). So does a step after
+  one that verified proposals (speculative decoding: how many tokens it brings is known
+  only then), and a step that proposes (proposals follow the newest tokens): speculation
+  runs synchronously while it proposes, and overlaps while it is turned down.
 
 Engines that cannot overlap run synchronously (`sync_reason`).
 
@@ -28,6 +31,7 @@ Pure Python: no jax.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,14 +49,22 @@ class InFlightStep:
     bucket: Bucket
     handle: Any  # the runner's dispatch handle
     samples: list[bool]  # per chunk: the step samples its request's next token
-    needs_host_tokens: bool  # a sampled row has penalties or a grammar: the next step waits
+    # a sampled row has penalties or a grammar, or proposals (how many tokens it brings is
+    # known once read back): the next step waits
+    needs_host_tokens: bool
+    # when it was dispatched, and whether no other step was in flight then (its dispatch
+    # to its tokens is then the device's time for it, if none is dispatched after it)
+    dispatched_at: float = 0.0
+    alone: bool = False
 
     @classmethod
     def dispatch(
-        cls, runner: Runner, sched: SchedulerOutput, bucket: Bucket, prepared: Any
+        cls, runner: Runner, sched: SchedulerOutput, bucket: Bucket, prepared: Any, *, alone: bool
     ) -> InFlightStep:
-        """Start the step; its sampled tokens count as in flight until `collect`."""
+        """Start the step; its sampled tokens count as in flight until `collect`. `alone`:
+        no other step is in flight."""
         samples = [c.samples for c in sched.chunks]  # (asked before the tokens count)
+        dispatched_at = time.perf_counter()
         handle = runner.dispatch(bucket, prepared)
         needs_host_tokens = False
         for chunk, sampled in zip(sched.chunks, samples, strict=True):
@@ -61,7 +73,8 @@ class InFlightStep:
                 # penalties read the history, a grammar's mask follows the last token
                 req = chunk.request
                 needs_host_tokens |= req.params.uses_penalties or req.grammar is not None
-        return cls(sched, bucket, handle, samples, needs_host_tokens)
+                needs_host_tokens |= bool(chunk.draft_token_ids)
+        return cls(sched, bucket, handle, samples, needs_host_tokens, dispatched_at, alone)
 
     def collect(self, runner: Runner) -> StepResult:
         """Wait for the step's results; its tokens are no longer in flight (the caller
@@ -107,11 +120,6 @@ def sync_reason(config: EngineConfig, runner: Runner, *, swap: bool, itl: bool) 
         )
     if itl:
         return "itl_target_ms: the ITL controller times each step from schedule to tokens"
-    if config.speculative_config.enabled:
-        return (
-            "speculative decoding: each step's proposals follow the tokens the step before "
-            "it sampled"
-        )
     if not (hasattr(runner, "dispatch") and hasattr(runner, "collect")):
         return f"{type(runner).__name__} has no dispatch/collect"
     return None

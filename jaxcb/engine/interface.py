@@ -156,11 +156,6 @@ class StepRecord:
     swapped_in: int = 0
     swap_fallbacks: int = 0
     replica: int | None = None  # data-parallel replica that ran it
-    # Speculative decoding: requests whose proposals it verified, their proposed tokens,
-    # and of them those kept
-    spec_drafts: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
 
     @classmethod
     def of(
@@ -194,9 +189,6 @@ class StepRecord:
             swapped_out=sched.num_swapped_out,
             swapped_in=sched.num_swapped_in,
             swap_fallbacks=sched.num_swap_fallbacks,
-            spec_drafts=sum(1 for c in sched.chunks if c.draft_token_ids),
-            spec_draft_tokens=sched.num_draft_tokens,
-            spec_accepted_tokens=sum(c.num_accepted_drafts for c in sched.chunks),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -217,12 +209,25 @@ class StepRecord:
             "swapped_in": self.swapped_in,
             "swap_fallbacks": self.swap_fallbacks,
         }
-        if self.spec_drafts:
-            out["spec_draft_tokens"] = self.spec_draft_tokens
-            out["spec_accepted_tokens"] = self.spec_accepted_tokens
         if self.replica is not None:
             out["replica"] = self.replica
         return out
+
+
+@dataclass(frozen=True)
+class SpecDecodeCounts:
+    """Speculative decoding so far (vLLM's spec_decode counters): proposals verified (one
+    per request and step), their tokens, and of those the ones kept."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verified proposal brought: the kept ones and the target's next (0.0
+        before any)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass(frozen=True)
@@ -288,6 +293,10 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def kv_usage(self) -> KVUsage: ...
+
+    @abc.abstractmethod
+    def spec_decode_counts(self) -> SpecDecodeCounts:
+        """Speculative decoding's counters (all zero without it)."""
 
     @abc.abstractmethod
     def record_steps(self, on: bool = True) -> None:

@@ -36,7 +36,14 @@ from jaxcb.engine.engine_stats import engine_stats
 from jaxcb.engine.grammar import GrammarCompiler
 from jaxcb.engine.groups import RequestGroup, new_sample
 from jaxcb.engine.inflight import InFlightStep, link_to_inflight, sync_reason
-from jaxcb.engine.interface import Engine, EngineInfo, KVUsage, Runner, StepRecord
+from jaxcb.engine.interface import (
+    Engine,
+    EngineInfo,
+    KVUsage,
+    Runner,
+    SpecDecodeCounts,
+    StepRecord,
+)
 from jaxcb.engine.output_processor import OutputProcessor
 from jaxcb.engine.sched.factory import build_itl_controller, build_scheduler, build_swapper
 from jaxcb.engine.sched.page_pool import PagePool
@@ -214,7 +221,7 @@ class LLMEngine(Engine):
             return self._step_async()
         t0 = time.perf_counter()
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
+            self._propose(self.speculator.wants_proposals(self.scheduler.running))
         sched, budget = self._schedule()
         if sched.is_empty:
             self._swap(sched)  # (a step that only preempts: its victims' pages still go out)
@@ -253,10 +260,16 @@ class LLMEngine(Engine):
         outputs: list[RequestOutput] = []
         waited = 0.0
         pending = self._inflight
-        if pending is not None and pending.needs_host_tokens:
-            outputs, waited = self._retire()  # penalties read its tokens on the host
+        speculate = self.speculator is not None and self.speculator.wants_proposals(
+            self.scheduler.running
+        )
+        if pending is not None and (pending.needs_host_tokens or speculate):
+            # (penalties read its tokens on the host; proposals follow them)
+            outputs, waited = self._retire()
             pending = None
             self._stats["async_drains"] += 1
+        if self.speculator is not None:
+            self._propose(speculate)
         sched, budget = self._schedule()
         if sched.is_empty:
             if pending is not None:
@@ -267,7 +280,9 @@ class LLMEngine(Engine):
         bucket = self._bucket(sched)
         link_to_inflight(sched, pending)
         prepared = self.runner.prepare(sched, bucket)
-        self._inflight = InFlightStep.dispatch(self.runner, sched, bucket, prepared)
+        self._inflight = InFlightStep.dispatch(
+            self.runner, sched, bucket, prepared, alone=pending is None
+        )
         if pending is not None:
             more, seconds = self._retire(pending)
             outputs, waited = outputs + more, waited + seconds
@@ -288,8 +303,20 @@ class LLMEngine(Engine):
             self._inflight = None
         t0 = time.perf_counter()
         result = step.collect(self.runner)
-        waited = time.perf_counter() - t0
-        return self.output_processor.process(step.sched, result, step.samples), waited
+        t1 = time.perf_counter()
+        outputs = self.output_processor.process(step.sched, result, step.samples)
+        if self.speculator is not None:  # (its seconds are the device's if nothing overlapped)
+            alone = step.alone and self._inflight is None
+            self.speculator.observe(step.sched, t1 - step.dispatched_at if alone else None)
+        return outputs, t1 - t0
+
+    def _propose(self, on: bool) -> None:
+        """Speculative decoding: this step's proposals (their tokens are all on the host),
+        or none."""
+        if on:
+            self.speculator.propose(self.scheduler.running)
+        else:
+            self.speculator.clear(self.scheduler.running)
 
     def _swap(self, sched: SchedulerOutput) -> float:
         """The step's swap copies (out, then in) before it runs; returns their seconds."""
@@ -338,6 +365,10 @@ class LLMEngine(Engine):
             num_swap_pages=self.swapper.space.num_slots if self.swapper else 0,
             num_swap_used=self.swapper.space.num_used if self.swapper else 0,
         )
+
+    def spec_decode_counts(self) -> SpecDecodeCounts:
+        s = self._stats  # (OutputProcessor.append_verified counts them)
+        return SpecDecodeCounts(s["spec_drafts"], s["spec_draft_tokens"], s["spec_accepted_tokens"])
 
     def check_page_invariant(self) -> None:
         self.pool.check_invariant(self.scheduler.owners())

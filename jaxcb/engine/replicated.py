@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jaxcb.config import EngineConfig
-from jaxcb.engine.interface import Engine, EngineInfo, KVUsage, StepRecord
+from jaxcb.engine.interface import Engine, EngineInfo, KVUsage, SpecDecodeCounts, StepRecord
 from jaxcb.engine.llm_engine import LLMEngine
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
@@ -171,6 +171,12 @@ class ReplicatedEngine(Engine):
         usages = [r.kv_usage() for r in self.replicas]
         return KVUsage(
             *(sum(getattr(u, f.name) for u in usages) for f in dataclasses.fields(KVUsage))
+        )
+
+    def spec_decode_counts(self) -> SpecDecodeCounts:
+        counts = [r.spec_decode_counts() for r in self.replicas]
+        return SpecDecodeCounts(
+            *(sum(getattr(c, f.name) for c in counts) for f in dataclasses.fields(SpecDecodeCounts))
         )
 
     def check_page_invariant(self) -> None:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxcb.config import EngineConfig
-from jaxcb.engine.interface import Engine, EngineInfo, KVUsage, StepRecord
+from jaxcb.engine.interface import Engine, EngineInfo, KVUsage, SpecDecodeCounts, StepRecord
 from jaxcb.engine.validation import check_params, check_prompt_length, encode_prompt
 from jaxcb.outputs import RequestOutput
 from jaxcb.ray_support import actor_env, import_ray
@@ -91,6 +91,10 @@ class EngineActor:
     def kv_usage(self) -> KVUsage:
         with self._cond:
             return self.engine.kv_usage()
+
+    def spec_decode_counts(self) -> SpecDecodeCounts:
+        with self._cond:
+            return self.engine.spec_decode_counts()
 
     def _loop(self) -> None:
         while True:
@@ -332,6 +336,12 @@ class RayEngine(Engine):
     def kv_usage(self) -> KVUsage:
         usages = self._gather("kv_usage")
         return KVUsage(*(sum(getattr(u, f) for u in usages) for f in KVUsage.__dataclass_fields__))
+
+    def spec_decode_counts(self) -> SpecDecodeCounts:
+        counts = self._gather("spec_decode_counts")
+        return SpecDecodeCounts(
+            *(sum(getattr(c, f) for c in counts) for f in SpecDecodeCounts.__dataclass_fields__)
+        )
 
     def record_steps(self, on: bool = True) -> None:
         """Step records stay in the actors: not collected across processes."""

@@ -385,6 +385,7 @@ class EngineLoop:
         usage = engine.kv_usage()
         self.metrics.kv_cache_usage_perc.set(usage.usage)
         self.metrics.swap_pages_used.set(usage.num_swap_used)
+        self.metrics.spec_decode(engine.spec_decode_counts())
 
     def _deliver(self, batch: list[tuple[Submission, int, Any]]) -> None:
         if batch:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from jaxcb.engine.interface import EngineInfo, StepRecord
+from jaxcb.engine.interface import EngineInfo, SpecDecodeCounts, StepRecord
 from jaxcb.engine.request import RequestMetrics
 
 # Histogram bounds in seconds.
@@ -185,7 +185,7 @@ class ServerMetrics:
         )
         self._model_name = model_name
         self._token_slots = 0
-        self._spec_drafts = self._spec_accepted = 0
+        self._spec_decode = SpecDecodeCounts()  # the engine's counters when last read
         self._tokens_scheduled = 0
         self._idle_pages: dict[int | None, int] = {}  # per data-parallel replica
 
@@ -246,13 +246,18 @@ class ServerMetrics:
         if record.prefix_queries:
             self.prefix_cache_queries.inc(record.prefix_queries)
             self.prefix_cache_hits.inc(record.prefix_hits)
-        if record.spec_drafts:
-            self.spec_decode_num_drafts.inc(record.spec_drafts)
-            self.spec_decode_num_draft_tokens.inc(record.spec_draft_tokens)
-            self.spec_decode_num_accepted_tokens.inc(record.spec_accepted_tokens)
-            self._spec_drafts += record.spec_drafts
-            self._spec_accepted += record.spec_accepted_tokens
-            self.spec_decode_mean_acceptance_length.set(1 + self._spec_accepted / self._spec_drafts)
+
+    def spec_decode(self, counts: SpecDecodeCounts) -> None:
+        """The engine's speculative decoding counters now (`Engine.spec_decode_counts`)."""
+        last, self._spec_decode = self._spec_decode, counts
+        if counts.num_drafts == last.num_drafts:
+            return
+        self.spec_decode_num_drafts.inc(counts.num_drafts - last.num_drafts)
+        self.spec_decode_num_draft_tokens.inc(counts.num_draft_tokens - last.num_draft_tokens)
+        self.spec_decode_num_accepted_tokens.inc(
+            counts.num_accepted_tokens - last.num_accepted_tokens
+        )
+        self.spec_decode_mean_acceptance_length.set(counts.mean_acceptance_length)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -106,7 +106,7 @@ def outcome(out) -> tuple:
 
 def test_verified_proposals_give_the_tokens_of_plain_decoding(llm):
     engine = llm.engine
-    assert not engine.async_scheduling  # (proposals follow the tokens read back)
+    assert engine.async_scheduling  # (steps that propose wait for the one in flight)
     ps = prompts(8, seed=4)
     ref, ref3 = llm.generate(
         [ps[0], ps[3]], SamplingParams(max_tokens=30, temperature=0), use_tqdm=False

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
+import pytest
 
 from jaxcb.config import EngineConfig
 from jaxcb.engine.buckets import make_buckets
@@ -61,12 +62,22 @@ class FakeTarget:
         self.engine_ref, self.page_size, self.eos_every = engine_ref, page_size, eos_every
         self.kv: dict[int, tuple[int, ...]] = {}
         self.num_rows = Counter[str]()
+        self.last_tokens: list[int] = []  # the last step's sampled tokens, by row
 
     def prepare(self, sched: SchedulerOutput, bucket: object) -> SchedulerOutput:
         assert sched.num_sample_rows <= bucket.num_seqs, "the bucket lacks sampling rows"
         return sched
 
     def execute(self, bucket: object, sched: SchedulerOutput) -> StepResult:
+        return self.collect(self.dispatch(bucket, sched))
+
+    def collect(self, result: StepResult) -> StepResult:
+        return result
+
+    def dispatch(self, bucket: object, sched: SchedulerOutput) -> StepResult:
+        """Runs the step at once (a device runs its steps in dispatch order); every input
+        token must be on the host: no step verifies proposals, or proposes, linked to one
+        in flight."""
         ps = self.page_size
         holders = Counter(p for pages in self.engine_ref[0].scheduler.owners() for p in pages)
         tokens = []
@@ -75,9 +86,14 @@ class FakeTarget:
             req, drafts = chunk.request, list(chunk.draft_token_ids)
             assert len(tokens) == first_row
             real_end = chunk.end - len(drafts)
+            assert chunk.prev_sample_row < 0 or not drafts, "proposals after a token in flight"
             if drafts:
                 assert real_end == req.num_tokens == chunk.start + 1, "proposals follow a decode"
             seq = list(req.token_ids[:real_end]) + drafts
+            if chunk.prev_sample_row >= 0:  # its newest token, sampled by the step in flight
+                assert len(seq) == chunk.end - 1
+                seq.append(self.last_tokens[chunk.prev_sample_row])
+                self.num_rows["linked"] += 1
             assert len(seq) == chunk.end
             for pos in range(chunk.end):
                 page = req.page_ids[pos // ps]
@@ -92,6 +108,7 @@ class FakeTarget:
             for j in range(1 + len(drafts)):
                 tokens.append(next_token(seq[: real_end + j], self.eos_every))
             self.num_rows["proposal" if drafts else "plain"] += 1 + len(drafts)
+        self.last_tokens = tokens
         return StepResult(np.array(tokens, np.int32), np.zeros(len(tokens), np.float32), None, None)
 
     def check_health(self) -> None:
@@ -131,14 +148,20 @@ def fake_engine(eos_every: int = 0, **flat: object) -> tuple[LLMEngine, FakeTarg
     device = FakeTarget(ref, config.cache.page_size, eos_every)
     engine = LLMEngine(config, runner=device, info=info, tokenizer=None, eos_token_ids=[EOS])
     ref.append(engine)
-    if engine.speculator is not None:  # (a fake device's seconds say nothing: always propose)
-        engine.speculator.cost = FreeProposals()
+    if engine.speculator is not None:  # (a fake device's seconds say nothing)
+        engine.speculator.cost = OnAndOff()
     return engine, device
 
 
-class FreeProposals(SpeculationCost):
+class OnAndOff(SpeculationCost):
+    """Proposals pay for 5 decisions, then not for 2, and so on: an async engine goes from
+    waiting for each step (proposing) to overlapping them (turned down) and back."""
+
+    calls = 0
+
     def best_cap(self, proposal_lengths: list[int], other_tokens: int, max_cap: int) -> int:
-        return max_cap
+        self.calls += 1
+        return max_cap if self.calls % 7 < 5 else 0
 
 
 def workload(seed: int) -> tuple[dict, list[tuple[int, list[int], SamplingParams, int | None]]]:
@@ -209,25 +232,30 @@ def run(engine: LLMEngine, requests: list, eos_every: int) -> dict[str, tuple[li
     return final
 
 
-def test_proposals_keep_every_request_s_own_tokens() -> None:
-    accepted = proposed = 0
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_proposals_keep_every_request_s_own_tokens(async_scheduling: bool) -> None:
+    """Async scheduling runs only where the workload's preemption mode lets it (recompute);
+    proposals there wait for the step in flight, and the step after them for their tokens."""
+    accepted = proposed = linked = 0
     for seed in range(40):
         config, requests = workload(seed)
         eos_every = [0, 11, 23][seed % 3]
         for on in (True, False):
-            flat = dict(config)
+            flat = dict(config, async_scheduling=async_scheduling)
             if not on:
                 flat["speculative_config"] = {"method": "none"}
             engine, device = fake_engine(eos_every, **flat)
-            assert not engine.async_scheduling
+            assert engine.async_scheduling == (async_scheduling and not engine.swapper)
             run(engine, requests, eos_every)
             if on:
+                linked += device.num_rows["linked"]
                 spec = engine.stats()["spec_decode"]
                 accepted += spec["num_accepted_tokens"]
                 proposed += spec["num_draft_tokens"]
             else:
                 assert device.num_rows["proposal"] == 0
     assert 0.2 < accepted / proposed < 0.95, (accepted, proposed)  # kept and rejected ones
+    assert (linked > 0) == async_scheduling  # steps overlapped while proposals were off
 
 
 def test_each_kept_proposal_saves_a_single_stream_a_step() -> None:

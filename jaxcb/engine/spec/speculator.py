@@ -16,7 +16,8 @@ from jaxcb.engine.spec.ngram import NgramProposer
 from jaxcb.engine.spec.proposer import Proposer
 
 #: While proposals are turned down, one request's are verified every this many steps, so
-#: that the acceptance the turn-down decides by stays measured.
+#: that the acceptance the turn-down decides by stays measured (the step waits for the one
+#: in flight first: proposals follow its tokens).
 EXPLORE_EVERY = 8
 
 
@@ -27,16 +28,35 @@ class Speculator:
         self.max_model_len = max_model_len
         self.cost = SpeculationCost()
         self.last_cap = config.num_speculative_tokens  # the cap of the last step's proposals
-        self._turned_down_steps = 0
+        self._turned_down_steps = 0  # steps wants_proposals found proposals would not pay
+        self._explore_next = False
 
     @classmethod
     def build(cls, config: SpeculativeConfig, max_model_len: int) -> Speculator | None:
         proposer = build_proposer(config)
         return None if proposer is None else cls(config, proposer, max_model_len)
 
+    def wants_proposals(self, running: list[Request]) -> bool:
+        """Whether this step should propose: some request decodes and proposals of full
+        length could pay at the acceptance measured so far; or, while they could not, every
+        EXPLORE_EVERY-th step (one request's proposal is verified then, so that the
+        acceptance stays measured). An async engine waits for the step in flight only when
+        this is true: proposals follow its tokens."""
+        decodes = sum(r.is_decoding and r.grammar is None for r in running)
+        if not decodes:
+            return False
+        k = self.config.num_speculative_tokens
+        if self.cost.best_cap([k] * decodes, 0, k) > 0:
+            self._explore_next = False
+            return True
+        self._turned_down_steps += 1
+        self._explore_next = self._turned_down_steps % EXPLORE_EVERY == 0
+        return self._explore_next
+
     def propose(self, running: list[Request]) -> None:
         """Set `draft_token_ids` of every running request for the next step ([] for those
-        not decoding, or without a guess, or when proposals do not pay now)."""
+        not decoding, or without a guess, or when proposals do not pay now). Their tokens
+        must all be on the host."""
         k = self.config.num_speculative_tokens
         proposals: list[tuple[Request, list[int]]] = []
         for request in running:
@@ -57,18 +77,23 @@ class Speculator:
         self.last_cap = self.cost.best_cap(lengths, decodes - len(proposals), k)
         for request, proposal in proposals:
             request.draft_token_ids = proposal[: self.last_cap]
-        if self.last_cap == 0 and any(lengths):
-            # Turned down: the acceptance stops being measured, so every EXPLORE_EVERY
-            # such steps one request's proposal is still verified (a few rows).
-            self._turned_down_steps += 1
-            if self._turned_down_steps % EXPLORE_EVERY == 0:
-                request, proposal = max(proposals, key=lambda rp: len(rp[1]))
-                request.draft_token_ids = proposal
+        if self.last_cap == 0 and any(lengths) and self._explore_next:
+            # (turned down: one request's proposal still verified, see wants_proposals)
+            request, proposal = max(proposals, key=lambda rp: len(rp[1]))
+            request.draft_token_ids = proposal
 
-    def observe(self, sched: SchedulerOutput, device_seconds: float) -> None:
-        """What a synchronous step measured: its tokens and seconds, and how many of each
-        request's proposals were kept (set by OutputProcessor.append_verified)."""
-        self.cost.observe_step(sched.num_tokens, device_seconds)
+    @staticmethod
+    def clear(running: list[Request]) -> None:
+        """No proposals this step."""
+        for request in running:
+            request.draft_token_ids = []
+
+    def observe(self, sched: SchedulerOutput, device_seconds: float | None) -> None:
+        """What a step measured: how many of each request's proposals were kept (set by
+        OutputProcessor.append_verified), and its tokens and seconds when those are the
+        device's alone (None: another step overlapped it)."""
+        if device_seconds is not None:
+            self.cost.observe_step(sched.num_tokens, device_seconds)
         for chunk in sched.chunks:
             if chunk.draft_token_ids:
                 self.cost.observe_verified(chunk.num_draft_tokens, chunk.num_accepted_drafts)
