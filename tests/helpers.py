@@ -165,3 +165,30 @@ def random_prompts(n: int, *, seed: int, max_len: int, vocab: int = 512) -> list
     lengths = rng.integers(1, max_len, size=n)
     lengths[0], lengths[1] = 1, max_len  # the extremes always appear
     return [rng.integers(3, vocab, size=int(k)).tolist() for k in lengths]
+
+
+def fake_engine_info(config, *, max_model_len: int, token_buckets: tuple[int, ...]):
+    """The EngineInfo of a host-side test's fake device (no model, no jax): `config`'s pages
+    and sampling rows, buckets of these token counts."""
+    from jaxcb.engine.buckets import make_buckets
+    from jaxcb.engine.interface import EngineInfo
+
+    return EngineInfo(
+        model_path="fake",
+        model_name="fake",
+        model_format="safetensors",
+        random_weights=True,
+        architecture="LlamaForCausalLM",
+        vocab_size=100,
+        max_model_len=max_model_len,
+        buckets=make_buckets(token_buckets, config.max_num_sample_rows),
+        page_size=config.cache.page_size,
+        num_pages=config.cache.num_pages,
+        kv_cache_bytes=0,
+        kv_cache_dtype="float32",
+        attention_backend="xla",
+        matmul_backend="xla",
+        platform="cpu",
+        load_seconds=0.0,
+        compile_seconds=0.0,
+    )

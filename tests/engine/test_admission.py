@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 import pytest
+from helpers import fake_engine_info
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_scheduler_properties import (
@@ -25,8 +26,7 @@ from test_scheduler_properties import (
 )
 
 from jaxcb.config import EngineConfig, SchedulerConfig
-from jaxcb.engine.buckets import make_buckets
-from jaxcb.engine.interface import EngineInfo, StepResult
+from jaxcb.engine.interface import StepResult
 from jaxcb.engine.llm_engine import LLMEngine
 from jaxcb.engine.request import Request, RequestStatus
 from jaxcb.engine.sched.page_pool import PagePool, hash_page
@@ -383,26 +383,7 @@ def fake_engine(**flat: object) -> LLMEngine:
     config = EngineConfig.from_dict(
         model="fake", max_num_seqs=4, max_num_batched_tokens=32, page_size=4, **flat
     )
-    sched = config.scheduler
-    info = EngineInfo(
-        model_path="fake",
-        model_name="fake",
-        model_format="safetensors",
-        random_weights=True,
-        architecture="LlamaForCausalLM",
-        vocab_size=100,
-        max_model_len=64,
-        buckets=make_buckets((8, 16, 32), sched.max_num_seqs),
-        page_size=config.cache.page_size,
-        num_pages=config.cache.num_pages,
-        kv_cache_bytes=0,
-        kv_cache_dtype="float32",
-        attention_backend="xla",
-        matmul_backend="xla",
-        platform="cpu",
-        load_seconds=0.0,
-        compile_seconds=0.0,
-    )
+    info = fake_engine_info(config, max_model_len=64, token_buckets=(8, 16, 32))
     lengths = {10 + i: n for i, n in enumerate([3, 30, 4, 5, 2, 28, 6, 3, 4, 5])}
     return LLMEngine(
         config, runner=FakeRunner(lengths), info=info, tokenizer=None, eos_token_ids=[EOS]

@@ -18,10 +18,10 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from helpers import fake_engine_info
 
 from jaxcb.config import EngineConfig
-from jaxcb.engine.buckets import make_buckets
-from jaxcb.engine.interface import EngineInfo, StepResult
+from jaxcb.engine.interface import StepResult
 from jaxcb.engine.llm_engine import LLMEngine
 from jaxcb.engine.sched.schedule import SchedulerOutput
 from jaxcb.sampling_params import SamplingParams
@@ -110,25 +110,10 @@ class FakeDevice:
 def fake_engine(eos_every: int = 0, **flat: object) -> tuple[LLMEngine, FakeDevice]:
     flat = {"max_num_seqs": 4, "max_num_batched_tokens": 16, "page_size": 4, **flat}
     config = EngineConfig.from_dict(model="fake", **flat)
-    sched = config.scheduler
-    info = EngineInfo(
-        model_path="fake",
-        model_name="fake",
-        model_format="safetensors",
-        random_weights=True,
-        architecture="LlamaForCausalLM",
-        vocab_size=100,
+    info = fake_engine_info(
+        config,
         max_model_len=MAX_MODEL_LEN,
-        buckets=make_buckets((8, sched.max_num_batched_tokens), sched.max_num_seqs),
-        page_size=config.cache.page_size,
-        num_pages=config.cache.num_pages,
-        kv_cache_bytes=0,
-        kv_cache_dtype="float32",
-        attention_backend="xla",
-        matmul_backend="xla",
-        platform="cpu",
-        load_seconds=0.0,
-        compile_seconds=0.0,
+        token_buckets=(8, config.scheduler.max_num_batched_tokens),
     )
     ref: list[LLMEngine] = []
     device = FakeDevice(ref, config.cache.page_size, eos_every)
