@@ -292,13 +292,18 @@ def pack_step_input(
     inp.num_sample_rows[0] = num_rows
     inp.logits_indices[:num_rows] = (cu - 1 - drafts)[chunk_of] + offset
 
-    def per_row(values: list) -> np.ndarray:
-        return np.asarray(values)[chunk_of] if num_rows > num_seqs else np.asarray(values)
+    def per_row(values: list) -> list | np.ndarray:
+        """A value per sequence as a value per sampling row (the list itself without
+        proposals: numpy writes a list in one assignment)."""
+        return values if num_rows == num_seqs else np.asarray(values)[chunk_of]
 
     inp.num_prompt_tokens[:num_rows] = per_row([r.num_prompt_tokens for r in reqs])
     # (tokens generated so far: those read back, and the one a step in flight is sampling)
-    generated = per_row([len(r.output_token_ids) + r.num_inflight for r in reqs])
-    inp.sample_counters[:num_rows] = generated + offset
+    inp.sample_counters[:num_rows] = per_row(
+        [len(r.output_token_ids) + r.num_inflight for r in reqs]
+    )
+    if num_rows > num_seqs:
+        inp.sample_counters[:num_rows] += offset
     inp.rng_keys[:num_rows, 0] = per_row([(r.seed >> 32) & 0xFFFFFFFF for r in reqs])
     inp.rng_keys[:num_rows, 1] = per_row([r.seed & 0xFFFFFFFF for r in reqs])
     inp.temperature[:num_rows] = per_row([p.temperature for p in params])
@@ -338,7 +343,7 @@ def pack_step_input(
                 for c in chunks
                 for j in range(c.num_sample_rows)
             ],
-            per_row([c.request.num_prompt_tokens for c in chunks]).tolist(),
+            list(per_row([c.request.num_prompt_tokens for c in chunks])),
             num_rows=bucket.num_seqs,
             max_model_len=max_model_len,
         )
