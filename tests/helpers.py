@@ -192,3 +192,20 @@ def fake_engine_info(config, *, max_model_len: int, token_buckets: tuple[int, ..
         load_seconds=0.0,
         compile_seconds=0.0,
     )
+
+
+class FakeRunnerBase:
+    """What a host-side test's fake device does not need to do (engine.interface.Runner's
+    health, background compile and close); a subclass runs the steps."""
+
+    def prepare(self, sched, bucket):
+        return sched
+
+    def check_health(self) -> None:
+        pass
+
+    def background_compile(self) -> tuple[int, float]:
+        return 0, 0.0
+
+    def close(self) -> None:
+        pass

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import fake_engine_info
+from helpers import FakeRunnerBase, fake_engine_info
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_scheduler_properties import (
@@ -350,15 +350,12 @@ def test_bad_admission_settings_are_value_errors() -> None:
 # ---- the engine around it ---------------------------------------------------------------
 
 
-class FakeRunner:
+class FakeRunner(FakeRunnerBase):
     """The device side, faked: the token after position p of request r is a function of
     (r's prompt, p), EOS after `r`'s own output length."""
 
     def __init__(self, output_len: dict[int, int]) -> None:
         self.output_len = output_len  # first prompt token -> output tokens before EOS
-
-    def prepare(self, sched: SchedulerOutput, bucket: object) -> SchedulerOutput:
-        return sched
 
     def execute(self, bucket: object, sched: SchedulerOutput) -> StepResult:
         tokens = []
@@ -368,15 +365,6 @@ class FakeRunner:
             tokens.append(EOS if done else 3 + (chunk.end * 7) % 90)
         n = len(tokens)
         return StepResult(np.array(tokens, np.int32), np.zeros(n, np.float32), None, None)
-
-    def check_health(self) -> None:
-        pass
-
-    def background_compile(self) -> tuple[int, float]:
-        return 0, 0.0
-
-    def close(self) -> None:
-        pass
 
 
 def fake_engine(**flat: object) -> LLMEngine:

@@ -18,7 +18,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from helpers import fake_engine_info
+from helpers import FakeRunnerBase, fake_engine_info
 
 from jaxcb.config import EngineConfig
 from jaxcb.engine.interface import StepResult
@@ -49,7 +49,7 @@ def expected_output(prompt: list[int], params: SamplingParams, max_tokens: int, 
             return out
 
 
-class FakeDevice:
+class FakeDevice(FakeRunnerBase):
     """The device side, faked; see the module docstring."""
 
     def __init__(self, engine_ref: list[LLMEngine], page_size: int, eos_every: int) -> None:
@@ -57,9 +57,6 @@ class FakeDevice:
         self.kv: dict[int, tuple[int, ...]] = {}
         self.rows: dict[int, tuple[int, int, int]] = {}  # row -> (id(request), position, token)
         self.num_linked = 0
-
-    def prepare(self, sched: SchedulerOutput, bucket: object) -> SchedulerOutput:
-        return sched
 
     def dispatch(self, bucket: object, sched: SchedulerOutput) -> np.ndarray:
         ps, prev, self.rows = self.page_size, self.rows, {}
@@ -96,15 +93,6 @@ class FakeDevice:
 
     def execute(self, bucket: object, sched: SchedulerOutput) -> StepResult:
         return self.collect(self.dispatch(bucket, sched))
-
-    def check_health(self) -> None:
-        pass
-
-    def background_compile(self) -> tuple[int, float]:
-        return 0, 0.0
-
-    def close(self) -> None:
-        pass
 
 
 def fake_engine(eos_every: int = 0, **flat: object) -> tuple[LLMEngine, FakeDevice]:

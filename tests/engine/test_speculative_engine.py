@@ -17,7 +17,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from helpers import fake_engine_info
+from helpers import FakeRunnerBase, fake_engine_info
 
 from jaxcb.config import EngineConfig
 from jaxcb.engine.interface import StepResult
@@ -55,7 +55,7 @@ def generate_alone(prompt: list[int], params: SamplingParams, eos_every: int) ->
             return out
 
 
-class FakeTarget:
+class FakeTarget(FakeRunnerBase):
     """The device side, faked; see the module docstring."""
 
     def __init__(self, engine_ref: list[LLMEngine], page_size: int, eos_every: int) -> None:
@@ -110,15 +110,6 @@ class FakeTarget:
             self.num_rows["proposal" if drafts else "plain"] += 1 + len(drafts)
         self.last_tokens = tokens
         return StepResult(np.array(tokens, np.int32), np.zeros(len(tokens), np.float32), None, None)
-
-    def check_health(self) -> None:
-        pass
-
-    def background_compile(self) -> tuple[int, float]:
-        return 0, 0.0
-
-    def close(self) -> None:
-        pass
 
 
 def fake_engine(eos_every: int = 0, **flat: object) -> tuple[LLMEngine, FakeTarget]:
