@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxcb.engine.buckets import Bucket
 from jaxcb.engine.grammar import fill_masks
-from jaxcb.engine.sched.schedule import ScheduledChunk, SchedulerOutput, sample_row_starts
+from jaxcb.engine.sched.schedule import ScheduledChunk, SchedulerOutput
 from pallas_kernels.ragged_paged_attention import PADDING_SLOT
 
 FLAG_RANDOM, FLAG_PENALTY, FLAG_LOGPROBS, FLAG_TOP_LOGPROBS = 0, 1, 2, 3
@@ -321,8 +321,9 @@ def pack_step_input(
     inp.flags[FLAG_TOP_LOGPROBS] = num_top_logprobs > 0 and any(
         (p.logprobs or 0) > 0 for p in sampling
     )
-    first_rows = sample_row_starts(chunks)
-    constrained = [(first_rows[s], c.request.grammar) for s, c in enumerate(chunks) if c.samples]
+    constrained = [
+        (int(first_row[s]), c.request.grammar) for s, c in enumerate(chunks) if c.samples
+    ]
     constrained = [(row, grammar) for row, grammar in constrained if grammar is not None]
     if constrained:  # each constrained row's mask from its grammar; the others allow all
         # (a constrained request is never given proposals: its mask after one would need

@@ -11,6 +11,8 @@ fit (vLLM turns speculation off past a fixed batch size instead).
 
 from __future__ import annotations
 
+from collections import Counter
+
 
 class SpeculationCost:
     """Step seconds against tokens, and the chance a proposal is kept (see module doc)."""
@@ -61,15 +63,17 @@ class SpeculationCost:
             return max_cap
         a, b = fit
         alpha = self.acceptance
+        # (by length: a step of 256 decodes has a few distinct ones, and this runs each step)
+        requests = Counter(proposal_lengths)
         best, best_rate = 0, -1.0
         for cap in range(max_cap + 1):
             tokens, expected = other_tokens, float(other_tokens)
-            for length in proposal_lengths:
+            for length, count in requests.items():
                 m = min(cap, length)
-                tokens += 1 + m
+                tokens += count * (1 + m)
                 # the first sample always; the next one only if every proposal before it
                 # was kept
-                expected += (1 - alpha ** (m + 1)) / (1 - alpha) if alpha < 1 else m + 1
+                expected += count * ((1 - alpha ** (m + 1)) / (1 - alpha) if alpha < 1 else m + 1)
             rate = expected / (a + b * tokens)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = cap, rate
