@@ -170,9 +170,14 @@ def test_flat_names_are_unique_and_complete() -> None:
         "speculative_config": SpeculativeConfig,
     }
     names = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in sections]
+    top = set(names)
+    shadowed = []  # section fields named as top-level ones: set through their section only
     for cls in sections.values():
-        names += [f.name for f in dataclasses.fields(cls)]
+        names += [f.name for f in dataclasses.fields(cls) if f.name not in top]
+        shadowed += [(cls, f.name) for f in dataclasses.fields(cls) if f.name in top]
     assert len(names) == len(set(names)) and sorted(names) == FLAT_NAMES
+    assert sorted(flat_fields()) == FLAT_NAMES
+    assert shadowed == [(SpeculativeConfig, "model"), (SpeculativeConfig, "quantization")]
 
 
 def test_flat_overrides_win_over_nested_data() -> None:
@@ -415,3 +420,19 @@ def test_speculative_config_as_vllm_spells_it() -> None:
         )
     with pytest.raises(ValueError, match="unknown key 'draft'"):
         EngineConfig.from_dict(None, speculative_config={"draft": 1})
+    # a draft model: `model` alone selects it (as vLLM); the target's own checkpoint
+    # needs a cheaper form; --model and --quantization stay the target's
+    draft = EngineConfig.from_dict(None, speculative_config={"model": "d.gguf"})
+    assert draft.speculative_config.method == "draft_model"
+    args = parser.parse_args(
+        ["--model", "t", "--quantization", "int8", "--speculative-config", '{"model": "d"}']
+    )
+    built = engine_config_from_args(args)
+    assert (built.model, built.quantization) == ("t", "int8")
+    assert (built.speculative_config.model, built.speculative_config.quantization) == ("d", None)
+    with pytest.raises(ValueError, match="a draft_model needs `model`"):
+        EngineConfig.from_dict(None, speculative_config={"method": "draft_model"})
+    with pytest.raises(ValueError, match="speculative quantization must be one of"):
+        EngineConfig.from_dict(None, speculative_config={"model": "d", "quantization": "q4"})
+    with pytest.raises(ValueError, match="are a draft_model's, not 'ngram'"):
+        EngineConfig.from_dict(None, speculative_config={"method": "ngram", "quantization": "int8"})

@@ -159,12 +159,16 @@ SECTIONS: dict[str, type] = {
 
 
 def flat_fields() -> dict[str, tuple[str | None, dataclasses.Field]]:
-    """Every settable field by flat name → (section or None, dataclass field)."""
+    """Every settable field by flat name → (section or None, dataclass field). A section's
+    field named as a top-level one (speculative_config's `model` and `quantization`, as
+    vLLM spells them) is set through its section only."""
     out: dict[str, tuple[str | None, dataclasses.Field]] = {}
+    top = {f.name for f in fields(EngineConfig)}
     for f in fields(EngineConfig):
         if f.name in SECTIONS:
             for sub in fields(SECTIONS[f.name]):
-                out[sub.name] = (f.name, sub)
+                if sub.name not in top:
+                    out[sub.name] = (f.name, sub)
         else:
             out[f.name] = (None, f)
     return out

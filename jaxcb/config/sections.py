@@ -22,7 +22,7 @@ MATMUL_BACKENDS = ("auto", "amx", "avx512_bf16", "avx512", "avx2_bf16", "avx2", 
 ADMISSION_MODES = ("greedy", "reserve", "predicted")
 BATCHING_MODES = ("continuous", "static", "dynamic")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
-SPECULATIVE_METHODS = ("none", "ngram")
+SPECULATIVE_METHODS = ("none", "ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -350,18 +350,26 @@ class SpeculativeConfig:
     method "ngram" (prompt lookup): the proposal is what followed the latest earlier
     occurrence of the request's last n tokens (n from prompt_lookup_max down to
     prompt_lookup_min) in its prompt and output: no model, a gain where the output quotes
-    its input. The engine turns the proposals down, step by step, when its measured step
-    times and acceptance say they cost more than they bring (a large batch)."""
+    its input. method "draft_model": a second, cheaper model drafts the proposal greedily,
+    one token a step over its own KV pages: the checkpoint `model` (same tokenizer), or,
+    without it, the target's own checkpoint, loaded with `quantization` (the int8 / 4-bit
+    CPU path drafting for the float target). As in vLLM, giving `model` alone selects
+    "draft_model". The engine turns the proposals down, step by step, when its measured step
+    times (and the draft's) and the acceptance say they cost more than they bring."""
 
     SECTION: ClassVar[str] = "speculative_config"
 
-    method: str = "none"  # speculative decoding: none | ngram (prompt lookup)
+    method: str = "none"  # speculative decoding: none | ngram (prompt lookup) | draft_model
     num_speculative_tokens: int = 4  # speculative decoding: tokens proposed per step at most
     prompt_lookup_min: int = 2  # ngram: the shortest suffix matched against earlier tokens
     prompt_lookup_max: int = 4  # ngram: the longest suffix matched (tried first)
+    model: str | None = None  # draft_model: its checkpoint (dir or file); None: the target's
+    quantization: str | None = None  # draft_model: its weights (none | int8 | fp8); None: none
 
     def __post_init__(self) -> None:
         _check_types(self)
+        if self.method == "none" and self.model is not None:  # (vLLM's spelling)
+            object.__setattr__(self, "method", "draft_model")
         _check(
             self.method in SPECULATIVE_METHODS,
             f"speculative method must be one of {list(SPECULATIVE_METHODS)}, got {self.method!r}",
@@ -374,6 +382,20 @@ class SpeculativeConfig:
             1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
             "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}",
+        )
+        _check(
+            self.quantization is None or self.quantization in QUANTIZATIONS,
+            f"speculative quantization must be one of {list(QUANTIZATIONS)}, "
+            f"got {self.quantization!r}",
+        )
+        _check(
+            self.method == "draft_model" or (self.model is None and self.quantization is None),
+            f"speculative model and quantization are a draft_model's, not {self.method!r}'s",
+        )
+        _check(
+            self.method != "draft_model" or self.model is not None or self.quantization,
+            "a draft_model needs `model` (a draft checkpoint) or `quantization` (the target's "
+            "own checkpoint in a cheaper form, e.g. int8)",
         )
 
     @property

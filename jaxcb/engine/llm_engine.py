@@ -48,7 +48,7 @@ from jaxcb.engine.output_processor import OutputProcessor
 from jaxcb.engine.sched.factory import build_itl_controller, build_scheduler, build_swapper
 from jaxcb.engine.sched.page_pool import PagePool
 from jaxcb.engine.sched.schedule import SchedulerOutput
-from jaxcb.engine.spec import Speculator
+from jaxcb.engine.spec import DraftModel, Speculator
 from jaxcb.engine.step_observer import StepObserver, StepTimes
 from jaxcb.engine.validation import check_params, check_prompt_length, encode_prompt
 from jaxcb.outputs import RequestOutput
@@ -66,9 +66,11 @@ class LLMEngine(Engine):
         info: EngineInfo,
         tokenizer: Any | None,
         eos_token_ids: Sequence[int],
+        draft: DraftModel | None = None,
     ) -> None:
         """`runner` and `info` from the factory (jaxcb/build.py, runtime/setup.py); `tokenizer`:
-        a transformers tokenizer, or None (token-id prompts only)."""
+        a transformers tokenizer, or None (token-id prompts only); `draft`: the draft model
+        of speculative decoding's "draft_model" method."""
         self.config = config
         self.info = info
         self.runner = runner
@@ -83,7 +85,8 @@ class LLMEngine(Engine):
         self._ids = itertools.count()
         self.itl = build_itl_controller(config, info)  # None: the fixed token budget
         # Speculative decoding (engine/spec/): None when off.
-        self.speculator = Speculator.build(config.speculative_config, self.max_model_len)
+        self.speculator = Speculator.build(config.speculative_config, self.max_model_len, draft)
+        self._draft = draft
         self.observer = StepObserver(
             self.pool,
             itl=self.itl,
@@ -238,7 +241,7 @@ class LLMEngine(Engine):
         self.scheduler.update_after_step(sched)
         outputs = self.output_processor.process(sched, result, samples)
         if self.speculator is not None:
-            self.speculator.observe(sched, t2 - t1 - swap_seconds)
+            self.speculator.observe(sched, t2 - t1 - swap_seconds, self.scheduler.running)
         t3 = time.perf_counter()
         times = StepTimes(t0, t3, host=(t1 - t0) + (t3 - t2), device=t2 - t1, swap=swap_seconds)
         self.observer.ran(
@@ -307,7 +310,8 @@ class LLMEngine(Engine):
         outputs = self.output_processor.process(step.sched, result, step.samples)
         if self.speculator is not None:  # (its seconds are the device's if nothing overlapped)
             alone = step.alone and self._inflight is None
-            self.speculator.observe(step.sched, t1 - step.dispatched_at if alone else None)
+            seconds = t1 - step.dispatched_at if alone else None
+            self.speculator.observe(step.sched, seconds, self.scheduler.running)
         return outputs, t1 - t0
 
     def _propose(self, on: bool) -> None:
@@ -395,3 +399,5 @@ class LLMEngine(Engine):
 
     def close(self) -> None:
         self.runner.close()
+        if self._draft is not None:
+            self._draft.runner.close()

@@ -54,7 +54,7 @@ class ReplayProposer(Proposer):
 
 
 class AlwaysPropose(SpeculationCost):
-    def best_cap(self, proposal_lengths: list[int], other_tokens: int, max_cap: int) -> int:
+    def best_cap(self, proposal_lengths, other_tokens, max_cap, draft_seconds=0.0) -> int:
         return max_cap
 
 
@@ -255,3 +255,35 @@ def test_the_server_streams_verified_tokens_and_counts_them(llm):
     kept = re.search(r"jaxcb:spec_decode_num_accepted_tokens_total\{[^}]*\} ([\d.]+)", metrics)
     assert kept is not None and float(kept.group(1)) > 0, metrics
     assert llm.engine.pool.num_used == 0
+
+
+def test_a_draft_model_s_guesses_give_the_tokens_of_plain_decoding(llm):
+    """speculative_config "draft_model": the target's own checkpoint loaded as int8 drafts
+    for it over KV pages of its own; greedy and seeded outputs are those without
+    speculation (on a pool that preempts), every page of both pools comes back, and no
+    step of either model compiles after warm-up."""
+    spec = {"method": "draft_model", "quantization": "int8", "num_speculative_tokens": 3}
+    drafting = LLM(**CONFIG | {"speculative_config": spec})
+    drafting.engine.speculator.cost = AlwaysPropose()
+    proposer = drafting.engine.speculator.proposer
+    ps = prompts(6, seed=31)
+    requests = [
+        (ps[0], SamplingParams(max_tokens=40, temperature=0)),
+        (ps[1], SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=3)),
+        (ps[2], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=1)),
+        (ps[3], SamplingParams(max_tokens=35, temperature=1.0, seed=8, n=2)),
+        (ps[4], SamplingParams(max_tokens=40, temperature=0, repetition_penalty=1.2)),
+        (ps[5], SamplingParams(max_tokens=12, temperature=0)),
+    ]
+    want = run(llm, requests, None)
+    run(drafting, requests[:1], proposer)  # (warm-up: the draft's buckets run once)
+    traces = step_module.TRACE_COUNT[0]
+    got = run(drafting, requests, proposer)
+    assert step_module.TRACE_COUNT[0] == traces, "a step compiled after warm-up"
+    for i in range(len(requests)):
+        assert outcome(got[i]) == outcome(want[i]), f"request {i}"
+    spec_stats = drafting.stats()["spec_decode"]
+    kept, proposed = spec_stats["num_accepted_tokens"], spec_stats["num_draft_tokens"]
+    assert 0.2 * proposed < kept < proposed  # (135 of 336 when written: random weights)
+    assert drafting.stats()["preemptions"] > 0
+    assert proposer.pool.num_used == 0 and not proposer.sequences

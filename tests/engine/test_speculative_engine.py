@@ -20,9 +20,11 @@ import pytest
 from helpers import FakeRunnerBase, fake_engine_info
 
 from jaxcb.config import EngineConfig
+from jaxcb.engine.buckets import make_buckets
 from jaxcb.engine.interface import StepResult
 from jaxcb.engine.llm_engine import LLMEngine
 from jaxcb.engine.sched.schedule import SchedulerOutput, sample_row_starts
+from jaxcb.engine.spec import DraftModel
 from jaxcb.engine.spec.cost import SpeculationCost
 from jaxcb.engine.spec.ngram import NgramIndex
 from jaxcb.sampling_params import SamplingParams
@@ -112,7 +114,41 @@ class FakeTarget(FakeRunnerBase):
         return StepResult(np.array(tokens, np.int32), np.zeros(len(tokens), np.float32), None, None)
 
 
+def draft_token(prefix: list[int], eos_every: int) -> int:
+    """The fake draft's greedy token after `prefix`: the target's, but for a prefix in 5."""
+    token = next_token(prefix, eos_every)
+    return token if sum(prefix) % 5 else 3 + (token + 1) % 40
+
+
+class FakeDraft(FakeRunnerBase):
+    """A draft model's device side, faked: each position it reads before a chunk's first
+    fed one must hold the K/V of the chunk's own prefix (its pages are its own pool's)."""
+
+    def __init__(self, page_size: int, eos_every: int) -> None:
+        self.page_size, self.eos_every = page_size, eos_every
+        self.kv: dict[int, tuple[int, ...]] = {}
+        self.num_steps = 0
+
+    def execute(self, bucket: object, sched: SchedulerOutput) -> StepResult:
+        assert sched.num_tokens <= bucket.num_tokens and len(sched.chunks) <= bucket.num_seqs
+        assert sched.num_sample_rows == len(sched.chunks), "a draft step has no proposals"
+        self.num_steps += 1
+        ps, tokens = self.page_size, []
+        for chunk in sched.chunks:
+            req = chunk.request
+            seq = list(req.token_ids[: chunk.end])
+            for pos in range(chunk.end):
+                slot = req.page_ids[pos // ps] * ps + pos % ps
+                if pos < chunk.start:
+                    assert self.kv.get(slot) == tuple(seq[: pos + 1]), "draft K/V of another prefix"
+                else:
+                    self.kv[slot] = tuple(seq[: pos + 1])
+            tokens.append(draft_token(seq, self.eos_every) if chunk.samples else -1)
+        return StepResult(np.array(tokens, np.int32), np.zeros(len(tokens), np.float32), None, None)
+
+
 def fake_engine(eos_every: int = 0, **flat: object) -> tuple[LLMEngine, FakeTarget]:
+    draft_pages = flat.pop("draft_pages", None)
     flat = {"max_num_seqs": 4, "max_num_batched_tokens": 16, "page_size": 4, **flat}
     config = EngineConfig.from_dict(model="fake", **flat)
     info = fake_engine_info(
@@ -122,7 +158,17 @@ def fake_engine(eos_every: int = 0, **flat: object) -> tuple[LLMEngine, FakeTarg
     )
     ref: list[LLMEngine] = []
     device = FakeTarget(ref, config.cache.page_size, eos_every)
-    engine = LLMEngine(config, runner=device, info=info, tokenizer=None, eos_token_ids=[EOS])
+    draft = None
+    if config.speculative_config.method == "draft_model":
+        draft = DraftModel(
+            runner=FakeDraft(config.cache.page_size, eos_every),
+            buckets=make_buckets((8, 16), config.scheduler.max_num_seqs),
+            page_size=config.cache.page_size,
+            num_pages=draft_pages or config.cache.num_pages,
+        )
+    engine = LLMEngine(
+        config, runner=device, info=info, tokenizer=None, eos_token_ids=[EOS], draft=draft
+    )
     ref.append(engine)
     if engine.speculator is not None:  # (a fake device's seconds say nothing)
         engine.speculator.cost = OnAndOff()
@@ -135,7 +181,7 @@ class OnAndOff(SpeculationCost):
 
     calls = 0
 
-    def best_cap(self, proposal_lengths: list[int], other_tokens: int, max_cap: int) -> int:
+    def best_cap(self, proposal_lengths, other_tokens, max_cap, draft_seconds=0.0) -> int:
         self.calls += 1
         return max_cap if self.calls % 7 < 5 else 0
 
@@ -157,8 +203,12 @@ def workload(seed: int) -> tuple[dict, list[tuple[int, list[int], SamplingParams
             "num_speculative_tokens": int(rng.integers(1, 6)),
             "prompt_lookup_min": 2,
             "prompt_lookup_max": int(rng.integers(2, 4)),
-        },
+        }
+        if seed % 2
+        else {"model": "fake-draft", "num_speculative_tokens": int(rng.integers(1, 6))},
     )
+    if seed % 4 == 0:  # a draft pool too small for every request: some go without guesses
+        config["draft_pages"] = MAX_MODEL_LEN // page_size
     requests = []
     for _ in range(int(rng.integers(2, 10))):
         # (a prompt the fake target would write: its output goes on as it does)
@@ -223,6 +273,10 @@ def test_proposals_keep_every_request_s_own_tokens(async_scheduling: bool) -> No
             engine, device = fake_engine(eos_every, **flat)
             assert engine.async_scheduling == (async_scheduling and not engine.swapper)
             run(engine, requests, eos_every)
+            if on and engine.config.speculative_config.method == "draft_model":
+                proposer = engine.speculator.proposer
+                assert proposer.draft.runner.num_steps > 0
+                assert proposer.pool.num_used == 0 and not proposer.sequences  # all dropped
             if on:
                 linked += device.num_rows["linked"]
                 spec = engine.stats()["spec_decode"]

@@ -10,6 +10,8 @@ copy, quote, correct or rewrite a passage; greedy to the end of the turn, at mos
   llama-lookup     with --llama-lookup BIN and --llama-gguf FILE: llama.cpp's prompt-lookup
                    example (`-n --max-tokens --temp 0 -t 2 --spec-draft-n-max K`) on the
                    request's chat-templated text; its "decoded N tokens in S seconds"
+  llama-speculative  with --llama-speculative BIN, --llama-gguf FILE and --llama-draft-gguf
+                   DRAFT: llama.cpp's draft-model example, the same way (`-md DRAFT -td 2`)
 
 Decode tok/s is tokens after the first over the seconds from the first token to the last
 (prefill excluded: llama-lookup's own figure is that); the table sums them over the
@@ -22,6 +24,10 @@ turn-down at work: speculation should cost a large batch nothing).
 
     python -m jaxcb.bench speculative --model smollm2-135m --dtype bfloat16 \\
         --llama-lookup <llama.cpp>/build/bin/llama-lookup --llama-gguf SmolLM2-BF16.gguf
+    python -m jaxcb.bench speculative --model smollm2-135m --dtype bfloat16 \\
+        --workload chat-natural --speculative-config '{"model": "Q4_0.gguf", \\
+        "quantization": "int8"}' --llama-speculative <llama.cpp>/build/bin/llama-speculative \\
+        --llama-gguf SmolLM2-BF16.gguf --llama-draft-gguf Q4_0.gguf
     python -m jaxcb.bench speculative --model smollm2-135m --dtype bfloat16 \\
         --workload chat-fixed --concurrent 64
 """
@@ -47,7 +53,7 @@ from jaxcb.bench.cli import (
     make_log,
 )
 from jaxcb.bench.commands import SharedFlags
-from jaxcb.config import SpeculativeConfig
+from jaxcb.config import EngineConfig, SpeculativeConfig
 
 DESCRIPTION = "speculative decoding on and off, single stream or a batch, and llama-lookup"
 FLAGS = SharedFlags(
@@ -75,28 +81,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--concurrent", type=int, default=0, help="N requests at once instead (throughput)"
     )
     parser.add_argument("--llama-lookup", type=Path, help="llama.cpp's llama-lookup binary")
-    parser.add_argument("--llama-gguf", type=Path, help="the GGUF file llama-lookup runs")
+    parser.add_argument(
+        "--llama-speculative", type=Path, help="llama.cpp's llama-speculative binary"
+    )
+    parser.add_argument("--llama-gguf", type=Path, help="the GGUF file llama.cpp's tool runs")
+    parser.add_argument(
+        "--llama-draft-gguf", type=Path, help="the draft GGUF file of --llama-speculative"
+    )
     # (the speculative_config fields come in --speculative-config's JSON alone: the off
     # engine takes none of them)
-    spec_fields = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    top = {f.name for f in dataclasses.fields(EngineConfig)}  # (--model, --quantization)
+    spec_fields = {f.name for f in dataclasses.fields(SpeculativeConfig)} - top
     add_config_overrides(parser, skip={*OWN_FIELDS, *spec_fields})
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if bool(args.llama_lookup) != bool(args.llama_gguf):
-        parser.error("--llama-lookup and --llama-gguf go together")
-    for path in (args.llama_lookup, args.llama_gguf):
+    tool = args.llama_lookup or args.llama_speculative
+    if args.llama_lookup and args.llama_speculative:
+        parser.error("give --llama-lookup or --llama-speculative, not both")
+    if bool(tool) != bool(args.llama_gguf):
+        parser.error("--llama-lookup / --llama-speculative and --llama-gguf go together")
+    if bool(args.llama_speculative) != bool(args.llama_draft_gguf):
+        parser.error("--llama-speculative and --llama-draft-gguf go together")
+    for path in (tool, args.llama_gguf, args.llama_draft_gguf):
         if path is not None and not path.is_file():
             parser.error(f"no such file: {path}")
-    if args.concurrent and args.llama_lookup:
-        parser.error("--concurrent compares jaxcb with itself; llama-lookup is single stream")
+    if args.concurrent and tool:
+        parser.error("--concurrent compares jaxcb with itself; llama.cpp's tools are single stream")
 
 
 def engines(args: argparse.Namespace, needed_len: int) -> dict[str, Any]:
     from jaxcb import LLM
 
     overrides = config_overrides(args, needed_len, log)
-    method = args.speculative_config.get("method", "ngram")
+    method = SpeculativeConfig(**args.speculative_config).method
     out = {}
     for name, spec in (("off", {"method": "none"}), (method, args.speculative_config)):
         log(f"building jaxcb {name} ...")
@@ -113,18 +131,30 @@ def decode_rate(out: Any) -> tuple[int, float]:
     return len(out.outputs[0].token_ids) - 1, m.last_token_time - m.first_token_time
 
 
-def llama_lookup(args: argparse.Namespace, text: str, draft: int) -> tuple[int, float]:
-    """(tokens, seconds) of llama-lookup's decode of `text` (its own figure)."""
+def llama_tool_name(args: argparse.Namespace) -> str | None:
+    return (
+        "llama-lookup"
+        if args.llama_lookup
+        else ("llama-speculative" if args.llama_speculative else None)
+    )
+
+
+def llama_tool(args: argparse.Namespace, text: str, draft: int) -> tuple[int, float]:
+    """(tokens, seconds) of llama-lookup's or llama-speculative's decode of `text` (its own
+    figure)."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
         f.write(text)
         f.flush()
-        cmd = [str(args.llama_lookup), "-m", str(args.llama_gguf), "-f", f.name]
+        binary = args.llama_lookup or args.llama_speculative
+        cmd = [str(binary), "-m", str(args.llama_gguf), "-f", f.name]
         cmd += ["-n", str(args.max_tokens), "--temp", "0", "-t", "2", "-c", "4096"]
         cmd += ["--spec-draft-n-max", str(draft)]
+        if args.llama_speculative:
+            cmd += ["-md", str(args.llama_draft_gguf), "-td", "2"]
         done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", done.stderr + done.stdout)
     if m is None:
-        raise RuntimeError(f"llama-lookup printed no 'decoded' line: {done.stderr[-500:]}")
+        raise RuntimeError(f"{binary.name} printed no 'decoded' line: {done.stderr[-500:]}")
     return int(m.group(1)) - 1, float(m.group(2))
 
 
@@ -152,7 +182,8 @@ def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
         record.update(throughput(args, systems, prompts[: args.concurrent], params_all))
         return
     tokenizer = next(iter(systems.values())).engine.tokenizer
-    totals = {name: [0, 0.0] for name in [*systems, "llama-lookup"]}
+    tool = llama_tool_name(args)
+    totals = {name: [0, 0.0] for name in [*systems, tool or "llama"]}
     differ = 0
     for i, (prompt, request) in enumerate(zip(prompts, requests, strict=True)):
         outs = {}
@@ -164,12 +195,13 @@ def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
         tokens = [o.outputs[0].token_ids for o in outs.values()]
         differ += any(t != tokens[0] for t in tokens)
         line = f"request {i + 1}/{len(prompts)}: {len(prompt)} prompt, {len(tokens[0])} out"
-        if args.llama_lookup:
+        if tool:
             text = tokenizer.decode(prompt, skip_special_tokens=False)
-            n, s = llama_lookup(args, text, args.speculative_config["num_speculative_tokens"])
-            totals["llama-lookup"][0] += n
-            totals["llama-lookup"][1] += s
-            line += f"; llama-lookup {n + 1} out"
+            k = args.speculative_config.get("num_speculative_tokens", 4)
+            n, s = llama_tool(args, text, k)
+            totals[tool][0] += n
+            totals[tool][1] += s
+            line += f"; {tool} {n + 1} out"
         log(line)
     rates = {name: n / s for name, (n, s) in totals.items() if s > 0}
     spec_name = list(systems)[1]
@@ -180,8 +212,8 @@ def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
             f"{'jaxcb ' + name if name in systems else name:<16}{rate:>14.1f}"
             f"{rate / rates['off']:>8.2f}x"
         )
-    if "llama-lookup" in rates:
-        print(f"jaxcb {spec_name} / llama-lookup: {rates[spec_name] / rates['llama-lookup']:.2f}x")
+    if tool in rates:
+        print(f"jaxcb {spec_name} / {tool}: {rates[spec_name] / rates[tool]:.2f}x")
     print(f"requests whose tokens differ with speculation: {differ} of {len(prompts)}")
     print(
         f"acceptance: {stats['num_accepted_tokens']} of {stats['num_draft_tokens']} proposed "

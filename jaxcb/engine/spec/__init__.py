@@ -3,6 +3,7 @@ speculator hands them to the scheduler each step and learns whether they pay.
 
     proposer.py    the Proposer interface (what a new method implements)
     ngram.py       prompt lookup: the continuation of the suffix's latest earlier occurrence
+    draft.py       a draft model's greedy guesses, over its own runner and KV pages
     speculator.py  the factory of proposers; each step's proposals, capped by the requests'
                    limits and by SpeculationCost (cost.py): measured step times, acceptance
 
@@ -11,7 +12,8 @@ gives each proposal a sampling row); OutputProcessor.append_verified keeps those
 confirm. Pure Python: no jax.
 """
 
+from jaxcb.engine.spec.draft import DraftModel
 from jaxcb.engine.spec.proposer import Proposer
 from jaxcb.engine.spec.speculator import Speculator, build_proposer
 
-__all__ = ["Proposer", "Speculator", "build_proposer"]
+__all__ = ["DraftModel", "Proposer", "Speculator", "build_proposer"]

@@ -53,10 +53,17 @@ class SpeculationCost:
         a = max(1e-9, sy / n - b * sx / n)
         return a, b
 
-    def best_cap(self, proposal_lengths: list[int], other_tokens: int, max_cap: int) -> int:
+    def best_cap(
+        self,
+        proposal_lengths: list[int],
+        other_tokens: int,
+        max_cap: int,
+        draft_seconds: float = 0.0,
+    ) -> int:
         """The cap on proposals per request (0..max_cap) that maximizes expected tokens per
         second for requests with proposals of these lengths, next to `other_tokens` rows
-        of the step that bring no proposal (each of them a decode: one token). Before the
+        of the step that bring no proposal (each of them a decode: one token); a draft
+        model's steps count too, one per position up to the longest proposal. Before the
         step times are known: max_cap (its steps measure them)."""
         fit = self.step_seconds()
         if fit is None:
@@ -74,7 +81,8 @@ class SpeculationCost:
                 # the first sample always; the next one only if every proposal before it
                 # was kept
                 expected += count * ((1 - alpha ** (m + 1)) / (1 - alpha) if alpha < 1 else m + 1)
-            rate = expected / (a + b * tokens)
+            drafting = draft_seconds * min(cap, max(requests, default=0))
+            rate = expected / (a + b * tokens + drafting)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = cap, rate
         return best

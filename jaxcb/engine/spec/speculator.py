@@ -12,6 +12,7 @@ from jaxcb.config import SpeculativeConfig
 from jaxcb.engine.request import Request
 from jaxcb.engine.sched.schedule import SchedulerOutput
 from jaxcb.engine.spec.cost import SpeculationCost
+from jaxcb.engine.spec.draft import DraftModel, DraftModelProposer
 from jaxcb.engine.spec.ngram import NgramProposer
 from jaxcb.engine.spec.proposer import Proposer
 
@@ -32,8 +33,10 @@ class Speculator:
         self._explore_next = False
 
     @classmethod
-    def build(cls, config: SpeculativeConfig, max_model_len: int) -> Speculator | None:
-        proposer = build_proposer(config)
+    def build(
+        cls, config: SpeculativeConfig, max_model_len: int, draft: DraftModel | None = None
+    ) -> Speculator | None:
+        proposer = build_proposer(config, draft)
         return None if proposer is None else cls(config, proposer, max_model_len)
 
     def wants_proposals(self, running: list[Request]) -> bool:
@@ -46,7 +49,7 @@ class Speculator:
         if not decodes:
             return False
         k = self.config.num_speculative_tokens
-        if self.cost.best_cap([k] * decodes, 0, k) > 0:
+        if self.cost.best_cap([k] * decodes, 0, k, self.proposer.seconds_per_guess) > 0:
             self._explore_next = False
             return True
         self._turned_down_steps += 1
@@ -57,8 +60,9 @@ class Speculator:
         """Set `draft_token_ids` of every running request for the next step ([] for those
         not decoding, or without a guess, or when proposals do not pay now). Their tokens
         must all be on the host."""
+        self.proposer.retain(running)
         k = self.config.num_speculative_tokens
-        proposals: list[tuple[Request, list[int]]] = []
+        candidates: list[tuple[Request, int]] = []
         for request in running:
             request.draft_token_ids = []
             if not request.is_decoding or request.grammar is not None:
@@ -69,17 +73,38 @@ class Speculator:
                 self.max_model_len - request.num_tokens,
             )
             if room > 0:
-                proposals.append((request, self.proposer.propose(request, room)))
-        if not proposals:
+                candidates.append((request, room))
+        if not candidates:
             return
-        lengths = [len(p) for _, p in proposals]
-        decodes = sum(r.is_decoding for r in running)
-        self.last_cap = self.cost.best_cap(lengths, decodes - len(proposals), k)
-        for request, proposal in proposals:
+        others = sum(r.is_decoding for r in running) - len(candidates)
+        if self.proposer.runs_a_model:
+            # Each guessed position costs a draft step: the cap comes first, as if every
+            # guess were full length, and the draft guesses that many.
+            self.last_cap = self.cost.best_cap(
+                [room for _, room in candidates], others, k, self.proposer.seconds_per_guess
+            )
+            if self.last_cap == 0:
+                if not self._explore_next:
+                    return
+                candidates = [max(candidates, key=lambda c: c[1])]  # (see wants_proposals)
+            caps = [min(room, self.last_cap or room) for _, room in candidates]
+            requests = [r for r, _ in candidates]
+            for request, proposal in zip(
+                requests, self.proposer.propose_batch(requests, caps), strict=True
+            ):
+                request.draft_token_ids = proposal
+            return
+        proposals = self.proposer.propose_batch(
+            [r for r, _ in candidates], [room for _, room in candidates]
+        )
+        self.last_cap = self.cost.best_cap([len(p) for p in proposals], others, k)
+        for (request, _), proposal in zip(candidates, proposals, strict=True):
             request.draft_token_ids = proposal[: self.last_cap]
-        if self.last_cap == 0 and any(lengths) and self._explore_next:
+        if self.last_cap == 0 and any(proposals) and self._explore_next:
             # (turned down: one request's proposal still verified, see wants_proposals)
-            request, proposal = max(proposals, key=lambda rp: len(rp[1]))
+            (request, _), proposal = max(
+                zip(candidates, proposals, strict=True), key=lambda cp: len(cp[1])
+            )
             request.draft_token_ids = proposal
 
     @staticmethod
@@ -88,10 +113,14 @@ class Speculator:
         for request in running:
             request.draft_token_ids = []
 
-    def observe(self, sched: SchedulerOutput, device_seconds: float | None) -> None:
+    def observe(
+        self, sched: SchedulerOutput, device_seconds: float | None, running: list[Request]
+    ) -> None:
         """What a step measured: how many of each request's proposals were kept (set by
         OutputProcessor.append_verified), and its tokens and seconds when those are the
-        device's alone (None: another step overlapped it)."""
+        device's alone (None: another step overlapped it). `running`: the requests still
+        running after it (the proposer drops what it keeps for the others)."""
+        self.proposer.retain(running)
         if device_seconds is not None:
             self.cost.observe_step(sched.num_tokens, device_seconds)
         for chunk in sched.chunks:
@@ -99,11 +128,15 @@ class Speculator:
                 self.cost.observe_verified(chunk.num_draft_tokens, chunk.num_accepted_drafts)
 
 
-def build_proposer(config: SpeculativeConfig) -> Proposer | None:
+def build_proposer(config: SpeculativeConfig, draft: DraftModel | None = None) -> Proposer | None:
     """The proposer `config.method` names (the one place a method is chosen); None when
-    speculation is off."""
+    speculation is off. `draft`: the draft model the factory built for "draft_model"."""
     if config.method == "none":
         return None
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "draft_model":
+        if draft is None:
+            raise ValueError("speculative method 'draft_model' needs its draft model built")
+        return DraftModelProposer(draft)
     raise ValueError(f"unknown speculative method {config.method!r}")
