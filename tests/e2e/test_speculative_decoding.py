@@ -54,7 +54,7 @@ class ReplayProposer(Proposer):
 
 
 class AlwaysPropose(SpeculationCost):
-    def best_cap(self, proposal_lengths, other_tokens, max_cap, draft_seconds=0.0) -> int:
+    def best_cap(self, proposal_lengths, other_tokens, max_cap, draft_seconds=0.0, acceptance=None):
         return max_cap
 
 

@@ -181,7 +181,9 @@ class OnAndOff(SpeculationCost):
 
     calls = 0
 
-    def best_cap(self, proposal_lengths, other_tokens, max_cap, draft_seconds=0.0) -> int:
+    def best_cap(self, proposal_lengths, other_tokens, max_cap, draft_seconds=0.0, acceptance=None):
+        if acceptance is not None:  # (whether proposals always kept would pay: yes)
+            return max_cap
         self.calls += 1
         return max_cap if self.calls % 7 < 5 else 0
 
@@ -345,3 +347,42 @@ def test_speculation_cost_turns_proposals_down_for_a_compute_bound_batch() -> No
     for _ in range(200):
         cost.observe_verified(4, 4)  # every proposal kept
     assert cost.acceptance > 0.9 and cost.best_cap([4] * 64, 0, 4) == 4
+
+
+def test_a_draft_model_s_steps_count_against_its_guesses() -> None:
+    """Each guessed position costs a draft step: guesses nearly as dear as the target's
+    step never pay (and are not even explored), a draft a few times cheaper does; an
+    async engine's faster steps without proposals count against them too."""
+    from jaxcb.config import SpeculativeConfig
+    from jaxcb.engine.request import Request
+    from jaxcb.engine.spec import Proposer, Speculator
+
+    cost = SpeculationCost(prior_acceptance=0.9)
+    for tokens in (1, 5):
+        cost.observe_step(tokens, 0.006 + 0.0001 * tokens)
+    assert cost.best_cap([4], 0, 4) == 4  # guesses that cost nothing
+    assert cost.best_cap([4], 0, 4, draft_seconds=0.006) == 0
+    assert cost.best_cap([4], 0, 4, draft_seconds=0.001) == 4
+    assert cost.best_cap([4], 0, 4, draft_seconds=0.003) > 0
+    for _ in range(100):  # plain steps at 0.6x the fit (overlapped), guessing ones as fit
+        cost.observe_cadence(1, 0.0, False, 0.6 * 0.0061)
+        cost.observe_cadence(5, 0.012, True, 0.0065 + 0.012)
+    assert cost.best_cap([4], 0, 4, draft_seconds=0.003) == 0
+
+    class Guesser(Proposer):
+        runs_a_model = True
+        seconds_per_guess = 0.0
+
+        def propose(self, request: Request, max_tokens: int) -> list[int]:
+            return [7] * max_tokens
+
+    request = Request("r", [1, 2, 3], SamplingParams(), 0, 50, frozenset(), 0.0)
+    request.num_computed_tokens = 2  # decoding
+    for seconds, explored in ((0.02, 0), (0.0045, 3)):
+        Guesser.seconds_per_guess = seconds
+        speculator = Speculator(SpeculativeConfig(method="ngram"), Guesser(), 100)
+        speculator.cost = SpeculationCost(prior_acceptance=0.05)  # (rejected: turned down)
+        for tokens in (1, 5):
+            speculator.cost.observe_step(tokens, 0.006 + 0.0001 * tokens)
+        wanted = sum(speculator.wants_proposals([request]) for _ in range(200))
+        assert wanted == explored  # every 64th step, only while a kept guess could pay

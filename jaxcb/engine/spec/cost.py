@@ -6,7 +6,11 @@ A proposal costs a token row in the step and brings a token only if kept. On a C
 single stream's step reads every weight whatever its few rows, so b is small next to a and
 proposals are nearly free; a step of 64 decodes is compute-bound, so 4 proposals each
 would cost ~4x the time for ~1.4x the tokens at a chat's acceptance. Both come out of the
-fit (vLLM turns speculation off past a fixed batch size instead).
+fit (vLLM turns speculation off past a fixed batch size instead). A draft model's guesses
+cost its steps too, one per guessed position. The fit is of the device's seconds; each
+mode's measured wall seconds a step over the prediction (`cadence`) scales it, since
+without proposals an async engine hides the host's work behind the device's and with them
+it cannot.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ class SpeculationCost:
         # decayed counts of kept proposals and of rejections (a proposal not kept), with a
         # prior worth one of each
         self._kept, self._rejected = prior_acceptance, 1.0 - prior_acceptance
+        # Each mode's wall seconds a step over what the fit (and the draft's seconds) predict:
+        # without proposals an async engine overlaps the host's work with the device's
+        # (below 1); with them it waits for each step, and the host's work adds (above).
+        self.cadence = {False: 1.0, True: 1.0}  # by "the step had proposals"
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         x, y = float(num_tokens), float(seconds)
@@ -35,6 +43,19 @@ class SpeculationCost:
         """A request's proposals were verified: the first `num_kept` were kept."""
         self._kept = self.decay * self._kept + num_kept
         self._rejected = self.decay * self._rejected + (num_kept < num_proposed)
+
+    def observe_cadence(
+        self, num_tokens: int, draft_seconds: float, proposed: bool, seconds: float
+    ) -> None:
+        """A step's wall seconds, end to end (`draft_seconds`: its draft model's part, as
+        predicted), with or without proposals; a gap far off the prediction (the engine
+        was idle) is ignored."""
+        fit = self.step_seconds()
+        if fit is None:
+            return
+        ratio = seconds / (fit[0] + fit[1] * num_tokens + draft_seconds)
+        if 0.2 < ratio < 5.0:
+            self.cadence[proposed] = self.decay * self.cadence[proposed] + (1 - self.decay) * ratio
 
     @property
     def acceptance(self) -> float:
@@ -59,17 +80,19 @@ class SpeculationCost:
         other_tokens: int,
         max_cap: int,
         draft_seconds: float = 0.0,
+        acceptance: float | None = None,
     ) -> int:
         """The cap on proposals per request (0..max_cap) that maximizes expected tokens per
         second for requests with proposals of these lengths, next to `other_tokens` rows
-        of the step that bring no proposal (each of them a decode: one token); a draft
-        model's steps count too, one per position up to the longest proposal. Before the
-        step times are known: max_cap (its steps measure them)."""
+        of the step that bring no proposal (each of them a decode: one token).
+        `draft_seconds`: a draft model's step, one per position up to the longest proposal;
+        `acceptance`: instead of the measured one. Before the step times are known: max_cap
+        (its steps measure them)."""
         fit = self.step_seconds()
         if fit is None:
             return max_cap
         a, b = fit
-        alpha = self.acceptance
+        alpha = self.acceptance if acceptance is None else acceptance
         # (by length: a step of 256 decodes has a few distinct ones, and this runs each step)
         requests = Counter(proposal_lengths)
         best, best_rate = 0, -1.0
@@ -82,7 +105,8 @@ class SpeculationCost:
                 # was kept
                 expected += count * ((1 - alpha ** (m + 1)) / (1 - alpha) if alpha < 1 else m + 1)
             drafting = draft_seconds * min(cap, max(requests, default=0))
-            rate = expected / (a + b * tokens + drafting)
+            proposed = any(min(cap, length) for length in requests)
+            rate = expected / ((a + b * tokens + drafting) * self.cadence[proposed])
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = cap, rate
         return best

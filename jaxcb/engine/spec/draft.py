@@ -32,7 +32,7 @@ from jaxcb.engine.spec.proposer import Proposer
 from jaxcb.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
-GUESS_DECAY = 0.9  # weight the past keeps in the mean seconds of a guess step
+GUESS_DECAY = 0.9  # weight the past keeps in the mean seconds of a guessed position
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,8 @@ class DraftModelProposer(Proposer):
         self.max_seqs_per_step = max(b.num_seqs for b in draft.buckets)
         self.sequences: dict[str, DraftSequence] = {}
         self.num_steps = 0  # draft steps run (for stats and tests)
-        self._guess_seconds = 0.0  # decayed mean of a step that feeds one token a sequence
+        self._guess_seconds = 0.0  # decayed mean seconds of a guessed position
+        self._last_catch_up = 0  # the most tokens a sequence fed in the last catch-up
 
     # ---- Proposer ------------------------------------------------------------------------
 
@@ -105,6 +106,18 @@ class DraftModelProposer(Proposer):
             self._drop(request_id)
 
     def propose_batch(self, requests: list[Request], max_tokens: list[int]) -> list[list[int]]:
+        t0 = time.perf_counter()
+        out = self._propose_batch(requests, max_tokens)
+        # What a guessed position costs: these steps' seconds (packing, the draft's steps,
+        # its catch-up) over the positions; not when a catch-up was a prompt's prefill.
+        positions = max(map(len, out), default=0)
+        if positions and self._last_catch_up <= max(max_tokens) + 1:
+            seconds = (time.perf_counter() - t0) / positions
+            old = self._guess_seconds or seconds
+            self._guess_seconds = GUESS_DECAY * old + (1 - GUESS_DECAY) * seconds
+        return out
+
+    def _propose_batch(self, requests: list[Request], max_tokens: list[int]) -> list[list[int]]:
         proposals: dict[str, list[int]] = {r.request_id: [] for r in requests}
         wanted = {r.request_id: n for r, n in zip(requests, max_tokens, strict=True)}
         active: list[DraftSequence] = []
@@ -140,6 +153,7 @@ class DraftModelProposer(Proposer):
     def _catch_up(self, seqs: list[DraftSequence]) -> list[tuple[DraftSequence, int]]:
         """Feed every sequence its tokens without K/V; each one's first guess."""
         sampled: list[tuple[DraftSequence, int]] = []
+        self._last_catch_up = max((s.request.num_uncomputed_tokens for s in seqs), default=0)
         pending = list(seqs)
         while pending:
             step: list[tuple[DraftSequence, int]] = []
@@ -171,12 +185,7 @@ class DraftModelProposer(Proposer):
             )
             bucket = pick_bucket(self.draft.buckets, sched.num_tokens, len(step))
             runner = self.draft.runner
-            t0 = time.perf_counter()
             result = runner.execute(bucket, runner.prepare(sched, bucket))
-            if sched.num_tokens == len(step):  # (a guess step; a catch-up is a prefill)
-                seconds = time.perf_counter() - t0
-                old = self._guess_seconds or seconds
-                self._guess_seconds = GUESS_DECAY * old + (1 - GUESS_DECAY) * seconds
             self.num_steps += 1
             for row, (chunk, (seq, _)) in enumerate(zip(sched.chunks, step, strict=True)):
                 samples = chunk.samples

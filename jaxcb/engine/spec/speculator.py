@@ -8,6 +8,8 @@ would need the grammar advanced past it) or when one more token ends it.
 
 from __future__ import annotations
 
+import time
+
 from jaxcb.config import SpeculativeConfig
 from jaxcb.engine.request import Request
 from jaxcb.engine.sched.schedule import SchedulerOutput
@@ -18,8 +20,10 @@ from jaxcb.engine.spec.proposer import Proposer
 
 #: While proposals are turned down, one request's are verified every this many steps, so
 #: that the acceptance the turn-down decides by stays measured (the step waits for the one
-#: in flight first: proposals follow its tokens).
+#: in flight first: proposals follow its tokens). A draft model's exploring step costs its
+#: catch-up and guesses as well: every EXPLORE_EVERY_DRAFT-th step.
 EXPLORE_EVERY = 8
+EXPLORE_EVERY_DRAFT = 64
 
 
 class Speculator:
@@ -31,6 +35,8 @@ class Speculator:
         self.last_cap = config.num_speculative_tokens  # the cap of the last step's proposals
         self._turned_down_steps = 0  # steps wants_proposals found proposals would not pay
         self._explore_next = False
+        self._last_observed: float | None = None  # when the last step was observed
+        self.explore_every = EXPLORE_EVERY_DRAFT if proposer.runs_a_model else EXPLORE_EVERY
 
     @classmethod
     def build(
@@ -41,19 +47,21 @@ class Speculator:
 
     def wants_proposals(self, running: list[Request]) -> bool:
         """Whether this step should propose: some request decodes and proposals of full
-        length could pay at the acceptance measured so far; or, while they could not, every
-        EXPLORE_EVERY-th step (one request's proposal is verified then, so that the
-        acceptance stays measured). An async engine waits for the step in flight only when
-        this is true: proposals follow its tokens."""
+        length could pay at the acceptance measured so far; or, while they could not but
+        would if every proposal were kept, every `explore_every`-th step (one request's
+        proposal is verified then, so that the acceptance stays measured). An async engine
+        waits for the step in flight only when this is true: proposals follow its tokens."""
         decodes = sum(r.is_decoding and r.grammar is None for r in running)
         if not decodes:
             return False
-        k = self.config.num_speculative_tokens
-        if self.cost.best_cap([k] * decodes, 0, k, self.proposer.seconds_per_guess) > 0:
+        k, draft = self.config.num_speculative_tokens, self.proposer.seconds_per_guess
+        if self.cost.best_cap([k] * decodes, 0, k, draft) > 0:
             self._explore_next = False
             return True
         self._turned_down_steps += 1
-        self._explore_next = self._turned_down_steps % EXPLORE_EVERY == 0
+        # (no exploring while even proposals that are always kept would not pay)
+        could_pay = self.cost.best_cap([k] * decodes, 0, k, draft, acceptance=1.0) > 0
+        self._explore_next = could_pay and self._turned_down_steps % self.explore_every == 0
         return self._explore_next
 
     def propose(self, running: list[Request]) -> None:
@@ -121,6 +129,14 @@ class Speculator:
         device's alone (None: another step overlapped it). `running`: the requests still
         running after it (the proposer drops what it keeps for the others)."""
         self.proposer.retain(running)
+        now = time.perf_counter()
+        if self._last_observed is not None:  # (a step's wall seconds: one observe to the next)
+            positions = max((c.num_draft_tokens for c in sched.chunks), default=0)
+            draft = self.proposer.seconds_per_guess * positions
+            self.cost.observe_cadence(
+                sched.num_tokens, draft, positions > 0, now - self._last_observed
+            )
+        self._last_observed = now if running else None
         if device_seconds is not None:
             self.cost.observe_step(sched.num_tokens, device_seconds)
         for chunk in sched.chunks:
