@@ -741,13 +741,28 @@ void RunItemBf16Dot(const Problem& P, const Item& it) {
       for (int64_t r0 = 0; r0 < nq4; r0 += kRowGroup) {
         V16 sums[kRowGroup];
         if (transposed) {
+          // kPartials sums per row, dimensions j = kPartials i + p in sum p: kRowGroup x
+          // kPartials independent vdpbf16ps chains keep the unit busy (one chain per row
+          // would wait out the instruction's latency at every step).
+          constexpr int kPartials = 4;
+          static_assert(D / 2 % kPartials == 0, "head_dim must be a multiple of 8");
           const int32_t* qdw = reinterpret_cast<const int32_t*>(qb.data()) + r0 * D / 2;
-          for (int g = 0; g < kRowGroup; ++g) sums[g] = V16::Zero();
-          for (int j = 0; j < D / 2; ++j) {
+          __m512 part[kRowGroup][kPartials];
+          for (int g = 0; g < kRowGroup; ++g) {
+            for (int p = 0; p < kPartials; ++p) part[g][p] = _mm512_setzero_ps();
+          }
+          for (int j = 0; j < D / 2; j += kPartials) {
             for (int g = 0; g < kRowGroup; ++g) {
-              sums[g] = {_mm512_dpbf16_ps(
-                  sums[g].v, (__m512bh)_mm512_set1_epi32(qdw[g * D / 2 + j]), (__m512bh)kt[j])};
+              for (int p = 0; p < kPartials; ++p) {
+                part[g][p] = _mm512_dpbf16_ps(
+                    part[g][p], (__m512bh)_mm512_set1_epi32(qdw[g * D / 2 + j + p]),
+                    (__m512bh)kt[j + p]);
+              }
             }
+          }
+          for (int g = 0; g < kRowGroup; ++g) {
+            sums[g] = {_mm512_add_ps(_mm512_add_ps(part[g][0], part[g][1]),
+                                     _mm512_add_ps(part[g][2], part[g][3]))};
           }
         } else {
           V16 dots[kRowGroup][16];
