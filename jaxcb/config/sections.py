@@ -95,6 +95,10 @@ class SchedulerConfig:
     admission: str = "greedy"  # greedy | reserve (prompt + max_tokens) | predicted
     admission_quantile: float = 0.9  # predicted: quantile of observed output lengths reserved
     long_prefill_token_threshold: int = 0  # prefill tokens per request per step; 0: no cap
+    # A step's tokens while requests decode: max_num_batched_tokens over their number, at
+    # least this (a whole prompt in one step when one request decodes, small chunks that keep
+    # the ITL of many short); 0: max_num_batched_tokens always. itl_target_ms overrides it.
+    min_token_budget: int = 0  # token budget floor with running decodes; 0: no sharing
     # ITL controller (engine/sched/itl_controller.py): each step's token budget picked among the
     # token buckets from the measured inter-token latency; None: the fixed budget.
     itl_target_ms: float | None = None  # inter-token latency target, ms; None: controller off
@@ -158,6 +162,11 @@ class SchedulerConfig:
             self.itl_target_ms is None or self.batching == "continuous",
             f"itl_target_ms needs batching='continuous' (a padded batch has no token budget "
             f"to steer), got batching={self.batching!r}",
+        )
+        _check(
+            0 <= self.min_token_budget <= self.max_num_batched_tokens,
+            f"min_token_budget must be in [0, max_num_batched_tokens="
+            f"{self.max_num_batched_tokens}], got {self.min_token_budget}",
         )
         _check(
             self.long_prefill_token_threshold >= 0,

@@ -46,6 +46,7 @@ from jaxcb.engine.interface import (
 )
 from jaxcb.engine.output_processor import OutputProcessor
 from jaxcb.engine.sched.factory import build_itl_controller, build_scheduler, build_swapper
+from jaxcb.engine.sched.itl_controller import shared_token_budget
 from jaxcb.engine.sched.page_pool import PagePool
 from jaxcb.engine.sched.schedule import SchedulerOutput
 from jaxcb.engine.spec import DraftModel, Speculator
@@ -334,11 +335,18 @@ class LLMEngine(Engine):
 
     def _schedule(self) -> tuple[SchedulerOutput, int]:
         """This step's schedule and the token budget it was made under: the ITL
-        controller's for the running decodes, else max_num_batched_tokens."""
-        if self.itl is None:
+        controller's for the running decodes, or else max_num_batched_tokens shared by them
+        (`min_token_budget`), else max_num_batched_tokens."""
+        floor = self.config.scheduler.min_token_budget
+        if self.itl is None and not floor:
             return self.scheduler.schedule(), self.scheduler.max_num_batched_tokens
         num_decodes = sum(r.is_decoding for r in self.scheduler.running)
-        budget = self.itl.step_budget(num_decodes)
+        if self.itl is not None:
+            budget = self.itl.step_budget(num_decodes)
+        else:
+            budget = shared_token_budget(
+                self.info.token_buckets, self.scheduler.max_num_batched_tokens, floor, num_decodes
+            )
         return self.scheduler.schedule(token_budget=budget), budget
 
     def _bucket(self, sched: SchedulerOutput) -> Bucket:

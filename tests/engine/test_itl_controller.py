@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from jaxcb.config import SchedulerConfig
 from jaxcb.engine.request import Request
-from jaxcb.engine.sched.itl_controller import ITLController
+from jaxcb.engine.sched.itl_controller import ITLController, shared_token_budget
 from jaxcb.engine.sched.page_pool import PagePool
 from jaxcb.engine.sched.scheduler import Scheduler
 from jaxcb.sampling_params import SamplingParams
@@ -227,6 +227,7 @@ def test_bad_settings_name_the_field(kwargs, field):
         (dict(itl_window=1), "itl_window must be >= 2"),
         (dict(itl_min_prefill_tokens=0), "itl_min_prefill_tokens must be >= 1"),
         (dict(itl_target_ms=30.0, batching="static"), "itl_target_ms needs batching"),
+        (dict(min_token_budget=1024), "min_token_budget must be in"),
     ],
 )
 def test_bad_config_names_the_field(fields, message):
@@ -274,3 +275,27 @@ def test_scheduler_takes_a_smaller_token_budget_decodes_first():
     for bad in (0, 65):
         with pytest.raises(ValueError, match="token_budget"):
             sched.schedule(token_budget=bad)
+
+
+SERVE_BUCKETS = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+
+
+def test_a_shared_budget_takes_a_prompt_whole_beside_one_decode_and_chunks_beside_many():
+    budget = [shared_token_budget(SERVE_BUCKETS, 1024, 256, d) for d in (0, 1, 2, 3, 4, 64)]
+    assert budget == [1024, 1024, 512, 256, 256, 256]
+    assert shared_token_budget(SERVE_BUCKETS, 1024, 16, 100) == 128  # every decode's token
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    largest_index=st.integers(0, len(SERVE_BUCKETS) - 1),
+    floor=st.integers(0, 1024),
+    num_decodes=st.integers(0, 2048),
+)
+def test_a_shared_budget_stays_in_bounds(largest_index, floor, num_decodes):
+    buckets = SERVE_BUCKETS[: largest_index + 1]
+    largest = buckets[-1]
+    floor = min(floor, largest)
+    budget = shared_token_budget(buckets, largest, floor, num_decodes)
+    assert budget in buckets and floor <= budget <= largest
+    assert budget >= min(num_decodes, largest)  # decodes are never cut while they fit

@@ -130,6 +130,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-dir", type=Path, default=Path("."))
     p.add_argument("--result-filename", help="(default: BACKEND-RATEqps-MODEL-DATE.json)")
     p.add_argument("--label", default="openai", help="name of the server in the result")
+    p.add_argument(
+        "--vllm-client",
+        type=Path,
+        metavar="PYTHON",
+        help="time with vLLM's own client (vllm.benchmarks.serve) instead, run by this python "
+        "of vLLM's venv with the same flags (random and sharegpt datasets); its result keys "
+        "are vLLM's",
+    )
     p.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE")
 
 
@@ -153,6 +161,16 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--dataset-name sharegpt needs --dataset-path and --tokenizer")
     if args.dataset_name == "chat" and not args.tokenizer:
         p.error("--dataset-name chat needs --tokenizer (e.g. smollm2-135m)")
+    if args.vllm_client is not None:
+        if not args.vllm_client.is_file():
+            p.error(f"--vllm-client: no such file: {args.vllm_client}")
+        if args.dataset_name == "chat" or args.random_num_prefixes != 1 or args.vocab_size:
+            p.error(
+                "--vllm-client takes vLLM's datasets: random (one shared prefix at most, "
+                "token ids from --tokenizer) or sharegpt"
+            )
+        if not args.tokenizer:
+            p.error("--vllm-client needs --tokenizer (vLLM's client tokenizes)")
     args.base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
 
 
@@ -298,10 +316,66 @@ async def benchmark(args: argparse.Namespace, requests: list[SampleRequest]) -> 
     )
 
 
+def vllm_client_argv(args: argparse.Namespace, model: str, result: Path) -> list[str]:
+    """`vllm bench serve`'s command line for the same run, its result to `result`."""
+    argv = ["--backend", "openai-chat" if args.endpoint.endswith("chat/completions") else "openai"]
+    argv += ["--base-url", args.base_url, "--endpoint", args.endpoint, "--model", model]
+    argv += ["--tokenizer", str(resolve_model(args.tokenizer))]
+    argv += ["--dataset-name", args.dataset_name, "--num-prompts", str(args.num_prompts)]
+    if args.dataset_name == "random":
+        argv += ["--random-input-len", str(args.random_input_len)]
+        argv += ["--random-output-len", str(args.random_output_len)]
+        argv += ["--random-range-ratio", str(args.random_range_ratio)]
+        argv += ["--random-prefix-len", str(args.random_prefix_len)]
+    else:
+        argv += ["--dataset-path", str(args.dataset_path)]
+        if args.sharegpt_output_len:
+            argv += ["--sharegpt-output-len", str(args.sharegpt_output_len)]
+    argv += ["--request-rate", str(args.request_rate), "--burstiness", str(args.burstiness)]
+    if args.max_concurrency:
+        argv += ["--max-concurrency", str(args.max_concurrency)]
+    if args.ignore_eos:
+        argv.append("--ignore-eos")
+    if args.goodput:
+        argv += ["--goodput", *args.goodput]
+    argv += ["--percentile-metrics", args.percentile_metrics]
+    argv += ["--metric-percentiles", args.metric_percentiles, "--seed", str(args.seed)]
+    argv += ["--save-result", "--save-detailed", "--result-dir", str(result.parent)]
+    argv += ["--result-filename", result.name, "--label", args.label]
+    return argv + (["--disable-tqdm"] if args.disable_tqdm else [])
+
+
+def run_vllm_client(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's own client on the same flags (in its venv, bench/vllm_serving_client.py); its
+    report goes to this terminal, its result (vLLM's keys) comes back."""
+    import subprocess
+    import tempfile
+
+    from jaxcb.bench.vllm_system import vllm_environment
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = args.model
+    if model is None:
+        model = asyncio.run(get_json(f"{args.base_url}/v1/models", headers))["data"][0]["id"]
+    script = Path(__file__).resolve().parent.parent / "vllm_serving_client.py"
+    with tempfile.TemporaryDirectory(prefix="jaxcb-vllm-client-") as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [str(args.vllm_client), str(script), *vllm_client_argv(args, model, out)]
+        env = vllm_environment(args.vllm_client, "default")
+        if args.api_key:
+            env["OPENAI_API_KEY"] = args.api_key
+        done = subprocess.run(cmd, env=env, check=False)
+        if done.returncode != 0 or not out.is_file():
+            raise SystemExit(f"serving: vLLM's client failed (exit status {done.returncode})")
+        return json.loads(out.read_text())
+
+
 def run(args: argparse.Namespace, record: dict[str, Any]) -> int:
     """The run; the machine line is the client's machine (the server's too when local)."""
-    requests = sample_requests(args)
-    result = asyncio.run(benchmark(args, requests))
+    if args.vllm_client is not None:
+        result = run_vllm_client(args) | {"client": "vllm.benchmarks.serve"}
+    else:
+        result = asyncio.run(benchmark(args, sample_requests(args)))
     record |= dict(
         date=datetime.now().strftime("%Y%m%d-%H%M%S"),
         backend=args.label,
@@ -316,8 +390,8 @@ def run(args: argparse.Namespace, record: dict[str, Any]) -> int:
         goodput=args.goodput_slos,
         seed=args.seed,
         **dict(kv.split("=", 1) for kv in args.metadata if "=" in kv),
-        **result,
     )
+    record |= result  # (vLLM's client's own result names some of the same keys)
     if args.save_result and args.json is None:  # vLLM's file name, in --result-dir
         rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}"
         concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""

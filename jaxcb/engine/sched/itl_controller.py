@@ -31,7 +31,11 @@ window restarts at every change, so it only ever holds samples taken at the curr
   without decodes keeps nobody waiting and gets the largest bucket.
 
 The budget starts at the largest bucket (the fixed budget without a controller) and is cut
-at the first sign of a tail. Pure Python, no jax.
+at the first sign of a tail.
+
+Without a target, `min_token_budget` shares the largest budget by a simpler rule
+(`shared_token_budget`): max_num_batched_tokens over the running decodes, at least the floor.
+Pure Python, no jax.
 """
 
 from __future__ import annotations
@@ -187,3 +191,19 @@ class ITLController:
     def _restart(self) -> None:
         self._samples.clear()
         self._since_change = 0
+
+
+def shared_token_budget(buckets: list[int], largest: int, floor: int, num_decodes: int) -> int:
+    """`largest` tokens shared by `num_decodes` running decodes, at least `floor` and every
+    decode's token, as a token bucket (nothing is padded for it): each decode waits for the
+    step, so a prompt goes through in one step while one request decodes and in
+    `floor`-token chunks while many do. No decodes: `largest`."""
+    if num_decodes == 0:
+        return largest
+    need = max(floor, num_decodes)  # (every decode keeps its token)
+    share = max(need, largest // num_decodes)
+    fitting = [b for b in buckets if need <= b <= share]
+    if fitting:
+        return fitting[-1]
+    above = [b for b in buckets if b >= need]  # (the step pads to it anyway)
+    return min(above[0], largest) if above else largest
