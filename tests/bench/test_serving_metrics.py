@@ -281,3 +281,28 @@ def test_serving_flags():
     for bad in (["--goodput", "ttft"], ["--dataset-name", "sharegpt"], ["--num-prompts", "0"]):
         with pytest.raises(SystemExit):
             parse_serving_flags(bad)
+
+
+def test_vllm_client_gets_the_same_run_on_its_command_line(tmp_path):
+    """--vllm-client: `vllm bench serve`'s own flags for the same run (its datasets only)."""
+    from jaxcb.bench.commands.serving import vllm_client_argv
+
+    python = tmp_path / "python"
+    python.write_text("")
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    flags = ["--vllm-client", str(python), "--tokenizer", str(tokenizer), "--port", "9"]
+    run = ["--random-input-len", "512", "--request-rate", "1.5", "--ignore-eos"]
+    args = parse_serving_flags([*flags, *run, "--goodput", "ttft:500", "--num-prompts", "64"])
+    argv = vllm_client_argv(args, "m", tmp_path / "out" / "r.json")
+    pairs = dict(zip(argv[::2], argv[1::2], strict=False))
+    assert pairs["--backend"] == "openai" and pairs["--base-url"] == "http://127.0.0.1:9"
+    assert pairs["--model"] == "m" and pairs["--tokenizer"] == str(tokenizer)
+    assert (pairs["--random-input-len"], pairs["--request-rate"]) == ("512", "1.5")
+    assert "--ignore-eos" in argv and argv[argv.index("--goodput") + 1] == "ttft:500"
+    assert argv[argv.index("--result-dir") + 1] == str(tmp_path / "out")
+    for bad in (["--dataset-name", "chat"], ["--vocab-size", "100"]):
+        with pytest.raises(SystemExit):
+            parse_serving_flags([*flags, *bad])
+    with pytest.raises(SystemExit):  # no tokenizer: vLLM's client tokenizes
+        parse_serving_flags(["--vllm-client", str(python)])
