@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcb.sampling import apply_penalties, sample
+from jaxcb.sampling import DRAW_BLOCK, apply_penalties, draw_categorical, sample
 
 V = 12
 
@@ -191,16 +191,17 @@ def reference_token(row, temperature, top_k, top_p, min_p, seed, counter, candid
     """One row's token by the full-sort definition, in float64 (asserting that no kept-set
     or path decision lies within float32 rounding of its bound). The kept set: the row
     sorted by logit (ties: lower id first), rank < top_k, mass ranked above < top_p,
-    probability >= min_p x the top one's, the top token always. The draw: Gumbel noise by
-    rank among the top `candidates` where they provably hold the kept set (as the code
-    before issue 18 drew), else by token id over the vocabulary (its full sort drew by rank)."""
+    probability >= min_p x the top one's, the top token always. The draw (sampling's
+    draw_categorical): by rank among the top `candidates` where they provably hold the kept
+    set (as the code before issue 18 drew), else by token id over the vocabulary (its full
+    sort drew by rank)."""
     vocab, tol = row.shape[0], 2e-6
     if temperature == 0:
         return int(np.argmax(row)), "greedy"
     x = np.asarray(jnp.asarray(row, jnp.float32) / jnp.float32(temperature))
     key = _key(seed, counter)[None]
     if (top_k <= 0 or top_k >= vocab) and top_p >= 1 and min_p <= 0:
-        return int(jax.vmap(jax.random.categorical)(key, jnp.asarray(x)[None])[0]), "whole"
+        return int(draw_categorical(key, jnp.asarray(x)[None])[0]), "whole"
     order = np.argsort(-x, kind="stable")
     probs = np.exp(x[order].astype(np.float64) - x.max())
     probs /= probs.sum()
@@ -217,11 +218,11 @@ def reference_token(row, temperature, top_k, top_p, min_p, seed, counter, candid
     fits = 0 < top_k <= c or probs[:c].sum() >= top_p or probs[c - 1] < min_p * probs[0]
     if fits:
         ranked = jnp.where(jnp.asarray(keep[:c]), jnp.asarray(x[order[:c]]), -jnp.inf)
-        return int(order[int(jax.vmap(jax.random.categorical)(key, ranked[None])[0])]), "ranked"
+        return int(order[int(draw_categorical(key, ranked[None])[0])]), "ranked"
     kept = np.zeros(vocab, bool)
     kept[order[keep]] = True
     masked = jnp.where(jnp.asarray(kept), jnp.asarray(x), -jnp.inf)
-    return int(jax.vmap(jax.random.categorical)(key, masked[None])[0]), "threshold"
+    return int(draw_categorical(key, masked[None])[0]), "threshold"
 
 
 def mixed_rows(vocab=4096, seed=0):
@@ -392,3 +393,29 @@ def test_accelerator_top_k_variants_match_lax_top_k():
     want_v, want_i = jax.lax.top_k(finite, 20)
     np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
     np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+
+
+def test_draw_categorical_draws_from_the_softmax():
+    """Inverse-CDF draws: the softmax's law (chi-square over 20,000 keys), never a -inf
+    token, each row's token its own whatever the batch, and a vocabulary past one block."""
+    from scipy.stats import chisquare
+
+    logits = np.array([2.0, -np.inf, 0.5, 1.0, -1.0, -np.inf, 0.0, 3.0], np.float32)
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(7), i))(jnp.arange(20_000))
+    rows = jnp.broadcast_to(jnp.asarray(logits), (20_000, 8))
+    tokens = np.asarray(draw_categorical(keys, rows))
+    counts = np.bincount(tokens, minlength=8)
+    assert counts[1] == counts[5] == 0
+    p = np.exp(logits.astype(np.float64) - logits.max())
+    live = p > 0
+    expected = 20_000 * p[live] / p[live].sum()
+    assert chisquare(counts[live], expected * counts.sum() / expected.sum()).pvalue > 1e-3
+    wide = jnp.asarray(np.random.default_rng(3).standard_normal((5, 3 * DRAW_BLOCK + 17)) * 4)
+    five = jax.vmap(lambda i: jax.random.key(i))(jnp.arange(5))
+    batched = np.asarray(draw_categorical(five, wide.astype(jnp.float32)))
+    for r in range(5):
+        alone = draw_categorical(five[r : r + 1], wide[r : r + 1].astype(jnp.float32))
+        assert int(alone[0]) == batched[r]
+    spike = np.full((1, 3 * DRAW_BLOCK + 17), -np.inf, np.float32)
+    spike[0, 2 * DRAW_BLOCK + 5] = 0.0  # one possible token, in a later block
+    assert int(draw_categorical(five[:1], jnp.asarray(spike))[0]) == 2 * DRAW_BLOCK + 5
