@@ -72,7 +72,9 @@ class DraftSequence:
         while same < limit and seq.token_ids[same] == target_tokens[same]:
             same += 1
         seq.num_computed_tokens = min(seq.num_computed_tokens, same)
-        seq.token_ids = list(target_tokens)
+        # (only what changed: copying the whole context every step would cost its length)
+        del seq.token_ids[same:]
+        seq.token_ids.extend(target_tokens[same:])
         self.num_given = len(target_tokens)
 
 

@@ -67,8 +67,8 @@ class Speculator:
     def propose(self, running: list[Request]) -> None:
         """Set `draft_token_ids` of every running request for the next step ([] for those
         not decoding, or without a guess, or when proposals do not pay now). Their tokens
-        must all be on the host."""
-        self.proposer.retain(running)
+        must all be on the host. (What the proposer keeps for requests no longer running
+        was dropped when the last step was observed.)"""
         k = self.config.num_speculative_tokens
         candidates: list[tuple[Request, int]] = []
         for request in running:
