@@ -183,4 +183,6 @@ def test_a_client_that_hangs_up_mid_upload_logs_no_traceback(server):
     assert request("GET", server.url + "/health")[0] == 200
     new = server.log().splitlines()[logged:]
     assert not [line for line in new if "Traceback" in line or " ERROR " in line], new
+    # (the background compile may still be logging its programs: not the requests' lines)
+    new = [line for line in new if " jaxcb.runtime." not in line]
     assert len(new) <= 3 + 1, new  # a line per hang-up at most, and /health's access line
