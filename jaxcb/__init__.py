@@ -10,13 +10,21 @@ host-side module (`jaxcb.config`, `jaxcb.engine.sched.scheduler`, ...) never sta
 from typing import TYPE_CHECKING, Any
 
 from jaxcb.config import EngineConfig
+from jaxcb.engine.lora_slots import LoRARequest
 from jaxcb.outputs import CompletionOutput, RequestOutput
 from jaxcb.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from jaxcb.llm import LLM
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "LoRARequest",
+    "RequestOutput",
+    "SamplingParams",
+]
 __version__ = "0.1.0"
 
 

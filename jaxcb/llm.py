@@ -10,6 +10,7 @@ from typing import Any
 
 from jaxcb.build import build_engine
 from jaxcb.config import EngineConfig
+from jaxcb.engine.lora_slots import LoRARequest
 from jaxcb.offline.driver import OfflineDriver
 from jaxcb.offline.ordering import check_order
 from jaxcb.outputs import RequestOutput
@@ -56,6 +57,7 @@ class LLM:
         priority: Sequence[int] | None = None,
         order: str = "arrival",
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
@@ -73,6 +75,9 @@ class LLM:
         max_num_seqs (times the replicas) waiting ones, and a request sharing pages with an
         earlier one waits until that one's prefill is done, so the two never both compute
         the shared pages in one step.
+
+        `lora_request`: the LoRA adapter (engine started with enable_lora) to run every
+        prompt with, or one per prompt (None: the base model).
         """
         check_order(order)
         prompt_list = _as_prompt_list(prompts)
@@ -92,7 +97,15 @@ class LLM:
             priorities = list(priority)
             if len(priorities) != len(prompt_list):
                 raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompt_list)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompt_list):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompt_list)} prompts")
         engine = self.engine
+        for lora in dict.fromkeys(x for x in loras if x is not None):
+            engine.add_lora(lora)  # (each adapter read and checked before anything is queued)
         requests = list(zip(prompt_list, params_list, priorities, strict=True))
         prompt_ids = [
             engine.validate_request(prompt, params, priority=prio)[1]
@@ -112,7 +125,9 @@ class LLM:
 
         def submit(i: int, final_only: bool) -> str:
             prompt, sp, prio = requests[i]
-            ids[i] = engine.add_request(None, prompt, sp, priority=prio, final_only=final_only)
+            ids[i] = engine.add_request(
+                None, prompt, sp, priority=prio, final_only=final_only, lora_request=loras[i]
+            )
             return ids[i]
 
         def finished(out: RequestOutput) -> None:

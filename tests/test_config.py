@@ -14,6 +14,7 @@ from jaxcb.config import (
     EngineConfig,
     KernelConfig,
     LimitsConfig,
+    LoraConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -168,6 +169,7 @@ def test_flat_names_are_unique_and_complete() -> None:
         "limits": LimitsConfig,
         "parallel": ParallelConfig,
         "speculative_config": SpeculativeConfig,
+        "lora": LoraConfig,
     }
     names = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in sections]
     top = set(names)
@@ -436,3 +438,17 @@ def test_speculative_config_as_vllm_spells_it() -> None:
         EngineConfig.from_dict(None, speculative_config={"model": "d", "quantization": "q4"})
     with pytest.raises(ValueError, match="are a draft_model's, not 'ngram'"):
         EngineConfig.from_dict(None, speculative_config={"method": "ngram", "quantization": "int8"})
+
+
+def test_lora_fields_and_their_checks() -> None:
+    config = EngineConfig.from_dict(enable_lora=True, max_loras=4, max_lora_rank=64)
+    assert config.lora == LoraConfig(enable_lora=True, max_loras=4, max_lora_rank=64)
+    assert EngineConfig.from_dict({"lora": {"enable_lora": True}}).lora.max_loras == 1
+    for flat, message in [
+        ({"max_loras": 0}, "max_loras must be in"),
+        ({"max_lora_rank": 1024}, "max_lora_rank must be in"),
+        ({"enable_lora": True, "batching": "static"}, "enable_lora needs batching continuous"),
+        ({"enable_lora": True, "scan_layers": False}, "enable_lora needs kernels.scan_layers"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig.from_dict(**flat)

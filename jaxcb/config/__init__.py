@@ -11,6 +11,7 @@ A YAML preset mirrors the dataclasses one to one::
     limits:    {max_waiting_requests: 1024, max_n: 128}
     parallel:  {tensor_parallel_size: 1, data_parallel_size: 1}
     speculative_config: {method: ngram, num_speculative_tokens: 4}   # as vLLM's
+    lora:      {enable_lora: true, max_loras: 4, max_lora_rank: 16}
 
 Every field, however nested, can also be given flat (`LLM(page_size=16)`,
 `serve.py --page-size 16`): field names are unique across sections. Unknown names and bad
@@ -38,6 +39,7 @@ from jaxcb.config.sections import (
     CacheConfig,
     KernelConfig,
     LimitsConfig,
+    LoraConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -59,6 +61,7 @@ __all__ = [
     "EngineConfig",
     "KernelConfig",
     "LimitsConfig",
+    "LoraConfig",
     "ParallelConfig",
     "SchedulerConfig",
     "SpeculativeConfig",
@@ -89,6 +92,7 @@ class EngineConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -101,6 +105,17 @@ class EngineConfig:
             self.max_model_len is None or self.max_model_len >= 1,
             f"max_model_len must be >= 1, got {self.max_model_len}",
         )
+        if self.lora.enable_lora:
+            _check(
+                self.scheduler.batching == "continuous",
+                "enable_lora needs batching continuous (the padded-batch baselines serve the "
+                "base model only)",
+            )
+            _check(
+                self.kernels.scan_layers is not False,
+                "enable_lora needs kernels.scan_layers true (the adapters' slot arrays are "
+                "read per layer of the scan)",
+            )
 
     @property
     def max_num_sample_rows(self) -> int:
@@ -155,6 +170,7 @@ SECTIONS: dict[str, type] = {
     "limits": LimitsConfig,
     "parallel": ParallelConfig,
     "speculative_config": SpeculativeConfig,
+    "lora": LoraConfig,
 }
 
 

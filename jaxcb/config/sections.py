@@ -410,3 +410,27 @@ class SpeculativeConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters served on the base model (docs/lora.md), as vLLM's flags: requests name
+    an adapter (`LLM.generate(lora_request=...)`, the server's `model` field) and run with
+    it, adapters and base rows mixed in one step. The device holds `max_loras` adapters of
+    rank up to `max_lora_rank` at once, in slot arrays of fixed shapes (nothing is
+    recompiled when an adapter loads); more adapters wait on the host and take a slot when
+    a request needs them."""
+
+    SECTION: ClassVar[str] = "lora"
+
+    enable_lora: bool = False  # serve LoRA adapters (slot arrays in the step)
+    max_loras: int = 1  # adapters on the device at once (slots)
+    max_lora_rank: int = 16  # the largest adapter rank a slot holds
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _check(1 <= self.max_loras <= 64, f"max_loras must be in [1, 64], got {self.max_loras}")
+        _check(
+            1 <= self.max_lora_rank <= 512,
+            f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}",
+        )

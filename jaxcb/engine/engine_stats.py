@@ -25,6 +25,7 @@ class StatsSource(Protocol):
     grammars: GrammarCompiler
     swapper: Swapper | None
     itl: ITLController | None
+    loras: dict[int, Any]  # LoRA adapters known, by lora_int_id
 
     @property
     def async_scheduling(self) -> bool: ...
@@ -48,6 +49,7 @@ def engine_stats(
     spec = engine.spec_decode_counts()
     compiling, background_seconds = engine.runner.background_compile()
     slots, queries = s["token_slots"], s["prefix_queries"]
+    lora = engine.scheduler.lora_slots
     return {
         "steps": s["steps"],
         "requests": s["requests"],
@@ -121,4 +123,9 @@ def engine_stats(
         "prefill_budget": (
             engine.itl.budget if engine.itl else engine.config.scheduler.max_num_batched_tokens
         ),
+        # LoRA (engine/lora_slots.py): adapters known, in device slots now, and written
+        # into a slot so far (first loads and swaps)
+        "lora_adapters": len(engine.loras),
+        "lora_slots_used": len(engine.scheduler.lora_slots.loaded) if lora else 0,
+        "lora_loads": s["lora_loads"],
     }

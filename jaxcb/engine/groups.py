@@ -28,9 +28,11 @@ def new_sample(
     max_model_len: int,
     config: EngineConfig,
     eos_token_ids: frozenset[int],
+    lora: tuple[int, bytes] = (0, b""),
 ) -> Request:
     """Sample j of a request's n: its own id, seed and output budget; latency targets its
-    own, or the config's defaults. `rng` draws the seeds of requests that give none."""
+    own, or the config's defaults. `rng` draws the seeds of requests that give none.
+    `lora`: its adapter's (lora_int_id, prefix-cache root); (0, b""): the base model."""
     room = max(1, max_model_len - len(prompt_ids))
     cap = config.limits.max_output_tokens or room
     if params.seed is not None:
@@ -51,6 +53,8 @@ def new_sample(
         tpot_target_ms=_or(params.tpot_target_ms, sched.tpot_target_ms),
         # the first sample computes the prompt logprobs for all n
         prompt_logprobs=[None] if params.prompt_logprobs is not None and j == 0 else None,
+        lora_id=lora[0],
+        lora_key=lora[1],
     )
 
 

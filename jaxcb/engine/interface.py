@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxcb.config import EngineConfig
 from jaxcb.engine.buckets import Bucket
+from jaxcb.engine.lora_slots import LoRARequest
 from jaxcb.engine.sched.schedule import SchedulerOutput
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
@@ -89,6 +90,20 @@ class Runner(Protocol):
         (or a later one) writes them, and the copies in land before the step reads them."""
         ...
 
+    def add_lora(self, lora_id: int, path: str) -> None:
+        """Read the PEFT adapter in `path` onto the host as `lora_id` (a repeated id: kept
+        as it is); ValueError (one line) if it does not fit the base model or LoRA is off."""
+        ...
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Drop the host copy of an adapter (no slot may hold it any more)."""
+        ...
+
+    def load_lora_slot(self, slot: int, lora_id: int) -> None:
+        """Write an added adapter into device slot `slot` (1..max_loras), before the step
+        whose rows use it runs (the engine calls it after `schedule()`, as `swap`)."""
+        ...
+
 
 @dataclass(frozen=True)
 class EngineInfo:
@@ -120,6 +135,9 @@ class EngineInfo:
     # bandwidth measured at start-up (bytes/s, one direction; 0.0: not measured).
     num_swap_pages: int = 0
     swap_bytes_per_s: float = 0.0
+    # LoRA: the device's adapter slots and their rank (0: LoRA off; jaxcb/lora.py).
+    max_loras: int = 0
+    max_lora_rank: int = 0
     kv_pool_sizing: str = ""  # how num_pages was decided (runtime/kv_cache.py's PoolSizing)
     quantization: str = "none"  # of the weights (EngineConfig.quantization)
     weight_bytes: int = 0  # the weights as stored on the devices (all of them)
@@ -263,8 +281,23 @@ class Engine(abc.ABC):
         arrival_time: float | None = None,
         priority: int = 0,
         final_only: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id (ValueError for bad input)."""
+        """Validate and queue a request; returns its id (ValueError for bad input).
+        `lora_request`: the LoRA adapter it runs with (None: the base model)."""
+
+    def add_lora(self, lora: LoRARequest) -> Any:
+        """Make a LoRA adapter known (read, checked against the model); ValueError (one
+        line) if it cannot be, or if the engine serves no adapters."""
+        raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True")
+
+    def remove_lora(self, lora_int_id: int) -> LoRARequest:
+        """Forget a LoRA adapter; ValueError if it is unknown or in use."""
+        raise ValueError(f"no LoRA adapter has lora_int_id {lora_int_id}")
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The LoRA adapters known, in the order they were added."""
+        return []
 
     @abc.abstractmethod
     def validate_request(

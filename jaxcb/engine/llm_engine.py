@@ -44,6 +44,7 @@ from jaxcb.engine.interface import (
     SpecDecodeCounts,
     StepRecord,
 )
+from jaxcb.engine.lora_slots import LoRARequest, LoraSlots
 from jaxcb.engine.output_processor import OutputProcessor
 from jaxcb.engine.sched.factory import build_itl_controller, build_scheduler, build_swapper
 from jaxcb.engine.sched.itl_controller import shared_token_budget
@@ -107,6 +108,12 @@ class LLMEngine(Engine):
             logger.warning("async_scheduling is off: %s", self._sync_reason)
         self._async = asked is not False and self._sync_reason is None
         self._inflight: InFlightStep | None = None
+        # LoRA: the adapters added so far, by lora_int_id, with the root of their prefix
+        # cache hashes; the device's slots are the scheduler's.
+        self.loras: dict[int, tuple[LoRARequest, bytes]] = {}
+        self._lora_keys = itertools.count(1)
+        if info.max_loras:
+            self.scheduler.lora_slots = LoraSlots(info.max_loras)
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -119,17 +126,20 @@ class LLMEngine(Engine):
         arrival_time: float | None = None,
         priority: int = 0,
         final_only: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Bad input raises ValueError and
         leaves the engine untouched. `priority` matters under the "priority" policy only
         (lower values are admitted first); elsewhere it must be 0. `final_only`: step()
         returns the request's output once, when it finishes, instead of after every token
-        (vLLM's RequestOutputKind.FINAL_ONLY; what LLM.generate asks for)."""
+        (vLLM's RequestOutputKind.FINAL_ONLY; what LLM.generate asks for). `lora_request`:
+        the adapter to run it with (added on first use; None: the base model)."""
         params = params or SamplingParams()
         prompt_text, prompt_ids = self.validate_request(prompt, params, priority=priority)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.output_processor.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        lora = self.add_lora(lora_request) if lora_request is not None else (0, b"")
         grammar = self.grammars.compile(params.structured_outputs)  # None: unconstrained
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = [
@@ -144,6 +154,7 @@ class LLMEngine(Engine):
                 max_model_len=self.max_model_len,
                 config=self.config,
                 eos_token_ids=self.eos_token_ids,
+                lora=lora,
             )
             for j in range(params.n)
         ]
@@ -165,6 +176,53 @@ class LLMEngine(Engine):
         self._stats["requests"] += 1
         self._stats["prompt_tokens"] += len(prompt_ids) * params.n
         return request_id
+
+    def add_lora(self, lora: LoRARequest) -> tuple[int, bytes]:
+        """Make an adapter known (its weights read onto the host), if it is not yet; returns
+        (lora_int_id, its prefix-cache root). ValueError (one line) for an adapter that does
+        not fit the base model, an id or name already another adapter's, or LoRA off."""
+        if self.scheduler.lora_slots is None:
+            raise ValueError(
+                f"this engine serves no LoRA adapters (asked for {lora.lora_name!r}): start it "
+                "with enable_lora=True"
+            )
+        known = self.loras.get(lora.lora_int_id)
+        if known is not None:
+            if known[0] != lora:
+                raise ValueError(
+                    f"lora_int_id {lora.lora_int_id} is already adapter "
+                    f"{known[0].lora_name!r} ({known[0].lora_path})"
+                )
+            return lora.lora_int_id, known[1]
+        for other, _ in self.loras.values():
+            if other.lora_name == lora.lora_name:
+                raise ValueError(
+                    f"LoRA name {lora.lora_name!r} is already adapter {other.lora_int_id} "
+                    f"({other.lora_path})"
+                )
+        self.runner.add_lora(lora.lora_int_id, lora.lora_path)
+        key = f"lora:{next(self._lora_keys)}".encode()
+        self.loras[lora.lora_int_id] = (lora, key)
+        return lora.lora_int_id, key
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [lora for lora, _ in self.loras.values()]
+
+    def remove_lora(self, lora_int_id: int) -> LoRARequest:
+        """Forget an adapter (its slot and its host copy); ValueError if it is unknown or
+        a queued or running request uses it."""
+        if lora_int_id not in self.loras:
+            raise ValueError(f"no LoRA adapter has lora_int_id {lora_int_id}")
+        lora = self.loras[lora_int_id][0]
+        users = sum(
+            r.lora_id == lora_int_id for r in [*self.scheduler.waiting, *self.scheduler.running]
+        )
+        if users:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r} is in use by {users} requests")
+        self.scheduler.lora_slots.forget(lora_int_id)
+        self.runner.remove_lora(lora_int_id)
+        del self.loras[lora_int_id]
+        return lora
 
     def validate_request(
         self, prompt: str | Sequence[int], params: SamplingParams, *, priority: int = 0
@@ -237,6 +295,7 @@ class LLMEngine(Engine):
         had_decode = sched.num_decode_tokens > 0
         t1 = time.perf_counter()
         swap_seconds = self._swap(sched)
+        self._load_loras(sched)
         result = self.runner.execute(bucket, prepared)
         t2 = time.perf_counter()
         self.scheduler.update_after_step(sched)
@@ -284,6 +343,7 @@ class LLMEngine(Engine):
         bucket = self._bucket(sched)
         link_to_inflight(sched, pending)
         prepared = self.runner.prepare(sched, bucket)
+        self._load_loras(sched)
         self._inflight = InFlightStep.dispatch(
             self.runner, sched, bucket, prepared, alone=pending is None
         )
@@ -332,6 +392,12 @@ class LLMEngine(Engine):
         seconds = time.perf_counter() - t0
         self._stats["swap_seconds"] += seconds
         return seconds
+
+    def _load_loras(self, sched: SchedulerOutput) -> None:
+        """The adapters the step's admitted requests need written into their slots."""
+        for slot, lora_id in sched.lora_loads:
+            self.runner.load_lora_slot(slot, lora_id)
+        self._stats["lora_loads"] += len(sched.lora_loads)
 
     def _schedule(self) -> tuple[SchedulerOutput, int]:
         """This step's schedule and the token budget it was made under: the ITL

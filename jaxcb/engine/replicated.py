@@ -29,6 +29,7 @@ from typing import Any
 from jaxcb.config import EngineConfig
 from jaxcb.engine.interface import Engine, EngineInfo, KVUsage, SpecDecodeCounts, StepRecord
 from jaxcb.engine.llm_engine import LLMEngine
+from jaxcb.engine.lora_slots import LoRARequest
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
 
@@ -92,6 +93,7 @@ class ReplicatedEngine(Engine):
         arrival_time: float | None = None,
         priority: int = 0,
         final_only: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request on the least-loaded replica (LLMEngine.add_request's contract)."""
         if request_id is None:
@@ -109,9 +111,21 @@ class ReplicatedEngine(Engine):
             arrival_time=arrival_time,
             priority=priority,
             final_only=final_only,
+            lora_request=lora_request,
         )
         self._owner[request_id] = index
         return request_id
+
+    def add_lora(self, lora: LoRARequest) -> Any:
+        results = [replica.add_lora(lora) for replica in self.replicas]  # (every replica's)
+        return results[0]
+
+    def remove_lora(self, lora_int_id: int) -> LoRARequest:
+        results = [replica.remove_lora(lora_int_id) for replica in self.replicas]
+        return results[0]
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.replicas[0].list_loras()
 
     def validate_request(
         self, prompt: str | Sequence[int], params: SamplingParams, *, priority: int = 0

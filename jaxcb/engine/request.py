@@ -96,6 +96,13 @@ class Request:
     # own state for it (an n-gram index, ...).
     draft_token_ids: list[int] = field(default_factory=list)
     proposer_state: Any = None
+    # LoRA (engine/lora_slots.py): the adapter it runs under (its lora_int_id; 0: the base
+    # model), the root its prefix-cache page hashes chain from (the adapter's, so two
+    # adapters never share pages; b"": the base model's), and the device slot it holds while
+    # running (0: none).
+    lora_id: int = 0
+    lora_key: bytes = b""
+    lora_slot: int = 0
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:

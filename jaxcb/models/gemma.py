@@ -36,12 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcb.lora import lora_rows
 from jaxcb.models import llama
 from jaxcb.models.base import AttentionBackend, AttentionMetadata, KVCache, ModelSpec, Params
 from jaxcb.models.layers import rms_norm, rope_for, soft_cap
-from jaxcb.models.packed import embed_tokens, lm_head, matmul
+from jaxcb.models.packed import embed_tokens, lm_head
 from jaxcb.models.stacking import run_layers
-from jaxcb.models.sublayers import attention_block, mlp
+from jaxcb.models.sublayers import attention_block, mlp, project
 from jaxcb.models.weights import CheckpointTensors, ConfigFields, ModelLoadError, cast
 
 #: Hugging Face class -> variant
@@ -176,6 +177,7 @@ def forward(
     num_logits_rows: jax.Array,  # i32[1]: the real rows of logits_indices
     need_logits: jax.Array,  # bool[]
     scan_layers: bool = True,
+    lora_slots: jax.Array | None = None,  # i32[T]: each token row's LoRA slot (0: none)
 ) -> tuple[jax.Array, jax.Array | None, KVCache, jax.Array]:
     """One forward pass over a packed ragged batch; the contract of llama.forward."""
     real_tokens = num_compute_tokens[0]
@@ -190,7 +192,7 @@ def forward(
     x = embed_tokens(params, input_ids) * scale  # [T, H]
     activation = ACTIVATIONS[spec.activation]
 
-    def layer_fn(layer: Params, carry: tuple, i: Any, kind: int) -> tuple:
+    def layer_fn(layer: Params, carry: tuple, i: Any, kind: int, lora: Any = None) -> tuple:
         x, kv_caches = carry
         window = spec.sliding_windows[kind]
         attn, kv_caches = attention_block(
@@ -205,14 +207,22 @@ def forward(
             real_tokens,
             sliding_window=window,
             soft_cap=spec.attn_logit_soft_cap,
+            lora=lora,
         )
-        x = x + rms_norm(matmul(attn, layer["wo"], real_tokens), layer["post_attn_norm"], eps)
-        h = mlp(layer, rms_norm(x, layer["mlp_norm"], eps), real_tokens, activation)
+        x = x + rms_norm(
+            project(attn, layer, "wo", real_tokens, lora), layer["post_attn_norm"], eps
+        )
+        h = mlp(layer, rms_norm(x, layer["mlp_norm"], eps), real_tokens, activation, lora)
         return x + rms_norm(h, layer["post_mlp_norm"], eps), kv_caches
 
     # (local and global layers alternate: the scan's body holds one period of the pattern)
     x, kv_caches = run_layers(
-        params["layers"], (x, kv_caches), layer_fn, kinds=spec.sliding_windows, scan=scan_layers
+        params["layers"],
+        (x, kv_caches),
+        layer_fn,
+        kinds=spec.sliding_windows,
+        scan=scan_layers,
+        lora=None if lora_slots is None else lora_rows(lora_slots, params),
     )
     hidden = rms_norm(x, params["final_norm"], eps)  # [T, H]
     logits, greedy = lm_head(params, hidden[logits_indices], num_logits_rows[0], need_logits)

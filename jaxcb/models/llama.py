@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxcb.lora import lora_rows
 from jaxcb.models.base import (
     AttentionBackend,
     AttentionMetadata,
@@ -31,9 +32,9 @@ from jaxcb.models.base import (
     Params,
 )
 from jaxcb.models.layers import rms_norm, rope_for
-from jaxcb.models.packed import embed_tokens, lm_head, matmul, normed
+from jaxcb.models.packed import embed_tokens, lm_head, normed
 from jaxcb.models.stacking import run_layers
-from jaxcb.models.sublayers import attention_block, mlp
+from jaxcb.models.sublayers import attention_block, mlp, project
 from jaxcb.models.weights import CheckpointTensors, ConfigFields, ModelLoadError, cast
 
 #: Hugging Face class -> variant
@@ -346,6 +347,7 @@ def forward(
     num_logits_rows: jax.Array,  # i32[1]: the real rows of logits_indices
     need_logits: jax.Array,  # bool[]: whether anything but the greedy tokens is read
     scan_layers: bool = True,
+    lora_slots: jax.Array | None = None,  # i32[T]: each token row's LoRA slot (0: none)
 ) -> tuple[jax.Array, jax.Array | None, KVCache, jax.Array]:
     """One forward pass over a packed ragged batch: f32[S, V] logits, their greedy tokens
     (i32[S]) when the LM head's kernel computes them on the way (else None), new caches,
@@ -363,7 +365,7 @@ def forward(
     # the KV pages take the narrow dtype.
     x = embed_tokens(params, input_ids)  # [T, H]
 
-    def layer_fn(layer: Params, carry: tuple, i: Any, kind: int) -> tuple:
+    def layer_fn(layer: Params, carry: tuple, i: Any, kind: int, lora: Any = None) -> tuple:
         x, kv_caches = carry
         # (left to the int8 / int4 kernels of the next matmul where they take it: `normed`)
         h = normed(x, layer["attn_norm"], spec.rms_norm_eps, layer["wqkv"])
@@ -378,13 +380,19 @@ def forward(
             i,
             real_tokens,
             sliding_window=spec.sliding_windows[kind],
+            lora=lora,
         )
-        x = x + matmul(attn, layer["wo"], real_tokens)
+        x = x + project(attn, layer, "wo", real_tokens, lora)
         h = normed(x, layer["mlp_norm"], spec.rms_norm_eps, layer["w_gate_up"])
-        return x + mlp(layer, h, real_tokens), kv_caches
+        return x + mlp(layer, h, real_tokens, lora=lora), kv_caches
 
     x, kv_caches = run_layers(
-        params["layers"], (x, kv_caches), layer_fn, kinds=spec.sliding_windows, scan=scan_layers
+        params["layers"],
+        (x, kv_caches),
+        layer_fn,
+        kinds=spec.sliding_windows,
+        scan=scan_layers,
+        lora=None if lora_slots is None else lora_rows(lora_slots, params),
     )
     hidden = rms_norm(x, params["final_norm"], spec.rms_norm_eps)  # [T, H]
     logits, greedy = lm_head(params, hidden[logits_indices], num_logits_rows[0], need_logits)

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcb.lora import lora_rows
 from jaxcb.models import llama
 from jaxcb.models.base import (
     AttentionBackend,
@@ -52,9 +53,9 @@ from jaxcb.models.base import (
 )
 from jaxcb.models.experts import experts_ffn
 from jaxcb.models.layers import dense, rms_norm, rope_for
-from jaxcb.models.packed import embed_tokens, lm_head, matmul
+from jaxcb.models.packed import embed_tokens, lm_head
 from jaxcb.models.stacking import run_layers
-from jaxcb.models.sublayers import attention_block, mlp
+from jaxcb.models.sublayers import attention_block, mlp, project
 from jaxcb.models.weights import CheckpointTensors, ConfigFields, ModelLoadError, cast
 
 #: Hugging Face class -> variant (its config.json model_type)
@@ -335,13 +336,14 @@ def forward(
     num_logits_rows: jax.Array,  # i32[1]: the real rows of logits_indices
     need_logits: jax.Array,  # bool[]: whether anything but the greedy tokens is read
     scan_layers: bool = True,
+    lora_slots: jax.Array | None = None,  # i32[T]: each token row's LoRA slot (0: none)
 ) -> tuple[jax.Array, jax.Array | None, KVCache, jax.Array]:
     """One forward pass over a packed ragged batch; the contract of llama.forward."""
     real_tokens = num_compute_tokens[0]
     rope = rope_for(spec, positions)
     x = embed_tokens(params, input_ids)  # [T, H], float32 throughout
 
-    def layer_fn(layer: Params, carry: tuple, i: Any, kind: int) -> tuple:
+    def layer_fn(layer: Params, carry: tuple, i: Any, kind: int, lora: Any = None) -> tuple:
         x, kv_caches = carry
         h = rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
         attn, kv_caches = attention_block(
@@ -355,17 +357,23 @@ def forward(
             i,
             real_tokens,
             sliding_window=spec.sliding_windows[kind],
+            lora=lora,
         )
-        x = x + matmul(attn, layer["wo"], real_tokens)
+        x = x + project(attn, layer, "wo", real_tokens, lora)
         h = rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
         if spec.sparse_layers[kind]:
             return x + sparse_mlp(layer, h, spec, real_tokens), kv_caches
-        return x + mlp(layer, h, real_tokens), kv_caches
+        return x + mlp(layer, h, real_tokens, lora=lora), kv_caches
 
     # (dense and sparse layers hold different weights: separate stacked runs)
     kinds = tuple(zip(spec.sliding_windows, spec.sparse_layers, strict=True))
     x, kv_caches = run_layers(
-        params["layers"], (x, kv_caches), layer_fn, kinds=kinds, scan=scan_layers
+        params["layers"],
+        (x, kv_caches),
+        layer_fn,
+        kinds=kinds,
+        scan=scan_layers,
+        lora=None if lora_slots is None else lora_rows(lora_slots, params),
     )
     hidden = rms_norm(x, params["final_norm"], spec.rms_norm_eps)  # [T, H]
     logits, greedy = lm_head(params, hidden[logits_indices], num_logits_rows[0], need_logits)

@@ -36,6 +36,15 @@ class LayerWeight(NamedTuple):
     index: Any  # int, or an i32 scalar traced in a scan over the layers
 
 
+class LayerSlots(NamedTuple):
+    """Layer `index` of a run's LoRA slot arrays (jaxcb/lora.py), left stacked by `at_layer`:
+    the layer is sliced inside the branch that reads it, which runs only when some row has an
+    adapter (`lora.add_adapters`), so a step without one neither reads nor copies it."""
+
+    stack: Params
+    index: Any  # int, or an i32 scalar traced in a scan over the layers
+
+
 Weight = jax.Array | dict[str, jax.Array] | LayerWeight
 
 
@@ -43,14 +52,15 @@ def at_layer(stack: Params, index: Any) -> Params:
     """Layer `index` (an int, or traced) of a run's params stacked over its layers: a weight
     packed for a native kernel as a LayerWeight (read in place by the kernel), every other
     array its slice (norms, biases; and on XLA every matmul weight, whose slice XLA fuses
-    into the op that reads it on accelerators)."""
+    into the op that reads it on accelerators). LoRA slot arrays ("lora") stay stacked, as
+    LayerSlots."""
 
     def one(w: Any) -> Any:
         if (packed := _packed(w)) is not None:
             return LayerWeight(packed[0], packed[1], index)
         return jax.tree_util.tree_map(lambda a: a[index], w)
 
-    return {name: one(w) for name, w in stack.items()}
+    return {name: LayerSlots(w, index) if name == "lora" else one(w) for name, w in stack.items()}
 
 
 def _packed(w: Any) -> tuple[str, jax.Array] | None:

@@ -111,7 +111,7 @@ def segments(kinds: Sequence[Hashable]) -> list[tuple[int, int, int]]:
     return out
 
 
-LayerFn = Callable[[Params, Any, Any, int], Any]
+LayerFn = Callable[..., Any]
 
 
 def run_layers(
@@ -121,13 +121,22 @@ def run_layers(
     *,
     kinds: Sequence[Hashable],
     scan: bool,
+    lora: Any = None,
 ) -> Any:
-    """carry after every layer in order: `layer_fn(layer, carry, index, kind_index)` with the
-    layer's params (`at_layer`), its index (an int, or traced inside a scan: for what may
-    vary, such as its pages), and the index of a layer of the same kind (an int: for what
-    the trace depends on, such as its sliding window). `scan`: `layers` are the stacked runs
-    (`stack_layers`) and each run's `segments` by `kinds` (each layer's static kind) are
-    scanned; else `layers` are the loaders' per-layer params, unrolled (`unrolled`)."""
+    """carry after every layer in order: `layer_fn(layer, carry, index, kind_index)`
+    with the layer's params (`at_layer`), its index (an int, or traced inside a scan: for
+    what may vary, such as its pages), and the index of a layer of the same kind (an int:
+    for what the trace depends on, such as its sliding window). `scan`: `layers` are the
+    stacked runs (`stack_layers`) and each run's `segments` by `kinds` (each layer's static
+    kind) are scanned; else `layers` are the loaders' per-layer params, unrolled
+    (`unrolled`).
+
+    `lora`: the token rows' LoRA adapters (jaxcb/lora.py's LoraRows), handed to every
+    layer_fn call as `lora=`; None: not passed."""
+    if lora is not None:
+        if not scan:
+            raise ValueError("LoRA adapters need the layers scanned (kernels.scan_layers true)")
+        layer_fn = functools.partial(layer_fn, lora=lora)
     if not scan:
         return unrolled(layers, carry, layer_fn, kinds=kinds)
     first = 0

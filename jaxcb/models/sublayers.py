@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxcb.lora import LoraRows, add_adapters
 from jaxcb.models.base import (
     AttentionBackend,
     AttentionMetadata,
@@ -27,7 +28,7 @@ from jaxcb.models.base import (
     layer_metadata,
 )
 from jaxcb.models.layers import apply_rope, precision, rms_norm
-from jaxcb.models.packed import matmul, native_weight, packed_swiglu
+from jaxcb.models.packed import Normed, matmul, native_weight, packed_swiglu
 
 
 def attention_block(
@@ -43,18 +44,20 @@ def attention_block(
     *,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    lora: LoraRows | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Layer `index`'s (an int, or traced in a scan) attention output [T, Hq * D] (before
-    wo) and the pool with its new K/V written (`caches`: every layer's pages, and their
-    scales for quantized pages: then (k, v, k_scales, v_scales)). `sliding_window`: the
-    layer's (None: full attention). `soft_cap`: attention scores become
-    soft_cap * tanh(score / soft_cap) (Gemma 2)."""
+        wo) and the pool with its new K/V written (`caches`: every layer's pages, and their
+        scales for quantized pages: then (k, v, k_scales, v_scales)). `sliding_window`: the
+        layer's (None: full attention). `soft_cap`: attention scores become
+        soft_cap * tanh(score / soft_cap) (Gemma 2). `lora`: the token rows' adapters
+    (jaxcb/lora.py's `lora_rows`), or None: the base weights only."""
     num_tokens, g, d = h.shape[0], spec.group_size, spec.head_dim
     per_layer = isinstance(caches, list)  # (unrolled layers: a pool per layer)
     pool = caches[index] if per_layer else caches
     if not per_layer:
         meta = layer_metadata(meta, caches, index, spec.num_layers)
-    qkv = matmul(h, layer["wqkv"], real_tokens)  # [T, Hkv * (G + 2) * D]
+    qkv = project(h, layer, "wqkv", real_tokens, lora)  # [T, Hkv * (G + 2) * D]
     qkv = qkv.reshape(num_tokens, spec.num_kv_heads, g + 2, d)  # [T, Hkv, G + 2, D]
     if "bqkv" in layer:
         qkv = qkv + layer["bqkv"].astype(jnp.float32)
@@ -88,30 +91,57 @@ def attention_block(
     return out.reshape(num_tokens, -1), pool
 
 
+def project(
+    x: jax.Array | Normed,
+    layer: Params,
+    name: str,
+    real_tokens: jax.Array,
+    lora: LoraRows | None = None,
+) -> jax.Array:
+    """x @ layer[name] (packed.matmul), plus each row's LoRA adapter term when `lora` (the
+    rows' adapters) is given and the layer carries slot arrays for the weight."""
+    y = matmul(x, layer[name], real_tokens)
+    if _adapted(layer, name, lora):
+        y = add_adapters(y, x, layer["lora"], name, lora)
+    return y
+
+
+def _adapted(layer: Params, name: str, lora: LoraRows | None) -> bool:
+    return lora is not None and "lora" in layer and name in layer["lora"].stack
+
+
 def mlp(
     layer: Params,
     h: jax.Array,
     real_tokens: jax.Array,
     activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+    lora: LoraRows | None = None,
 ) -> jax.Array:
     """down(activation(gate(h)) * up(h)) for the normed residual h [T, H]: SwiGLU, or GeGLU
-    with a gelu `activation` (Gemma)."""
+    with a gelu `activation` (Gemma). `lora`: as attention_block's (gate and up then come
+    out of the matmul apart, never out of a kernel that fuses the activation)."""
     w = layer["w_gate_up"]  # [H, 2, I]
-    swiglu = packed_swiglu(w) if activation is jax.nn.silu else None
+    adapted = _adapted(layer, "w_gate_up", lora)
+    swiglu = packed_swiglu(w) if activation is jax.nn.silu and not adapted else None
     if swiglu is not None:  # the activation in the matmul's epilogue
         act = swiglu(h, real_tokens)
     elif isinstance(w, dict) or native_weight(w) is not None:  # packed [H, 2 * I]; quantized
-        gate_up = matmul(h, w, real_tokens).reshape(h.shape[0], 2, -1)
+        gate_up = project(h, layer, "w_gate_up", real_tokens, lora).reshape(h.shape[0], 2, -1)
         act = activation(gate_up[:, 0]) * gate_up[:, 1]
     else:
         # Gate and up in one matmul, without merging (2, I) into one axis: tensor parallelism
         # shards I, and a merged 2 * I axis would not be sharded evenly (XLA would gather w).
+        x = h.value() if isinstance(h, Normed) else h
         gate_up = jnp.einsum(
             "th,hci->tci",
-            h.astype(w.dtype),
+            x.astype(w.dtype),
             w,
             preferred_element_type=jnp.float32,
             precision=precision(w.dtype),
         )  # [T, 2, I]
+        if adapted:
+            flat = gate_up.reshape(h.shape[0], -1)
+            flat = add_adapters(flat, x, layer["lora"], "w_gate_up", lora)
+            gate_up = flat.reshape(gate_up.shape)
         act = activation(gate_up[:, 0]) * gate_up[:, 1]
-    return matmul(act, layer["w_down"], real_tokens)
+    return project(act, layer, "w_down", real_tokens, lora)

@@ -139,7 +139,7 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def _read_safetensors_file(path: Path) -> dict[str, np.ndarray]:
+def read_safetensors_file(path: Path) -> dict[str, np.ndarray]:
     """Memory-map one .safetensors file: an 8-byte header length, a JSON header, raw data.
 
     Reading it with numpy directly keeps tensors on the host (no trip through a device) and
@@ -191,7 +191,7 @@ def read_safetensors(model_dir: str | Path) -> dict[str, np.ndarray]:
     """All tensors of a checkpoint as (memory-mapped) numpy arrays."""
     tensors: dict[str, np.ndarray] = {}
     for path in _safetensors_files(Path(model_dir)):
-        tensors.update(_read_safetensors_file(path))
+        tensors.update(read_safetensors_file(path))
     return tensors
 
 

@@ -81,7 +81,8 @@ def plan_device(config: EngineConfig, spec: ModelSpec, platform: str) -> DeviceP
     )
     buckets = make_buckets(token_buckets, config.max_num_sample_rows, sched.seq_buckets)
     scan = config.kernels.scan_layers
-    scan = scan_layers_default(platform) if scan is None else scan
+    if scan is None:  # (LoRA's slot arrays are read per layer of the scan: scanned then)
+        scan = scan_layers_default(platform) or config.lora.enable_lora
     return DevicePlan(config, spec, platform, max_model_len, attention, kv_dtype, buckets, scan)
 
 

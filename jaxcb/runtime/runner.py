@@ -27,9 +27,12 @@ import numpy as np
 from jaxcb.engine.buckets import Bucket
 from jaxcb.engine.interface import StepResult
 from jaxcb.engine.sched.schedule import SchedulerOutput
+from jaxcb.lora import has_lora, slot_values, stack_slot_values, write_slot
+from jaxcb.models import registry
 from jaxcb.models.base import AttentionBackend, ModelSpec, Params
 from jaxcb.models.cpu_params import prepare_cpu_params
-from jaxcb.models.stacking import stack_layers
+from jaxcb.models.loading.peft import read_adapter
+from jaxcb.models.stacking import run_length, stack_layers
 from jaxcb.runtime import sharding
 from jaxcb.runtime import step as step_module
 from jaxcb.runtime.distributed import collective
@@ -174,11 +177,63 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self._no_penalty_tokens: dict[Bucket, tuple[jax.Array, jax.Array]] = {}
         self._all_tokens: dict[Bucket, jax.Array] = {}  # token masks allowing every id
+        # LoRA: each added adapter's slot values on the host, stacked as the layer runs are
+        # (jaxcb/lora.py), and the program that writes them into a slot.
+        self._adapters: dict[int, list[Params]] = {}
+        self._write_lora = None
+        if has_lora(self.params):
+            if not scan_layers:
+                raise ValueError("LoRA adapters need the layers scanned (kernels.scan_layers true)")
+            lora_shardings = [run["lora"] for run in self.param_shardings["layers"]]
+            self._write_lora = jax.jit(
+                lambda loras, values, index: [
+                    write_slot(lora, v, index) for lora, v in zip(loras, values, strict=True)
+                ],
+                donate_argnums=0,
+                out_shardings=lora_shardings,
+            )
         # The last step's sampled tokens on device, i32[programs.num_sampled_rows] (the
         # largest bucket's S, so one shape for every bucket): a step packed before its
         # predecessor's tokens were read back takes its decode inputs from here
         # (StepInput.prev_rows).
         self._sampled: jax.Array | None = None
+
+    # ---- LoRA adapters (engine/lora_slots.py decides the slots) --------------------------
+
+    @property
+    def max_lora_rank(self) -> int:
+        first = next(iter(self.params["layers"][0]["lora"].values()))
+        return first["a"].shape[-1]
+
+    def add_lora(self, lora_id: int, path: str) -> None:
+        """Read a PEFT adapter onto the host as `lora_id` (engine/interface.py's Runner)."""
+        if self._write_lora is None:
+            raise ValueError("LoRA is off: start the engine with enable_lora=True")
+        if lora_id in self._adapters:
+            return
+        first = next(iter(self.params["layers"][0]["lora"].values()))
+        values = slot_values(
+            read_adapter(path),
+            self.spec,
+            registry.param_infos(self.spec),
+            self.max_lora_rank,
+            first["a"].dtype,
+        )
+        runs = [run_length(stack) for stack in self.params["layers"]]
+        self._adapters[lora_id] = stack_slot_values(values, runs)
+
+    def remove_lora(self, lora_id: int) -> None:
+        self._adapters.pop(lora_id, None)
+
+    def load_lora_slot(self, slot: int, lora_id: int) -> None:
+        """Write an added adapter into device slot `slot` (1..max_loras): an update of the
+        slot arrays in place, ordered before the next step (no shape changes: no compile)."""
+        layers = self.params["layers"]
+        loras = self._write_lora([run["lora"] for run in layers], self._adapters[lora_id], slot - 1)
+        self.params = {
+            **self.params,
+            "layers": [{**run, "lora": lora} for run, lora in zip(layers, loras, strict=True)],
+        }
 
     def compile(self, buckets: tuple[Bucket, ...], **options: Any) -> float:
         """Compile the step of every bucket and its sampling programs (StepPrograms.compile:

@@ -65,6 +65,10 @@ RULES: dict[str, str | None] = {
     "page_slots": None,
     "tokens": None,
     "seqs": None,
+    # LoRA slot arrays (jaxcb/lora.py): their parts, slots and rank whole on every device
+    "lora_parts": None,
+    "lora_slots": None,
+    "lora_rank": None,
 }
 
 KV_PAGES_AXES = ("kv_heads", "pages", "page_slots", "head_dim")  # [Hkv, P, page_size, D]

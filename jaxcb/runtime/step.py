@@ -109,6 +109,7 @@ def step(
         # `sample_step` reads the logits; greedy rows need only their argmax.
         need_logits=jnp.any(inp.flags[SAMPLING_FLAGS] > 0),
         scan_layers=scan_layers,
+        lora_slots=inp.lora_slots,
     )
     for sharding in logits_shardings:
         logits = jax.lax.with_sharding_constraint(logits, sharding)

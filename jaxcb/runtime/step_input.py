@@ -34,6 +34,7 @@ class StepInput:
     input_ids: np.ndarray  # i32[T]
     positions: np.ndarray  # i32[T]
     slot_mapping: np.ndarray  # i32[T]: page * page_size + offset, PADDING_SLOT for padding
+    lora_slots: np.ndarray  # i32[T]: the LoRA adapter slot of each row's request (0: none)
     # token rows that score the next prompt token (prompt logprobs), first in the arrays,
     # and that token; how many (0: the step computes no prompt logprobs)
     prompt_logprob_rows: np.ndarray  # i32[T]
@@ -194,6 +195,7 @@ def empty_step_input(
         input_ids=np.zeros(t, i32),
         positions=np.zeros(t, i32),
         slot_mapping=np.full(t, PADDING_SLOT, i32),
+        lora_slots=np.zeros(t, i32),
         prompt_logprob_rows=np.zeros(t, i32),
         prompt_logprob_targets=np.zeros(t, i32),
         num_prompt_logprob_rows=np.zeros(1, i32),
@@ -269,6 +271,9 @@ def pack_step_input(
     inp.input_ids[:total] = token_ids
     inp.positions[:total] = positions
     inp.slot_mapping[:total] = pages * page_size + positions % page_size
+    lora_slots = [r.lora_slot for r in reqs]
+    if any(lora_slots):
+        inp.lora_slots[:total] = np.repeat(np.asarray(lora_slots, np.int32), lens)
 
     inp.cu_q_lens[1 : num_seqs + 1] = cu
     inp.cu_q_lens[num_seqs + 1 :] = total

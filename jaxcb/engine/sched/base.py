@@ -12,6 +12,7 @@ import abc
 from collections import deque
 from collections.abc import Iterable
 
+from jaxcb.engine.lora_slots import LoraSlots
 from jaxcb.engine.request import Request, RequestStatus
 from jaxcb.engine.sched.page_pool import PagePool
 from jaxcb.engine.sched.policies import SchedulingPolicy, make_policy
@@ -49,6 +50,8 @@ class BaseScheduler(abc.ABC):
         self.num_preemptions = 0
         self.num_steps = 0  # schedule() calls: the clock of arrival_step and srpf aging
         self._num_arrivals = 0
+        # LoRA (engine/lora_slots.py): the device's adapter slots; None when LoRA is off.
+        self.lora_slots: LoraSlots | None = None
 
     @abc.abstractmethod
     def schedule(self) -> SchedulerOutput:
@@ -110,3 +113,19 @@ class BaseScheduler(abc.ABC):
         # pages are the ones other requests are likeliest to share.
         self.pool.free(reversed(request.page_ids))
         request.page_ids = []
+        if request.lora_slot:
+            self.lora_slots.release(request.lora_slot)
+            request.lora_slot = 0
+
+    def _take_lora_slot(self, request: Request, out: SchedulerOutput) -> bool:
+        """Pin the slot of the request's adapter as it is admitted (a slot to write first
+        goes in out.lora_loads); False when none is free: it waits. True for the base model."""
+        if not request.lora_id:
+            return True
+        taken = self.lora_slots.acquire(request.lora_id)
+        if taken is None:
+            return False
+        request.lora_slot, load = taken
+        if load:
+            out.lora_loads.append((request.lora_slot, request.lora_id))
+        return True

@@ -72,6 +72,9 @@ class SchedulerOutput:
     # requests resumed, victims recomputed because the host pool was full.
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # LoRA: adapters to write into device slots before the step runs, (slot, lora_int_id)
+    # (Runner.load_lora_slot): an admitted request's adapter that was in no slot.
+    lora_loads: list[tuple[int, int]] = field(default_factory=list)
     num_swapped_out: int = 0
     num_swapped_in: int = 0
     num_swap_fallbacks: int = 0

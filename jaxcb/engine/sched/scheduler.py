@@ -155,6 +155,8 @@ class Scheduler(BaseScheduler):
                 needed += sum(self.pool.is_evictable(p) for p in hit_pages)
                 if not self._admissible(request, hit_pages, needed):
                     break
+                if not self._take_lora_slot(request, out):
+                    break  # (every slot is pinned by other adapters' running requests)
                 self.waiting.popleft()
                 self._admit(request, hit_pages, out)
                 self._allocate(request, n)
@@ -208,9 +210,9 @@ class Scheduler(BaseScheduler):
         hashes, ps = request.page_hashes, self.page_size
         while len(hashes) < num_pages:
             i = len(hashes)
-            hashes.append(
-                hash_page(hashes[-1] if i else None, request.token_ids[i * ps : (i + 1) * ps])
-            )
+            # (the first page chains from the request's adapter: none shares another's pages)
+            parent = hashes[-1] if i else request.lora_key
+            hashes.append(hash_page(parent, request.token_ids[i * ps : (i + 1) * ps]))
         return hashes
 
     def _match_prefix(self, request: Request) -> list[int]:
