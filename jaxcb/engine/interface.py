@@ -299,6 +299,10 @@ class Engine(abc.ABC):
         """The LoRA adapters known, in the order they were added."""
         return []
 
+    def lora_counts(self) -> tuple[int, int]:
+        """(LoRA adapters known, adapters written into a device slot so far)."""
+        return 0, 0
+
     @abc.abstractmethod
     def validate_request(
         self, prompt: str | Sequence[int], params: SamplingParams, *, priority: int = 0

@@ -208,6 +208,9 @@ class LLMEngine(Engine):
     def list_loras(self) -> list[LoRARequest]:
         return [lora for lora, _ in self.loras.values()]
 
+    def lora_counts(self) -> tuple[int, int]:
+        return len(self.loras), self._stats["lora_loads"]
+
     def remove_lora(self, lora_int_id: int) -> LoRARequest:
         """Forget an adapter (its slot and its host copy); ValueError if it is unknown or
         a queued or running request uses it."""

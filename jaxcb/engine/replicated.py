@@ -127,6 +127,10 @@ class ReplicatedEngine(Engine):
     def list_loras(self) -> list[LoRARequest]:
         return self.replicas[0].list_loras()
 
+    def lora_counts(self) -> tuple[int, int]:
+        loads = sum(replica.lora_counts()[1] for replica in self.replicas)
+        return self.replicas[0].lora_counts()[0], loads
+
     def validate_request(
         self, prompt: str | Sequence[int], params: SamplingParams, *, priority: int = 0
     ) -> tuple[str | None, list[int]]:

@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse, Response
 from jaxcb.engine.interface import Engine
 from jaxcb.engine.step_trace import save_trace, trace_meta
 from jaxcb.server.engine_loop import EngineLoop
+from jaxcb.server.lora_adapters import ServedLoras, install_lora_routes
 from jaxcb.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxcb.server.prompts import PromptEncoder
 from jaxcb.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
@@ -51,6 +52,10 @@ class ServerSettings:
     step_trace: Path | None = None  # every step's record, written here on shutdown (JSON)
     chat_template: str | None = None  # a Jinja chat template instead of the tokenizer's
     tool_call_parser: str = "hermes"  # how `auto` tool choice reads calls (server/tools.py)
+    # LoRA adapters served at start-up, (name, PEFT dir); whether /v1/load_lora_adapter and
+    # /v1/unload_lora_adapter exist (--allow-runtime-lora-updating)
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         # HTTP header values are bytes that servers (Starlette too) decode as Latin-1 and
@@ -76,6 +81,9 @@ def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         engine_loop, encoder, list(settings.served_model_names), settings.max_request_body_bytes
     )
     serving.tool_call_parser = settings.tool_call_parser
+    loras = ServedLoras(engine, serving.loras, settings.served_model_names)
+    for name, path in settings.lora_modules:  # (before the engine thread starts)
+        loras.register(name, path)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -110,11 +118,14 @@ def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await serving.chat_completions(request)
 
-    listing = _model_list(engine, settings)
+    created = int(time.time())
 
     @v1.get("/models")
     async def models() -> dict:
-        return listing
+        return _model_list(engine, settings, loras, created)
+
+    if settings.allow_runtime_lora_updating:
+        install_lora_routes(v1, loras, engine_loop)
 
     app.include_router(v1)
 
@@ -146,9 +157,8 @@ def _save_step_trace(path: Path, engine_loop: EngineLoop, engine: Engine) -> Non
     logger.info("step trace of %d steps written to %s", len(steps), path)
 
 
-def _model_list(engine: Engine, settings: ServerSettings) -> dict:
-    """The body of GET /v1/models."""
-    created = int(time.time())
+def _model_list(engine: Engine, settings: ServerSettings, loras: ServedLoras, created: int) -> dict:
+    """The body of GET /v1/models: the served names, then the LoRA adapters."""
     # Where the server keeps its files is none of its clients' business, unless asked.
     show_path = settings.show_model_path
     return {
@@ -163,7 +173,8 @@ def _model_list(engine: Engine, settings: ServerSettings) -> dict:
                 "max_model_len": engine.max_model_len,
             }
             for name in settings.served_model_names
-        ],
+        ]
+        + loras.model_cards(created, show_path, engine.max_model_len),
     }
 
 

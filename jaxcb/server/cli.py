@@ -35,6 +35,7 @@ from jaxcb.engine.interface import Engine
 from jaxcb.runtime.setup import model_name
 from jaxcb.server.app import ServerSettings, build_app
 from jaxcb.server.engine_loop import EngineLoop
+from jaxcb.server.lora_adapters import parse_lora_modules
 from jaxcb.server.prompts import read_chat_template
 from jaxcb.server.tool_parsers import PARSERS
 
@@ -107,6 +108,21 @@ def build_parser() -> argparse.ArgumentParser:
         'SmolLM); llama3_json, {"name": ..., "parameters": ...} objects at the start of the '
         "output, separated by ';' (Llama 3.1 / 3.2) (default: %(default)s)",
     )
+    server.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) to serve from start-up, each under the name a "
+        "request's `model` gives (needs --enable-lora; as vLLM's --lora-modules)",
+    )
+    server.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="add POST /v1/load_lora_adapter {lora_name, lora_path} and "
+        "/v1/unload_lora_adapter {lora_name} (behind --api-key): adapters loaded while "
+        "serving (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
+    )
     add_engine_args(parser, taken=set(vars(parser.parse_args([]))))
     return parser
 
@@ -146,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             step_trace=args.step_trace,
             chat_template=read_chat_template(args.chat_template),
             tool_call_parser=args.tool_call_parser,
+            lora_modules=tuple(parse_lora_modules(args.lora_modules)),
+            allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         )
     except ValueError as exc:
         parser.exit(2, f"serve.py: error: {exc}\n")
@@ -271,6 +289,15 @@ def log_startup(engine: Engine, settings: ServerSettings, url: str, frozen: int 
         f"bytes, {info.kv_bytes_per_token} a token); weights {info.weight_bytes / 2**20:.1f} MiB",
         f"  buckets:      tokens {info.token_buckets}, "
         f"max_num_seqs {config.scheduler.max_num_seqs}",
+        *(
+            [
+                f"  LoRA:         {info.max_loras} slots of rank {info.max_lora_rank}; adapters "
+                f"{', '.join(n for n, _ in settings.lora_modules) or 'none yet'}"
+                + (", loadable at run time" if settings.allow_runtime_lora_updating else "")
+            ]
+            if info.max_loras
+            else []
+        ),
         f"  scheduling:   policy {sched.scheduling_policy}, prefix caching "
         f"{'on' if config.cache.enable_prefix_caching else 'off'}, watermark "
         f"{sched.watermark_pages(info.num_pages)} pages, at most "

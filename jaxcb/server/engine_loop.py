@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxcb.engine.interface import Engine
+from jaxcb.engine.lora_slots import LoRARequest
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.metrics import ServerMetrics
 from jaxcb.server.protocol import APIError, bad_request, param_of
@@ -96,14 +97,18 @@ class EngineLoop:
         arrival_time: float,
         priority: int = 0,
         param: str = "prompt",
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue the submission's prompts (`submission.prompt_token_ids`); raises APIError
-        (400/429/503) if they were not accepted. `param`: the field an error names."""
+        (400/429/503) if they were not accepted. `param`: the field an error names;
+        `lora_request`: the LoRA adapter they run with."""
         if not self.alive:
             raise APIError(503, self.failure_reason, type="service_unavailable")
         future = asyncio.get_running_loop().create_future()
         self._commands.put(
-            lambda: self._add(submission, params, arrival_time, priority, param, future)
+            lambda: self._add(
+                submission, params, arrival_time, priority, param, future, lora_request
+            )
         )
         try:
             # If the thread dies after the command was queued, nobody settles the future:
@@ -117,6 +122,25 @@ class EngineLoop:
         except asyncio.CancelledError:
             self.abort(submission.request_ids)  # queued after the add, so it always lands
             raise
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """fn() run on the engine thread, between steps (what touches the engine outside a
+        step: loading a LoRA adapter); its exception is raised here."""
+        if not self.alive:
+            raise APIError(503, self.failure_reason, type="service_unavailable")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except BaseException as exc:  # (handed to the caller, whatever it is)
+                self._call_soon(_settle_with, future, None, exc)
+            else:
+                self._call_soon(_settle_with, future, result, None)
+
+        self._commands.put(run)
+        return await future
 
     def check_admission(self, num_prompts: int, n: int) -> None:
         """The APIError a request of `num_prompts` x `n` sequences would get now, if any: a
@@ -293,9 +317,10 @@ class EngineLoop:
         priority: int,
         param: str,
         future: asyncio.Future,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         try:
-            self._admit(submission, params, arrival_time, priority, param)
+            self._admit(submission, params, arrival_time, priority, param, lora_request)
         except APIError as exc:
             self._call_soon(settle, future, exc)
             return
@@ -317,6 +342,7 @@ class EngineLoop:
         arrival_time: float,
         priority: int,
         param: str,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate everything first, then add all prompts (or none) to the engine."""
         prompts = submission.prompt_token_ids
@@ -325,7 +351,12 @@ class EngineLoop:
         try:
             for request_id, ids in zip(submission.request_ids, prompts, strict=True):
                 self.engine.add_request(
-                    request_id, ids, params, arrival_time=arrival_time, priority=priority
+                    request_id,
+                    ids,
+                    params,
+                    arrival_time=arrival_time,
+                    priority=priority,
+                    lora_request=lora_request,
                 )
                 added.append(request_id)
         except ValueError as exc:
@@ -333,6 +364,8 @@ class EngineLoop:
                 self.engine.abort_request(request_id)
             message = str(exc)
             raise bad_request(message, param_of(message) or param) from None
+        if lora_request is not None:
+            self.metrics.lora_requests(lora_request.lora_name, len(prompts) * params.n)
 
     def _abort_ids(self, request_ids: list[str]) -> None:
         now = time.monotonic()
@@ -386,6 +419,7 @@ class EngineLoop:
         self.metrics.kv_cache_usage_perc.set(usage.usage)
         self.metrics.swap_pages_used.set(usage.num_swap_used)
         self.metrics.spec_decode(engine.spec_decode_counts())
+        self.metrics.lora(*engine.lora_counts())
 
     def _deliver(self, batch: list[tuple[Submission, int, Any]]) -> None:
         if batch:
@@ -395,3 +429,12 @@ class EngineLoop:
         # RuntimeError: the event loop is closed, so nobody is listening any more.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(fn, *args)
+
+
+def _settle_with(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

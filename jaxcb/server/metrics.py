@@ -183,6 +183,20 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=registry,
         )
+        self.lora_adapters = gauge(
+            "jaxcb:lora_adapters", "LoRA adapters the server knows (loaded on the host)."
+        )
+        self.lora_slot_loads = counter(
+            "jaxcb:lora_slot_loads",
+            "LoRA adapters written into a device slot (first loads and LRU swaps).",
+        )
+        self._lora_requests = Counter(
+            "jaxcb:lora_requests",
+            "Sequences (prompts x n) admitted per LoRA adapter.",
+            ["model_name", "lora_name"],
+            registry=registry,
+        )
+        self._lora_loads_seen = 0
         self._model_name = model_name
         self._token_slots = 0
         self._spec_decode = SpecDecodeCounts()  # the engine's counters when last read
@@ -258,6 +272,16 @@ class ServerMetrics:
             counts.num_accepted_tokens - last.num_accepted_tokens
         )
         self.spec_decode_mean_acceptance_length.set(counts.mean_acceptance_length)
+
+    def lora(self, num_adapters: int, num_loads: int) -> None:
+        """The engine's LoRA counts now (`Engine.lora_counts`)."""
+        self.lora_adapters.set(num_adapters)
+        if num_loads > self._lora_loads_seen:
+            self.lora_slot_loads.inc(num_loads - self._lora_loads_seen)
+            self._lora_loads_seen = num_loads
+
+    def lora_requests(self, lora_name: str, num_sequences: int) -> None:
+        self._lora_requests.labels(self._model_name, lora_name).inc(num_sequences)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -324,6 +324,19 @@ _UNION_HINTS = {
 Body = TypeVar("Body", bound=_Body)
 
 
+# LoRA adapters at run time (server/lora_adapters.py), as vLLM spells the bodies
+
+
+class LoadLoRAAdapterRequest(_Body):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None  # (vLLM's body has it; the name decides here)
+
+
 def parse_body(raw: bytes, model: type[Body]) -> Body:
     """Parse and validate a JSON body; any problem is a 400 naming the field."""
     try:

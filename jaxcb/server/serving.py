@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from jaxcb.engine.lora_slots import LoRARequest
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.engine_loop import EngineLoop
@@ -54,24 +55,31 @@ class OpenAIServing:
         self.max_tokens_cap = limits.max_output_tokens
         self.max_prompts = limits.max_prompts_per_request
         self.tool_call_parser = "hermes"  # --tool-call-parser (app.py sets it)
+        # LoRA adapters a request's `model` may name (--lora-modules, /v1/load_lora_adapter)
+        self.loras: dict[str, LoRARequest] = {}
 
-    def resolve_model(self, name: str | None) -> str:
+    def resolve_model(self, name: str | None) -> tuple[str, LoRARequest | None]:
+        """The model a request names (None: the first served name) and the LoRA adapter it
+        runs with (None: the base model); 404 for a name the server does not serve."""
         if name is None:
-            return self.served_model_names[0]
+            return self.served_model_names[0], None
+        if name in self.loras:
+            return name, self.loras[name]
         if name not in self.served_model_names:
+            served = [*self.served_model_names, *self.loras]
             raise APIError(
                 404,
                 f"the model {name!r} does not exist; this server serves "
-                f"{', '.join(map(repr, self.served_model_names))}",
+                f"{', '.join(map(repr, served))}",
                 param="model",
                 code="model_not_found",
             )
-        return name
+        return name, None
 
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         body = parse_body(await read_json_body(request, self.max_body_bytes), CompletionRequest)
-        model = self.resolve_model(body.model)
+        model, lora = self.resolve_model(body.model)
         params = body.to_sampling_params(self.max_tokens_cap)
         fmt = CompletionFormat(
             "cmpl",
@@ -81,13 +89,13 @@ class OpenAIServing:
             echo=bool(body.echo),
             prompt_only=body.prompt_only,
         )
-        return await self._generate(request, fmt, body.prompts(), params, body, arrival)
+        return await self._generate(request, fmt, body.prompts(), params, body, arrival, lora)
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         raw = await read_json_body(request, self.max_body_bytes)
         body = parse_body(raw, ChatCompletionRequest)
-        model = self.resolve_model(body.model)
+        model, lora = self.resolve_model(body.model)
         params = body.to_sampling_params(self.max_tokens_cap)
         tools = body.tool_mode(self.tool_call_parser)
         offered = [t.template_dict() for t in tools.tools] or None
@@ -99,7 +107,7 @@ class OpenAIServing:
             return_token_ids=bool(body.return_token_ids),
             tools=tools if tools.tools else None,
         )
-        return await self._generate(request, fmt, [prompt], params, body, arrival)
+        return await self._generate(request, fmt, [prompt], params, body, arrival, lora)
 
     async def _compile_grammar(self, params: SamplingParams) -> None:
         """Compile a constraint here, in a worker thread, off the engine loop (which then
@@ -120,6 +128,7 @@ class OpenAIServing:
         params: SamplingParams,
         body: CompletionRequest | ChatCompletionRequest,
         arrival: float,
+        lora: LoRARequest | None = None,
     ) -> Response:
         if len(prompts) > self.max_prompts:
             raise bad_request(
@@ -144,6 +153,7 @@ class OpenAIServing:
             arrival_time=arrival,
             priority=body.priority or 0,
             param=prompt_param(prompts[0]),
+            lora_request=lora,
         )
         if body.stream:
             return _SSEResponse(
