@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcb.config import LoraConfig
 from jaxcb.models.base import ModelSpec, ParamInfo, Params
 from jaxcb.models.layers import dense
 from jaxcb.models.loading.peft import Adapter
@@ -101,6 +102,32 @@ def lora_param_infos(layer_infos: Params, spec: ModelSpec, max_loras: int, max_r
         ]
         out[name] = {"a": a, "b": b}
     return out
+
+
+def with_lora_slots(
+    config: LoraConfig,
+    params: Params,
+    infos: Params,
+    base_infos: Params,
+    spec: ModelSpec,
+    dtype: Any,
+) -> tuple[Params, Params]:
+    """params and infos as the runner takes them under `config` (the engine's `lora`
+    section): with every layer's empty slot arrays (`add_lora_slots`; `base_infos`: the
+    family's `param_infos`) when LoRA is enabled, else as they are. Start-up
+    (runtime/setup.py) and the compile for an absent target (runtime/aot.py) both take
+    theirs from here."""
+    if not config.enable_lora:
+        return params, infos
+    return add_lora_slots(
+        params,
+        infos,
+        base_infos,
+        spec,
+        dtype,
+        max_loras=config.max_loras,
+        max_rank=config.max_lora_rank,
+    )
 
 
 def add_lora_slots(

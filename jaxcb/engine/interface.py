@@ -90,9 +90,15 @@ class Runner(Protocol):
         (or a later one) writes them, and the copies in land before the step reads them."""
         ...
 
-    def add_lora(self, lora_id: int, path: str) -> None:
-        """Read the PEFT adapter in `path` onto the host as `lora_id` (a repeated id: kept
-        as it is); ValueError (one line) if it does not fit the base model or LoRA is off."""
+    def read_lora(self, path: str) -> Any:
+        """The PEFT adapter in `path` read and checked, ready for `add_lora` (host work
+        only, callable from any thread); ValueError (one line) if it does not fit the base
+        model or LoRA is off."""
+        ...
+
+    def add_lora(self, lora_id: int, path: str, values: Any = None) -> None:
+        """Keep an adapter on the host as `lora_id` (a repeated id: kept as it is): `values`
+        from `read_lora`, else read from `path` now."""
         ...
 
     def remove_lora(self, lora_id: int) -> None:
@@ -286,9 +292,15 @@ class Engine(abc.ABC):
         """Validate and queue a request; returns its id (ValueError for bad input).
         `lora_request`: the LoRA adapter it runs with (None: the base model)."""
 
-    def add_lora(self, lora: LoRARequest) -> Any:
-        """Make a LoRA adapter known (read, checked against the model); ValueError (one
-        line) if it cannot be, or if the engine serves no adapters."""
+    def read_lora(self, lora: LoRARequest) -> Any:
+        """The adapter's weights read and checked for `add_lora(lora, values)`: host work,
+        callable off the engine's thread; ValueError (one line) if they cannot be."""
+        raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True")
+
+    def add_lora(self, lora: LoRARequest, values: Any = None) -> Any:
+        """Make a LoRA adapter known (read, checked against the model, unless `values`
+        from `read_lora` are given); ValueError (one line) if it cannot be, or if the engine
+        serves no adapters."""
         raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True")
 
     def remove_lora(self, lora_int_id: int) -> LoRARequest:

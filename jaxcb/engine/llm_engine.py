@@ -177,15 +177,23 @@ class LLMEngine(Engine):
         self._stats["prompt_tokens"] += len(prompt_ids) * params.n
         return request_id
 
-    def add_lora(self, lora: LoRARequest) -> tuple[int, bytes]:
-        """Make an adapter known (its weights read onto the host), if it is not yet; returns
-        (lora_int_id, its prefix-cache root). ValueError (one line) for an adapter that does
-        not fit the base model, an id or name already another adapter's, or LoRA off."""
+    def read_lora(self, lora: LoRARequest) -> Any:
+        self._check_lora_on(lora)
+        return self.runner.read_lora(lora.lora_path)
+
+    def _check_lora_on(self, lora: LoRARequest) -> None:
         if self.scheduler.lora_slots is None:
             raise ValueError(
                 f"this engine serves no LoRA adapters (asked for {lora.lora_name!r}): start it "
                 "with enable_lora=True"
             )
+
+    def add_lora(self, lora: LoRARequest, values: Any = None) -> tuple[int, bytes]:
+        """Make an adapter known (its weights read onto the host, unless `values` from
+        `read_lora` are given), if it is not yet; returns (lora_int_id, its prefix-cache
+        root). ValueError (one line) for an adapter that does not fit the base model, an id
+        or name already another adapter's, or LoRA off."""
+        self._check_lora_on(lora)
         known = self.loras.get(lora.lora_int_id)
         if known is not None:
             if known[0] != lora:
@@ -200,7 +208,7 @@ class LLMEngine(Engine):
                     f"LoRA name {lora.lora_name!r} is already adapter {other.lora_int_id} "
                     f"({other.lora_path})"
                 )
-        self.runner.add_lora(lora.lora_int_id, lora.lora_path)
+        self.runner.add_lora(lora.lora_int_id, lora.lora_path, values)
         key = f"lora:{next(self._lora_keys)}".encode()
         self.loras[lora.lora_int_id] = (lora, key)
         return lora.lora_int_id, key

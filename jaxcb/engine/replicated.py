@@ -116,8 +116,13 @@ class ReplicatedEngine(Engine):
         self._owner[request_id] = index
         return request_id
 
-    def add_lora(self, lora: LoRARequest) -> Any:
-        results = [replica.add_lora(lora) for replica in self.replicas]  # (every replica's)
+    def read_lora(self, lora: LoRARequest) -> Any:
+        return self.replicas[0].read_lora(lora)  # (the replicas run the same model)
+
+    def add_lora(self, lora: LoRARequest, values: Any = None) -> Any:
+        if values is None:
+            values = self.read_lora(lora)  # (read once for every replica)
+        results = [replica.add_lora(lora, values) for replica in self.replicas]
         return results[0]
 
     def remove_lora(self, lora_int_id: int) -> LoRARequest:

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from jaxcb.config import EngineConfig
 from jaxcb.engine.buckets import Bucket
+from jaxcb.lora import with_lora_slots
 from jaxcb.models import registry
 from jaxcb.models.base import ModelSpec, abstract_from_infos
 from jaxcb.models.quant import quantized_infos
@@ -232,6 +233,9 @@ def compile_for_target(
     buckets = plan.buckets
     infos = quantized_infos(registry.param_infos(spec), config.quantization, platform)
     params = abstract_from_infos(infos, dtype)
+    params, infos = with_lora_slots(
+        config.lora, params, infos, registry.param_infos(spec), spec, dtype
+    )
     params_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
     limit = hbm_bytes if hbm_bytes is not None else memory_limit_bytes(target)
     runner_args = dict(plan.runner_args(mesh), abstract=True)

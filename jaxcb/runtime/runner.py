@@ -205,12 +205,11 @@ class ModelRunner:
         first = next(iter(self.params["layers"][0]["lora"].values()))
         return first["a"].shape[-1]
 
-    def add_lora(self, lora_id: int, path: str) -> None:
-        """Read a PEFT adapter onto the host as `lora_id` (engine/interface.py's Runner)."""
+    def read_lora(self, path: str) -> list[Params]:
+        """A PEFT adapter's slot values on the host, stacked as the layer runs are (host
+        work only: safe on any thread, so a server reads it off the engine's)."""
         if self._write_lora is None:
             raise ValueError("LoRA is off: start the engine with enable_lora=True")
-        if lora_id in self._adapters:
-            return
         first = next(iter(self.params["layers"][0]["lora"].values()))
         values = slot_values(
             read_adapter(path),
@@ -219,8 +218,13 @@ class ModelRunner:
             self.max_lora_rank,
             first["a"].dtype,
         )
-        runs = [run_length(stack) for stack in self.params["layers"]]
-        self._adapters[lora_id] = stack_slot_values(values, runs)
+        return stack_slot_values(values, [run_length(stack) for stack in self.params["layers"]])
+
+    def add_lora(self, lora_id: int, path: str, values: Any = None) -> None:
+        """Keep an adapter's slot values as `lora_id`: `values` from `read_lora`, else read
+        from `path` now (engine/interface.py's Runner)."""
+        if lora_id not in self._adapters:
+            self._adapters[lora_id] = self.read_lora(path) if values is None else values
 
     def remove_lora(self, lora_id: int) -> None:
         self._adapters.pop(lora_id, None)

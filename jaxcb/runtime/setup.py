@@ -25,7 +25,7 @@ from jaxcb import native
 from jaxcb.config import EngineConfig
 from jaxcb.engine.buckets import Bucket
 from jaxcb.engine.interface import EngineInfo
-from jaxcb.lora import add_lora_slots
+from jaxcb.lora import with_lora_slots
 from jaxcb.models import registry
 from jaxcb.models.base import abstract_from_infos
 from jaxcb.models.cpu_params import matmul_backend, matmul_report
@@ -85,16 +85,9 @@ def build_runner(
         infos = {k: v for k, v in infos.items() if k != "lm_head"}
     elif is_quantized(params["lm_head"]) and not is_quantized(infos.get("lm_head")):
         infos = quantized_head_infos(infos, model.quantization)
-    if config.lora.enable_lora:  # (empty adapter slots: jaxcb/lora.py)
-        params, infos = add_lora_slots(
-            params,
-            infos,
-            registry.param_infos(spec),
-            spec,
-            dtype,
-            max_loras=config.lora.max_loras,
-            max_rank=config.lora.max_lora_rank,
-        )
+    params, infos = with_lora_slots(
+        config.lora, params, infos, registry.param_infos(spec), spec, dtype
+    )  # (jaxcb/lora.py)
     tp = sharding.tensor_parallel_size(mesh)
     check_tensor_parallel(infos, sharding.rules_for(spec, tp), tp)
     matmul = _matmul_backend(config, dtype, sharding.tensor_parallel_size(mesh))

@@ -3,13 +3,15 @@ a request's `model` field naming one, `/v1/models` listing them beside the base 
 with `--allow-runtime-lora-updating`, `POST /v1/load_lora_adapter` and
 `/v1/unload_lora_adapter` (behind the API key like every /v1 route).
 
-Adapters are added to the engine on its own thread (`EngineLoop.call`), between steps: the
-adapter's weights are read and checked there, and a bad one is a 400 that leaves the server
-serving. The device slots are the engine's business (engine/lora_slots.py).
+An adapter loaded at run time is read and checked on a worker thread while the engine
+steps on (a bad one is a 400 that leaves the server serving), then added to the engine on
+its own thread between two steps (`EngineLoop.call`). The device slots are the engine's
+business (engine/lora_slots.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 from fastapi import APIRouter
@@ -55,14 +57,22 @@ class ServedLoras:
         self.base_names = tuple(base_names)
         self._next_id = 1
 
-    def register(self, name: str, path: str) -> LoRARequest:
-        """Add an adapter to the engine (call on the engine's thread, or before it runs)."""
+    def check_name(self, name: str) -> None:
         if name in self.base_names:
             raise ValueError(f"LoRA name {name!r} is the base model's served name")
         if name in self.by_name:
             raise ValueError(f"the LoRA adapter {name!r} has already been loaded")
+
+    def read(self, name: str, path: str) -> object:
+        """The adapter's weights read and checked (any thread: `Engine.read_lora`)."""
+        return self.engine.read_lora(LoRARequest(name, self._next_id, path))
+
+    def register(self, name: str, path: str, values: object = None) -> LoRARequest:
+        """Add an adapter to the engine (on the engine's thread, or before it runs);
+        `values` from `read`, else it is read here."""
+        self.check_name(name)
         lora = LoRARequest(name, self._next_id, path)
-        self.engine.add_lora(lora)
+        self.engine.add_lora(lora, values)
         self._next_id += 1
         self.by_name[name] = lora
         return lora
@@ -96,12 +106,20 @@ def install_lora_routes(v1: APIRouter, loras: ServedLoras, engine_loop: EngineLo
     async def load_lora_adapter(request: Request) -> Response:
         raw = await read_json_body(request, MAX_BODY_BYTES)
         body = parse_body(raw, LoadLoRAAdapterRequest)
+        try:
+            loras.check_name(body.lora_name)
+        except ValueError as exc:
+            raise bad_request(str(exc), "lora_name") from None
+        try:  # read off the engine's thread: the steps go on meanwhile
+            values = await asyncio.to_thread(loras.read, body.lora_name, body.lora_path)
+        except ValueError as exc:
+            raise bad_request(str(exc), "lora_path") from None
 
         def load() -> LoRARequest:
             try:
-                return loras.register(body.lora_name, body.lora_path)
+                return loras.register(body.lora_name, body.lora_path, values)
             except ValueError as exc:
-                raise bad_request(str(exc), "lora_path") from None
+                raise bad_request(str(exc), "lora_name") from None
 
         await engine_loop.call(load)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")

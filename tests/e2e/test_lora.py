@@ -234,3 +234,19 @@ def test_unloading_frees_the_slot(four_adapters):
     again = llm.generate([7, 8, 9], sp, lora_request=loras[1], use_tqdm=False)[0]
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     assert np.array_equal(llm.engine.scheduler.lora_slots.loaded, [2])
+
+
+def test_speculative_decoding_keeps_each_adapters_tokens(four_adapters):
+    """A draft model (the base as int8) proposes without the adapters; the target verifies
+    with each row's adapter: the tokens are those without speculation."""
+    speculative = {"method": "draft_model", "quantization": "int8", "num_speculative_tokens": 2}
+    base, loras = four_adapters
+    prompts = random_prompts(6, seed=9, max_len=40)
+    which = [loras[0], loras[1], None, loras[2], loras[0], None]
+    sp = SamplingParams(max_tokens=12, temperature=0.0)
+    kw = dict(enable_lora=True, max_loras=4, max_lora_rank=16, **ENGINE_KW)
+    plain = LLM(base, **kw).generate(prompts, sp, lora_request=which, use_tqdm=False)
+    llm = LLM(base, speculative_config=speculative, **kw)
+    outs = llm.generate(prompts, sp, lora_request=which, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.spec_decode_counts().num_drafts > 0
