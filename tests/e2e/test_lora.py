@@ -29,7 +29,7 @@ TARGETS = {
 }
 #: one family per forward (llama, Phi-3's fused checkpoint, Gemma, a mixture of experts) by
 #: default; the rest with --runslow
-DEFAULT_FAMILIES = {"llama3", "phi3", "gemma2", "qwen3-moe"}
+DEFAULT_FAMILIES = {"llama3", "phi3", "gemma3", "qwen3-moe"}
 ENGINE_KW = dict(
     max_num_seqs=6,
     max_num_batched_tokens=64,

@@ -25,6 +25,8 @@ MODULES = {  # module -> (in, out) of the built-in tiny model
     "down_proj": (384, 128),
 }
 PROMPT = [5, 17, 99, 23, 61, 7]
+BUCKETS = [16, 64]
+BUCKET_ARGS = ["--token-buckets", *map(str, BUCKETS)]
 
 
 def write_adapter(path, *, seed: int, rank: int = 4) -> str:
@@ -67,9 +69,12 @@ def complete(url: str, model: str, headers=AUTH) -> tuple[int, dict]:
 def test_lora_adapters_served_loaded_and_unloaded(start_server, tmp_path):
     first = write_adapter(tmp_path / "first", seed=1)
     second = write_adapter(tmp_path / "second", seed=2)
-    lora_args = ["--enable-lora", "--max-loras", "1", "--max-lora-rank", "8"]
+    # (two buckets: the server and the reference engine compile little)
+    lora_args = ["--enable-lora", "--max-loras", "1", "--max-lora-rank", "8", *BUCKET_ARGS]
     args = [*ENGINE_ARGS, *lora_args, "--lora-modules", f"first={first}", "--api-key", KEY]
-    reference = LLM(**ENGINE_CONFIG, enable_lora=True, max_loras=1, max_lora_rank=8)
+    reference = LLM(
+        **ENGINE_CONFIG, enable_lora=True, max_loras=1, max_lora_rank=8, token_buckets=BUCKETS
+    )
     sp = SamplingParams(max_tokens=8, temperature=0.0)
 
     def expected(lora: LoRARequest | None) -> list[int]:
@@ -128,10 +133,7 @@ def test_lora_adapters_served_loaded_and_unloaded(start_server, tmp_path):
         assert metric(samples, "jaxcb:lora_slot_loads_total", model_name=MODEL) >= 3
 
 
-def test_runtime_loading_needs_its_flag(start_server, tmp_path):
-    path = write_adapter(tmp_path / "a", seed=3)
-    lora_args = ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"a={path}"]
-    with start_server([*ENGINE_ARGS, *lora_args]) as srv:
-        assert complete(srv.url, "a", headers=None)[0] == 200
-        load = {"lora_name": "b", "lora_path": path}
-        assert request("POST", srv.url + "/v1/load_lora_adapter", load)[0] == 404
+def test_runtime_loading_needs_its_flag(server, tmp_path):
+    """The shared server (no LoRA, no --allow-runtime-lora-updating) has no such route."""
+    load = {"lora_name": "b", "lora_path": str(tmp_path)}
+    assert request("POST", server.url + "/v1/load_lora_adapter", load)[0] == 404
