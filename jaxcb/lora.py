@@ -274,9 +274,10 @@ class LoraRows(NamedTuple):
     active: jax.Array  # bool[]: whether any row has an adapter
 
 
-def lora_rows(lora_slots: jax.Array, params: Params) -> LoraRows | None:
-    """Each token row's slot (i32[T], 0: none) as LoraRows; None without LoRA."""
-    if not has_lora(params):
+def lora_rows(lora_slots: jax.Array | None, params: Params) -> LoraRows | None:
+    """Each token row's slot (i32[T], 0: none) as LoraRows; None without LoRA (no slots
+    given, or params without slot arrays)."""
+    if lora_slots is None or not has_lora(params):
         return None
     first = next(iter(params["layers"][0]["lora"].values()))
     num_slots = first["a"].shape[-2]

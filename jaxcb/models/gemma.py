@@ -222,7 +222,7 @@ def forward(
         layer_fn,
         kinds=spec.sliding_windows,
         scan=scan_layers,
-        lora=None if lora_slots is None else lora_rows(lora_slots, params),
+        lora=lora_rows(lora_slots, params),
     )
     hidden = rms_norm(x, params["final_norm"], eps)  # [T, H]
     logits, greedy = lm_head(params, hidden[logits_indices], num_logits_rows[0], need_logits)

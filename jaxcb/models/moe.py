@@ -373,7 +373,7 @@ def forward(
         layer_fn,
         kinds=kinds,
         scan=scan_layers,
-        lora=None if lora_slots is None else lora_rows(lora_slots, params),
+        lora=lora_rows(lora_slots, params),
     )
     hidden = rms_norm(x, params["final_norm"], spec.rms_norm_eps)  # [T, H]
     logits, greedy = lm_head(params, hidden[logits_indices], num_logits_rows[0], need_logits)
