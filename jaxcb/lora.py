@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcb.config import LoraConfig
-from jaxcb.models.base import ModelSpec, ParamInfo, Params
+from jaxcb.models.base import ModelSpec, ParamInfo, Params, is_param_info
 from jaxcb.models.layers import dense
 from jaxcb.models.loading.peft import Adapter
 from jaxcb.models.packed import LayerSlots, Normed
@@ -156,13 +156,10 @@ def add_lora_slots(
             if abstract
             else (lambda i: np.zeros(i.shape, dtype))
         )
-        layers.append({**layer, "lora": jax.tree_util.tree_map(make, lora, is_leaf=_is_info)})
+        lora_arrays = jax.tree_util.tree_map(make, lora, is_leaf=is_param_info)
+        layers.append({**layer, "lora": lora_arrays})
         layer_infos.append({**info, "lora": lora})
     return {**params, "layers": layers}, {**infos, "layers": layer_infos}
-
-
-def _is_info(x: Any) -> bool:
-    return isinstance(x, ParamInfo)
 
 
 def slot_values(
@@ -274,13 +271,18 @@ class LoraRows(NamedTuple):
     active: jax.Array  # bool[]: whether any row has an adapter
 
 
+def slot_layout(params: Params) -> tuple[int, int, Any]:
+    """(slots, rank, dtype) of the params' slot arrays (every A is [..., N, R])."""
+    first = next(iter(params["layers"][0]["lora"].values()))["a"]
+    return first.shape[-2], first.shape[-1], first.dtype
+
+
 def lora_rows(lora_slots: jax.Array | None, params: Params) -> LoraRows | None:
     """Each token row's slot (i32[T], 0: none) as LoraRows; None without LoRA (no slots
     given, or params without slot arrays)."""
     if lora_slots is None or not has_lora(params):
         return None
-    first = next(iter(params["layers"][0]["lora"].values()))
-    num_slots = first["a"].shape[-2]
+    num_slots, _, _ = slot_layout(params)
     mask = lora_slots[:, None] == jnp.arange(1, num_slots + 1)[None, :]
     return LoraRows(mask.astype(jnp.float32), jnp.any(mask))
 

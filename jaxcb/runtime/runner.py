@@ -27,7 +27,7 @@ import numpy as np
 from jaxcb.engine.buckets import Bucket
 from jaxcb.engine.interface import StepResult
 from jaxcb.engine.sched.schedule import SchedulerOutput
-from jaxcb.lora import has_lora, slot_values, stack_slot_values, write_slot
+from jaxcb.lora import has_lora, slot_layout, slot_values, stack_slot_values, write_slot
 from jaxcb.models import registry
 from jaxcb.models.base import AttentionBackend, ModelSpec, Params
 from jaxcb.models.cpu_params import prepare_cpu_params
@@ -200,23 +200,14 @@ class ModelRunner:
 
     # ---- LoRA adapters (engine/lora_slots.py decides the slots) --------------------------
 
-    @property
-    def max_lora_rank(self) -> int:
-        first = next(iter(self.params["layers"][0]["lora"].values()))
-        return first["a"].shape[-1]
-
     def read_lora(self, path: str) -> list[Params]:
         """A PEFT adapter's slot values on the host, stacked as the layer runs are (host
         work only: safe on any thread, so a server reads it off the engine's)."""
         if self._write_lora is None:
             raise ValueError("LoRA is off: start the engine with enable_lora=True")
-        first = next(iter(self.params["layers"][0]["lora"].values()))
+        _, max_rank, dtype = slot_layout(self.params)
         values = slot_values(
-            read_adapter(path),
-            self.spec,
-            registry.param_infos(self.spec),
-            self.max_lora_rank,
-            first["a"].dtype,
+            read_adapter(path), self.spec, registry.param_infos(self.spec), max_rank, dtype
         )
         return stack_slot_values(values, [run_length(stack) for stack in self.params["layers"]])
 
