@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcb import native
 from jaxcb.config import LoraConfig
 from jaxcb.models.base import ModelSpec, ParamInfo, Params, is_param_info
 from jaxcb.models.layers import dense
@@ -240,6 +241,19 @@ def stack_slot_values(values: Sequence[Params], run_lengths: Sequence[int]) -> l
     return runs
 
 
+def empty_slot_values(lora: Params) -> Params:
+    """What an empty slot holds, as `stack_slot_values` gives a run's values (zeros, each
+    array without the slot axis of the run's stacked "lora" arrays): written once at
+    start-up, so the program that writes a slot is compiled before an adapter needs it."""
+    return {
+        name: {
+            "a": np.zeros(w["a"].shape[:3] + w["a"].shape[4:], w["a"].dtype),  # [L, in, P, R]
+            "b": [np.zeros(b.shape[:1] + b.shape[2:], b.dtype) for b in w["b"]],  # [L, R, ..]
+        }
+        for name, w in lora.items()
+    }
+
+
 def write_slot(lora: Params, values: Params, index: jax.Array) -> Params:
     """A run's stacked "lora" arrays with slot array index `index` (slot - 1) set to `values`
     (`stack_slot_values`' tree of the run); jitted with the arrays donated (runner.py)."""
@@ -267,7 +281,8 @@ def has_lora(params: Params) -> bool:
 class LoraRows(NamedTuple):
     """A step's token rows as the adapters see them (`lora_rows`)."""
 
-    mask: jax.Array  # f32[T, N]: each row's slot, one-hot (all zero: the base model)
+    slots: jax.Array  # i32[T]: each row's slot (0: the base model)
+    mask: jax.Array  # f32[T, N]: the same, one-hot (all zero: the base model)
     active: jax.Array  # bool[]: whether any row has an adapter
 
 
@@ -284,27 +299,63 @@ def lora_rows(lora_slots: jax.Array | None, params: Params) -> LoraRows | None:
         return None
     num_slots, _, _ = slot_layout(params)
     mask = lora_slots[:, None] == jnp.arange(1, num_slots + 1)[None, :]
-    return LoraRows(mask.astype(jnp.float32), jnp.any(mask))
+    return LoraRows(lora_slots, mask.astype(jnp.float32), jnp.any(mask))
 
 
 def add_adapters(
-    y: jax.Array, x: jax.Array | Normed, slots: LayerSlots, name: str, rows: LoraRows
+    y: jax.Array,
+    x: jax.Array | Normed,
+    slots: LayerSlots,
+    name: str,
+    rows: LoraRows,
+    real_tokens: jax.Array,
+    *,
+    native_base: bool,
 ) -> jax.Array:
-    """y (x @ the base weight `name`, f32[T, out]) plus every row's adapter term, under a
-    lax.cond on `rows.active`: a step whose rows are all the base model's skips the term,
-    and the layer's slot arrays are sliced inside the branch (neither read nor copied)."""
+    """y (x @ the base weight `name`, f32[T, out]) plus every row's adapter term.
+
+    Where the base weight runs on a native CPU kernel (`native_base`), so does the term
+    (native.lora_add): each real row through its own slot only, in place, nothing for a
+    base row. Elsewhere, XLA's `lora_delta` over every slot under a lax.cond on
+    `rows.active`: a step whose rows are all the base model's skips it, and the layer's slot
+    arrays are sliced inside the branch (neither read nor copied)."""
     if isinstance(x, Normed):
         x = x.value()
+    stack = slots.stack[name]
+    if native_base and native.can_add_lora(stack["a"].dtype):
+        runs = column_runs(name, [b.shape[3:] for b in stack["b"]])
+        return native.lora_add(
+            y, x, rows.slots, real_tokens, slots.index, stack["a"], stack["b"], runs
+        )
 
     def with_term(x: jax.Array, stack: Params, index: jax.Array, mask: jax.Array) -> jax.Array:
-        weights = jax.tree_util.tree_map(lambda a: a[index], stack[name])
+        weights = jax.tree_util.tree_map(lambda a: a[index], stack)
         return y + lora_delta(x, weights, name, mask)
 
     def without(*_: Any) -> jax.Array:
         return y
 
     index = jnp.asarray(slots.index, jnp.int32)
-    return jax.lax.cond(rows.active, with_term, without, x, slots.stack, index, rows.mask)
+    return jax.lax.cond(rows.active, with_term, without, x, stack, index, rows.mask)
+
+
+def column_runs(name: str, part_shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, int, int]]:
+    """Where each part's output columns (part_shapes: each B's [*out_p]) lie in the weight's
+    flat output: (run, stride, offset) per part, its column c at offset + (c // run) *
+    stride + c % run (`lora_delta` concatenates the parts so, native.lora_add writes them
+    so)."""
+    axis = LORA_WEIGHTS[name][0]
+    if axis is None:
+        (shape,) = part_shapes
+        width = math.prod(shape)
+        return [(width, width, 0)]
+    inner = math.prod(part_shapes[0][axis + 1 :])
+    total = sum(shape[axis] for shape in part_shapes)
+    runs, offset = [], 0
+    for shape in part_shapes:
+        runs.append((shape[axis] * inner, total * inner, offset * inner))
+        offset += shape[axis]
+    return runs
 
 
 def lora_delta(x: jax.Array, weights: Params, name: str, mask: jax.Array) -> jax.Array:

@@ -102,7 +102,8 @@ def project(
     rows' adapters) is given and the layer carries slot arrays for the weight."""
     y = matmul(x, layer[name], real_tokens)
     if _adapted(layer, name, lora):
-        y = add_adapters(y, x, layer["lora"], name, lora)
+        native_base = native_weight(layer[name]) is not None
+        y = add_adapters(y, x, layer["lora"], name, lora, real_tokens, native_base=native_base)
     return y
 
 
@@ -141,7 +142,9 @@ def mlp(
         )  # [T, 2, I]
         if adapted:
             flat = gate_up.reshape(h.shape[0], -1)
-            flat = add_adapters(flat, x, layer["lora"], "w_gate_up", lora)
+            flat = add_adapters(
+                flat, x, layer["lora"], "w_gate_up", lora, real_tokens, native_base=False
+            )
             gate_up = flat.reshape(gate_up.shape)
         act = activation(gate_up[:, 0]) * gate_up[:, 1]
     return project(act, layer, "w_down", real_tokens, lora)

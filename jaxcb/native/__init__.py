@@ -3,15 +3,17 @@ write, and matmuls over weights packed once at load time (AMX, AVX512-BF16, AVX-
 float32, bfloat16 and int8), compiled per ISA level and chosen by what the CPU has.
 
     build.py      the ISA levels, what this CPU fits (capped by JAXCB_CPU_ISA), compiling the
-                  sources (attention.cc, matmul.cc, read_probe.cc over common.h, simd.h) once
-                  per level into the jaxcb cache directory, loading a level's library and
-                  registering its FFI targets; the memory's read bandwidth (read_probe.cc),
-                  which the single-stream benchmark states its rates against
+                  sources (attention.cc, matmul.cc, lora.cc, read_probe.cc over common.h,
+                  simd.h) once per level into the jaxcb cache directory, loading a level's
+                  library and registering its FFI targets; the memory's read bandwidth
+                  (read_probe.cc), which the single-stream benchmark states its rates
+                  against
     packing.py    the weight layouts the matmul kernels read (numpy, at load time)
     attention.py  the attention kernels as jax functions: ragged paged attention, KV write
     matmul.py     the matmul kernels as jax functions, the PACKED_MATMULS table
     normed.py     the quantized matmuls with the RMS norm before them in the same call
     grouped.py    the grouped matmuls of a mixture of experts over stacks of packed weights
+    lora.py       LoRA adapters' term (lora.cc): each row through its own slot, in place
 
 This package imports nothing from jaxcb but the cache directory (jaxcb.paths): the attention
 choice and the model code call into it, never the other way round.
@@ -44,6 +46,7 @@ from jaxcb.native.grouped import (
     packed_grouped_matmul,
     packed_grouped_swiglu,
 )
+from jaxcb.native.lora import can_add_lora, lora_add
 from jaxcb.native.matmul import (
     ALL_PACKED,
     ARGMAX_SLOTS,
@@ -85,6 +88,7 @@ __all__ = [
     "PackedMatmul",
     "active_level",
     "available",
+    "can_add_lora",
     "can_pack_bf16",
     "can_pack_experts",
     "can_pack_f32",
@@ -96,6 +100,7 @@ __all__ = [
     "fits_int4",
     "force_tile_shape",
     "is_symmetric",
+    "lora_add",
     "matmul_argmax_screened_f32",
     "pack_argmax_screen",
     "pack_bf16",

@@ -1,11 +1,11 @@
 """Building and loading jaxcb's native CPU kernels, one library per ISA level.
 
-The C++ sources (attention.cc, matmul.cc over common.h / simd.h; read_probe.cc, the memory's
-read bandwidth for benchmarks) are compiled once per ISA level into the jaxcb cache directory,
-never with -march=native: a library is built for a named level (x86-64-v3 for "avx2",
-x86-64-v4 for "avx512", ...), keyed by the sources, jaxlib version and flags, and loaded only
-on a CPU whose flags hold everything that level needs, so a cache directory shared between
-machines never hands one CPU another's code.
+The C++ sources (attention.cc, matmul.cc, lora.cc over common.h / simd.h; read_probe.cc, the
+memory's read bandwidth for benchmarks) are compiled once per ISA level into the jaxcb cache
+directory, never with -march=native: a library is built for a named level (x86-64-v3 for
+"avx2", x86-64-v4 for "avx512", ...), keyed by the sources, jaxlib version and flags, and
+loaded only on a CPU whose flags hold everything that level needs, so a cache directory
+shared between machines never hands one CPU another's code.
 
 The *active* level is the highest this CPU fits (capped by the JAXCB_CPU_ISA environment
 variable: the forced-ISA switch, e.g. JAXCB_CPU_ISA=avx2 runs the AVX2 kernels on an AVX-512
@@ -16,9 +16,9 @@ Each library's functions are registered with jax as XLA FFI targets named `<base
 build fails; a CPU below AVX2 (or not x86) gets the "generic" library: attention and the KV
 write, matmuls on XLA.
 
-The op wrappers that call these targets live in attention.py, matmul.py, grouped.py and
-normed.py; this module knows nothing of them but their target names. It imports nothing from
-jaxcb but the cache directory (jaxcb.paths).
+The op wrappers that call these targets live in attention.py, matmul.py, grouped.py,
+normed.py and lora.py; this module knows nothing of them but their target names. It imports
+nothing from jaxcb but the cache directory (jaxcb.paths).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from jaxcb.paths import cache_dir
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / "attention.cc", _HERE / "matmul.cc", _HERE / "read_probe.cc"]
+SOURCES = [_HERE / "attention.cc", _HERE / "matmul.cc", _HERE / "lora.cc", _HERE / "read_probe.cc"]
 HEADERS = [_HERE / "common.h", _HERE / "simd.h", _HERE / "quant_matmul.h"]
 FLAGS = [
     "-O3",
@@ -61,6 +61,8 @@ ATTENTION_TARGET = "jaxcb_ragged_paged_attention"
 KV_WRITE_TARGET = "jaxcb_kv_write"
 KV_WRITE_QUANT_TARGET = "jaxcb_kv_write_quant"
 MATMUL_AMX_TARGET = "jaxcb_matmul_amx"
+LORA_ADD_F32_TARGET = "jaxcb_lora_add_f32"
+LORA_ADD_BF16_TARGET = "jaxcb_lora_add_bf16"
 MATMUL_F32_TARGET = "jaxcb_matmul_f32"
 SWIGLU_F32_TARGET = "jaxcb_swiglu_f32"
 MATMUL_ARGMAX_F32_TARGET = "jaxcb_matmul_argmax_f32"
@@ -305,6 +307,8 @@ def _load_level(name: str) -> Features:
             (GROUPED_SWIGLU_F32_TARGET, "JaxcbGroupedSwigluF32"),
             (GROUPED_MATMUL_BF16_WIDE_TARGET, "JaxcbGroupedMatmulBf16Wide"),
             (GROUPED_SWIGLU_BF16_WIDE_TARGET, "JaxcbGroupedSwigluBf16Wide"),
+            (LORA_ADD_F32_TARGET, "JaxcbLoraAddF32"),
+            (LORA_ADD_BF16_TARGET, "JaxcbLoraAddBf16"),
         ]
     if features.bf16_dot:
         symbols += [

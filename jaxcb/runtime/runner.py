@@ -27,7 +27,14 @@ import numpy as np
 from jaxcb.engine.buckets import Bucket
 from jaxcb.engine.interface import StepResult
 from jaxcb.engine.sched.schedule import SchedulerOutput
-from jaxcb.lora import has_lora, slot_layout, slot_values, stack_slot_values, write_slot
+from jaxcb.lora import (
+    empty_slot_values,
+    has_lora,
+    slot_layout,
+    slot_values,
+    stack_slot_values,
+    write_slot,
+)
 from jaxcb.models import registry
 from jaxcb.models.base import AttentionBackend, ModelSpec, Params
 from jaxcb.models.cpu_params import prepare_cpu_params
@@ -192,6 +199,12 @@ class ModelRunner:
                 donate_argnums=0,
                 out_shardings=lora_shardings,
             )
+            if not abstract:  # compiled now, not when an adapter first loads mid-serving:
+                # slot 1 written with what it holds (zeros)
+                layers = self.params["layers"]
+                self._adapters[0] = [empty_slot_values(run["lora"]) for run in layers]
+                self.load_lora_slot(1, 0)
+                del self._adapters[0]
         # The last step's sampled tokens on device, i32[programs.num_sampled_rows] (the
         # largest bucket's S, so one shape for every bucket): a step packed before its
         # predecessor's tokens were read back takes its decode inputs from here
