@@ -24,3 +24,4 @@ def test_lora_bench_records_passes_and_the_load(tmp_path):
     assert set(record["median_ratios"]) == {"base", "mixed"}
     load = record["load"]
     assert load["traced"] == 0 and load["answered"] and len(load["step_ms"]) == 24
+    assert load["control"]["answered"] and load["max_over_control"] > 0

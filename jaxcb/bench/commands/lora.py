@@ -5,7 +5,7 @@ Two engines of the same model and config in one process, one with LoRA enabled
 (`max_loras` = --num-adapters slots of rank --rank), one without. --num-adapters random-weight
 PEFT adapters of that rank (every attention and MLP projection; a mixture of experts' attention
 only) are written to a temporary directory. Each round runs the workload (EOS ignored, so
-every pass makes the same tokens) as:
+every pass makes the same tokens), its prefix cache reset first, as:
 
 - `off`: the engine without LoRA, base model;
 - `base`: the LoRA engine, no request with an adapter (what LoRA costs a step that uses none);
@@ -16,8 +16,9 @@ their medians over the rounds. Then the load test: requests decode on the LoRA e
 one more adapter is added with a request of its own. The adapter is read first, as the
 server reads it off the engine's thread; then written into a slot (evicting the least
 recently used) between two steps. The steps around it are timed (the slowest against the
-median), the step programs traced meanwhile counted (0: nothing recompiled), and the new
-request must finish.
+median, and against the slowest of a control run where a base request arrives instead: a
+new request's prefill lengthens its step whatever its adapter), the step programs traced
+meanwhile counted (0: nothing recompiled), and the new request must finish.
 
     python -m jaxcb.bench lora                         # SmolLM2-135M, chat-fixed, 4 x rank 16
     python -m jaxcb.bench lora --dtype bfloat16 --config configs/bench-smollm2-cpu.yaml
@@ -102,6 +103,11 @@ def write_adapter(path: Path, spec: ModelSpec, rank: int, seed: int, dense_mlp: 
 
 
 def one_pass(llm: LLM, prompts: list, params: list, loras: list | None) -> dict:
+    """One timed generate of the workload, the prefix cache reset first (as the offline
+    benchmark's passes): a pass would otherwise reuse the pages of the one before, which a
+    pass under other adapters cannot (their hashes differ), and the ratios would measure the
+    cache rather than the adapters."""
+    llm.reset_prefix_cache()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
     seconds = time.perf_counter() - t0
@@ -109,12 +115,13 @@ def one_pass(llm: LLM, prompts: list, params: list, loras: list | None) -> dict:
     return {"seconds": seconds, "output_tokens": tokens, "tok_s": tokens / seconds}
 
 
-def load_while_serving(llm: LLM, lora: LoRARequest, vocab: int) -> dict:
-    """Decode 16 base requests; add `lora` with a request of its own mid-way. The adapter is
-    read first, as the server reads it off the engine's thread; the timed step adds it (the
-    slot write) and admits its request."""
+def arrival_steps(llm: LLM, lora: LoRARequest | None, vocab: int) -> dict:
+    """Decode 16 base requests; one more request arrives mid-way, under `lora` (added to the
+    engine in that step, its adapter read first, as the server reads it off the engine's
+    thread: the step writes it into a slot, evicting the least recently used) or under the
+    base model (None: the control). The 24 steps around it are timed."""
     engine = llm.engine
-    values = engine.read_lora(lora)
+    values = engine.read_lora(lora) if lora is not None else None
     rng = np.random.default_rng(1)
     sp = SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.0)
     for _ in range(16):
@@ -122,18 +129,17 @@ def load_while_serving(llm: LLM, lora: LoRARequest, vocab: int) -> dict:
     for _ in range(8):  # prefills and the first decodes
         engine.step()
     times, traces = [], step_module.TRACE_COUNT[0]
-    added_at, done = None, None
+    added_at, done, rid = 12, None, None
     for k in range(24):
         t0 = time.perf_counter()
-        if k == 12:
-            added_at = k
-            engine.add_lora(lora, values)
-            rid = engine.add_request(
-                None, rng.integers(3, vocab, size=32).tolist(), sp, lora_request=lora
-            )
+        if k == added_at:
+            if lora is not None:
+                engine.add_lora(lora, values)
+            prompt = rng.integers(3, vocab, size=32).tolist()
+            rid = engine.add_request(None, prompt, sp, lora_request=lora)
         outs = engine.step()
         times.append(time.perf_counter() - t0)
-        done = done or next((o for o in outs if added_at is not None and o.request_id == rid), None)
+        done = done or next((o for o in outs if o.request_id == rid and o.finished), None)
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.request_id == rid and out.finished:
@@ -143,10 +149,24 @@ def load_while_serving(llm: LLM, lora: LoRARequest, vocab: int) -> dict:
         "step_ms": [t * 1e3 for t in times],
         "median_step_ms": median * 1e3,
         "max_step_ms": max(times) * 1e3,
-        "load_step_ms": times[added_at] * 1e3,
+        "added_step_ms": times[added_at] * 1e3,
         "max_over_median": max(times) / median,
         "traced": step_module.TRACE_COUNT[0] - traces,
         "answered": bool(done is not None and done.outputs[0].token_ids),
+    }
+
+
+def load_while_serving(llm: LLM, lora: LoRARequest, vocab: int) -> dict:
+    """`arrival_steps` for a base request (the control), then for `lora`'s: a new request's
+    prefill lengthens the steps that take it (and 17 rows take a larger bucket than 16)
+    whatever its adapter, so the load's cost is what its steps take beyond the control's.
+    Returns the load's figures, with the control's under "control" and the slowest step over
+    the control's slowest as "max_over_control"."""
+    control = arrival_steps(llm, None, vocab)
+    load = arrival_steps(llm, lora, vocab)
+    return load | {
+        "control": control,
+        "max_over_control": load["max_step_ms"] / control["max_step_ms"],
     }
 
 
@@ -208,10 +228,13 @@ def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
         }
         print(f"median ratios: base {ratios['base']:.3f}x, mixed {ratios['mixed']:.3f}x of off")
         load = load_while_serving(llm, loras[-1], spec.vocab_size)
+    control = load["control"]
     print(
         f"load while serving: step median {load['median_step_ms']:.1f} ms, the add's step "
-        f"{load['load_step_ms']:.1f}, slowest {load['max_step_ms']:.1f} "
-        f"({load['max_over_median']:.2f}x the median); {load['traced']} programs traced; "
+        f"{load['added_step_ms']:.1f}, slowest {load['max_step_ms']:.1f} "
+        f"({load['max_over_median']:.2f}x the median, {load['max_over_control']:.2f}x the "
+        f"slowest when a base request arrives instead: {control['max_step_ms']:.1f} ms, "
+        f"{control['max_over_median']:.2f}x its median); {load['traced']} programs traced; "
         f"the new adapter's request {'answered' if load['answered'] else 'NOT answered'}"
     )
     record |= dict(
