@@ -111,6 +111,13 @@ def _adapted(layer: Params, name: str, lora: LoraRows | None) -> bool:
     return lora is not None and "lora" in layer and name in layer["lora"].stack
 
 
+#: Buckets of at least this many rows take the fused SwiGLU kernel when no row has an adapter
+#: (a lax.cond on it): unfused, a prefill step writes and reads [T, 2 * I] float32 gate/up
+#: outputs, which prefill-heavy passes without adapters paid (`bench lora`'s base passes,
+#: ~0.93x of no LoRA); at decode's few rows that costs less than a taken branch (~40 us).
+FUSED_WITHOUT_ADAPTERS_ROWS = 128
+
+
 def mlp(
     layer: Params,
     h: jax.Array,
@@ -120,15 +127,27 @@ def mlp(
 ) -> jax.Array:
     """down(activation(gate(h)) * up(h)) for the normed residual h [T, H]: SwiGLU, or GeGLU
     with a gelu `activation` (Gemma). `lora`: as attention_block's (gate and up then come
-    out of the matmul apart, never out of a kernel that fuses the activation)."""
+    out of the matmul apart, to take the adapters' terms before the activation; a bucket of
+    FUSED_WITHOUT_ADAPTERS_ROWS or more takes the fused kernel when no row has an adapter)."""
     w = layer["w_gate_up"]  # [H, 2, I]
     adapted = _adapted(layer, "w_gate_up", lora)
-    swiglu = packed_swiglu(w) if activation is jax.nn.silu and not adapted else None
-    if swiglu is not None:  # the activation in the matmul's epilogue
+    swiglu = packed_swiglu(w) if activation is jax.nn.silu else None
+    if swiglu is not None and not adapted:  # the activation in the matmul's epilogue
         act = swiglu(h, real_tokens)
     elif isinstance(w, dict) or native_weight(w) is not None:  # packed [H, 2 * I]; quantized
-        gate_up = project(h, layer, "w_gate_up", real_tokens, lora).reshape(h.shape[0], 2, -1)
-        act = activation(gate_up[:, 0]) * gate_up[:, 1]
+
+        def apart(h: jax.Array | Normed) -> jax.Array:
+            gate_up = project(h, layer, "w_gate_up", real_tokens, lora)
+            gate_up = gate_up.reshape(h.shape[0], 2, -1)
+            return activation(gate_up[:, 0]) * gate_up[:, 1]
+
+        if swiglu is not None and h.shape[0] >= FUSED_WITHOUT_ADAPTERS_ROWS:
+            fused = jax.eval_shape(lambda: swiglu(h, real_tokens))  # (h: a Normed's eps static)
+            act = jax.lax.cond(
+                lora.active, lambda: apart(h).astype(fused.dtype), lambda: swiglu(h, real_tokens)
+            )
+        else:
+            act = apart(h)
     else:
         # Gate and up in one matmul, without merging (2, I) into one axis: tensor parallelism
         # shards I, and a merged 2 * I axis would not be sharded evenly (XLA would gather w).
