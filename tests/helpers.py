@@ -209,3 +209,19 @@ class FakeRunnerBase:
 
     def close(self) -> None:
         pass
+
+
+def isa_level_params(levels, *marks) -> list:
+    """This CPU's ISA levels (native.supported_levels()) as pytest params: the active one and
+    "avx2" (the AVX2 matmuls' own library, loaded on every CPU that has AVX2) run by default;
+    the others with --runslow. Each is a library build of its own (10-16 s on 2 cores) of the
+    same kernels at another vector width, or the scalar fallback no AVX2 CPU runs."""
+    import pytest
+
+    from jaxcb import native
+
+    default = {native.active_level(), "avx2"}
+    return [
+        pytest.param(level, marks=[*marks, *(() if level in default else (pytest.mark.slow,))])
+        for level in levels
+    ]

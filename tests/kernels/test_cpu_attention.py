@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import isa_level_params
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rpa_cases import Shape, assert_matches_reference, make_batch
@@ -42,7 +43,14 @@ BACKENDS = {
     },
 }
 backends = pytest.mark.parametrize(
-    "backend", ["xla", *(pytest.param(f"native-{level}", marks=needs_native) for level in LEVELS)]
+    "backend",
+    [
+        "xla",
+        *(
+            pytest.param(f"native-{p.values[0]}", marks=p.marks)
+            for p in isa_level_params(LEVELS, needs_native)
+        ),
+    ],
 )
 
 
@@ -54,18 +62,20 @@ def check(backend: str, shape: Shape, seqs, seed: int = 0, **kwargs) -> None:
     assert_matches_reference(out, reference(*batch, **kwargs), batch, shape.dtype)
 
 
-#: The batch kinds every ISA level runs in CI; the rest run on XLA and the level this CPU
-#: uses (the other levels' libraries are the same code at other vector widths: --runslow).
+#: The batch kinds every ISA level runs (the levels helpers.isa_level_params runs by default
+#: in CI); the rest run on XLA and the level this CPU uses (the other levels' libraries are
+#: the same code at other vector widths: --runslow).
 EVERY_LEVEL_KINDS = ("mixed", "page_boundaries")
 
 
 def _batch_params() -> list:
     params = []
-    for backend in ["xla", *(f"native-{level}" for level in LEVELS)]:
+    levels = {f"native-{p.values[0]}": list(p.marks) for p in isa_level_params(LEVELS)}
+    for backend in ["xla", *levels]:
         for kind in sorted(BATCHES):
-            marks = [] if backend == "xla" else [needs_native]
+            marks = [] if backend == "xla" else [needs_native, *levels[backend]]
             other_level = backend not in ("xla", f"native-{native.active_level()}")
-            if other_level and kind not in EVERY_LEVEL_KINDS:
+            if other_level and kind not in EVERY_LEVEL_KINDS and not levels[backend]:
                 marks.append(pytest.mark.slow)
             params.append(pytest.param(backend, kind, marks=marks, id=f"{kind}-{backend}"))
     return params
@@ -139,7 +149,7 @@ def test_xla_default_blocks():
 
 
 @needs_native
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", isa_level_params(LEVELS))
 @pytest.mark.parametrize("q_dtype, pages_dtype", [("bfloat16", "float32"), ("float32", "bfloat16")])
 def test_native_mixed_query_and_page_dtypes(level, q_dtype, pages_dtype):
     """The native kernel's other routines: bf16 x bf16 uses the BF16 dot product where the
@@ -200,7 +210,7 @@ def test_engine_falls_back_to_xla_without_a_compiler(monkeypatch):
         attention.get_attention_backend("native", platform="cpu")
 
 
-@pytest.mark.parametrize("level", [pytest.param(v, marks=needs_native) for v in LEVELS])
+@pytest.mark.parametrize("level", isa_level_params(LEVELS, needs_native))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("num_q_heads", [6, 8])  # groups of 3 and 4 query heads per KV head
 def test_native_row_is_computed_as_a_lone_decode_row(level, dtype, num_q_heads):

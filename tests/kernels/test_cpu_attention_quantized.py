@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import isa_level_params
 from rpa_cases import Shape, assert_matches_reference, make_batch, quantize_batch
 from test_ragged_paged_attention import BATCHES
 
@@ -38,7 +39,7 @@ KERNELS = {
     for level in LEVELS
 }
 KV_DTYPES = sorted(QUANTIZED_KV_DTYPES)  # fp8_e4m3, fp8_e5m2, int8
-levels = pytest.mark.parametrize("level", LEVELS)
+levels = pytest.mark.parametrize("level", isa_level_params(LEVELS))
 kv_dtypes = pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import isa_level_params
 
 from jaxcb import native
 from jaxcb.models.quant import dequantize_np, quantize_int8
@@ -217,25 +218,25 @@ def test_padding_rows_are_skipped_and_zero(rows, bits):
         assert not got[rows:].any()
 
 
+@pytest.mark.parametrize(
+    "level", isa_level_params(v for v in native.supported_levels() if v != "generic")
+)
 @pytest.mark.parametrize("bits", FORMS)
-def test_every_isa_level_gives_the_same_products(bits):
+def test_every_isa_level_gives_the_same_products(bits, level):
     """The library of each level this CPU runs (AVX2 code, AVX-512 where present)."""
     qw = quantized(128, 64, bits=bits)
     spec = kernel_for(bits)
     x = np.random.default_rng(0).standard_normal((6, 128)).astype(np.float32)
     packed = spec.pack(qw)
-    for level in native.supported_levels():
-        if level == "generic":
-            continue
-        call = jax.ffi.ffi_call(
-            native.build.registered_target(spec.matmul_target, level),
-            jax.ShapeDtypeStruct((6, 64), jnp.float32),
-        )
-        for rows in (2, 6):  # the integer path and the dequantizing one
-            real = jnp.full(1, rows, jnp.int32)
-            layer = jnp.zeros(1, jnp.int32)  # (a stack of one layer: ops.layer_operands)
-            got = np.asarray(call(jnp.asarray(x), jnp.asarray(packed)[None], layer, real))
-            assert_products(got[:rows], x[:rows], qw)
+    call = jax.ffi.ffi_call(
+        native.build.registered_target(spec.matmul_target, level),
+        jax.ShapeDtypeStruct((6, 64), jnp.float32),
+    )
+    for rows in (2, 6):  # the integer path and the dequantizing one
+        real = jnp.full(1, rows, jnp.int32)
+        layer = jnp.zeros(1, jnp.int32)  # (a stack of one layer: ops.layer_operands)
+        got = np.asarray(call(jnp.asarray(x), jnp.asarray(packed)[None], layer, real))
+        assert_products(got[:rows], x[:rows], qw)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 13])

@@ -553,7 +553,7 @@ def test_int8_takes_a_block_quantized_head_as_it_is(llama_dir, tmp_path) -> None
     assert f32["lm_head"].dtype == np.float32
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("family", [pytest.param("qwen3", marks=pytest.mark.slow), "gemma2"])
 def test_a_tied_quantized_head_gives_the_token_rows(family, tmp_path, monkeypatch):
     """A tied Q8_0 table under int8 is kept once, as the head (symmetric int8 codes): the
     engine reads the tokens' rows from its columns, with the same greedy tokens as with the

@@ -130,6 +130,7 @@ def reference(model: Path) -> dict:
     return want
 
 
+@pytest.mark.slow  # (the four-process test below checks the same, and more)
 def test_two_processes_give_the_tokens_of_one(model: Path, reference: dict) -> None:
     """TP 2 over two processes (one CPU device each): greedy, seeded and logprob requests
     give what one process gives, and both processes packed the same step inputs."""
