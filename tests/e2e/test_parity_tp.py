@@ -1,7 +1,7 @@
-"""Greedy parity with transformers under tensor parallelism 2, for every family the suite
-has a tiny model of (tests/helpers.py FAMILIES), in one subprocess with 2 CPU devices
-(parity_tp_worker.py): the families' parameter layouts and their sharding rules (heads,
-MLP, experts, vocabulary) keep the tokens of one device."""
+"""Greedy parity with transformers under tensor parallelism 2, for four families by default and
+every one the suite has a tiny model of with --runslow (tests/helpers.py FAMILIES), in one
+subprocess with 2 CPU devices (parity_tp_worker.py): the families' parameter layouts and
+their sharding rules (heads, MLP, experts, vocabulary) keep the tokens of one device."""
 
 from __future__ import annotations
 
@@ -15,13 +15,18 @@ import pytest
 from helpers import FAMILIES
 
 WORKER = Path(__file__).with_name("parity_tp_worker.py")
+#: One family per parameter layout by default (llama's heads and MLP, Phi-3's fused
+#: checkpoint, Gemma's, a mixture of experts'); every family with --runslow.
+DEFAULT_FAMILIES = {"llama3", "phi3", "gemma3", "qwen3-moe"}
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def report(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict:
     work = tmp_path_factory.mktemp("parity_tp")
+    every = request.config.getoption("--runslow")
+    families = sorted(f for f in FAMILIES if every or f in DEFAULT_FAMILIES)
     result = subprocess.run(
-        [sys.executable, str(WORKER), str(work), *sorted(FAMILIES)],
+        [sys.executable, str(WORKER), str(work), *families],
         capture_output=True,
         text=True,
         timeout=1200,
@@ -31,7 +36,13 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param(family, marks=() if family in DEFAULT_FAMILIES else pytest.mark.slow)
+        for family in sorted(FAMILIES)
+    ],
+)
 def test_tensor_parallel_parity(report: dict, family: str) -> None:
     run = report[family]
     assert run["kv_shards"] == 2 and run["preemptions"] > 0

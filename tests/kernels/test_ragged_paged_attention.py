@@ -204,7 +204,11 @@ LARGE_TABLE_SHAPE = Shape(
 )
 
 
-@pytest.mark.parametrize("pages_per_block", [None, 3], ids=["default_blocks", "3_pages"])
+@pytest.mark.parametrize(
+    "pages_per_block",
+    [pytest.param(None, marks=pytest.mark.slow), 3],  # (3 pages a block: more table chunks)
+    ids=["default_blocks", "3_pages"],
+)
 def test_tpu_large_page_table(pages_per_block):
     """3 pages per block: a chunk is lcm(128, 3) = 384 ids; the default (32 pages): 128.
     (The 3-page case, ~10x the KV blocks in interpret mode, takes the longest sequence only.)"""
