@@ -17,12 +17,16 @@ values; the runner writes them): shapes never change and nothing is recompiled. 
 the step input (StepInput.lora_slots, one per token row) is index s - 1 of the N axis; 0 is
 the base model.
 
-**The step.** A weight's delta for every token row at once (`lora_delta`): u = x @ a (all
-slots' A, [T, P, N, R]), masked to each row's own slot (`lora_mask`, one-hot [T, N]), then
-per part u @ b over the (slot, rank) axes, laid out as the base weight's output. A batch that
-mixes adapters and base rows is one matmul pair per weight of N x R columns: ~N x R x (in +
-out) more weight reads and as many multiply-adds per row, which a step with no adapter row
-does not pay (models/stacking.py's `run_layers` runs the layers without LoRA then).
+**The step.** Each token row's slot comes in as `LoraRows` (`lora_rows`), and each
+adaptable matmul's output gets every row's adapter term added (`add_adapters`). Where the
+base weight runs on a native CPU kernel, so does the term (native.lora_add, jaxcb/native/
+lora.cc): rows grouped by slot, each group through its own slot's A then B only, added in
+place; a base row or a padding row costs nothing. Elsewhere (accelerators, a CPU without the
+kernels) XLA computes `lora_delta` for all rows at once: u = x @ a (all slots' A, [T, P, N,
+R]), masked to each row's own slot (one-hot [T, N]), then per part u @ b over the (slot,
+rank) axes, laid out as the base weight's output; it sits under a lax.cond on whether any
+row has an adapter, so a step of base rows reads no slot array. `column_runs` says where each
+part's columns fall in the weight's output, for both forms.
 """
 
 from __future__ import annotations
@@ -239,19 +243,6 @@ def stack_slot_values(values: Sequence[Params], run_lengths: Sequence[int]) -> l
         runs.append(jax.tree_util.tree_map(lambda *xs: np.stack(xs), *values[first : first + n]))
         first += n
     return runs
-
-
-def empty_slot_values(lora: Params) -> Params:
-    """What an empty slot holds, as `stack_slot_values` gives a run's values (zeros, each
-    array without the slot axis of the run's stacked "lora" arrays): written once at
-    start-up, so the program that writes a slot is compiled before an adapter needs it."""
-    return {
-        name: {
-            "a": np.zeros(w["a"].shape[:3] + w["a"].shape[4:], w["a"].dtype),  # [L, in, P, R]
-            "b": [np.zeros(b.shape[:1] + b.shape[2:], b.dtype) for b in w["b"]],  # [L, R, ..]
-        }
-        for name, w in lora.items()
-    }
 
 
 def write_slot(lora: Params, values: Params, index: jax.Array) -> Params:

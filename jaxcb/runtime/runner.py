@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -28,7 +29,6 @@ from jaxcb.engine.buckets import Bucket
 from jaxcb.engine.interface import StepResult
 from jaxcb.engine.sched.schedule import SchedulerOutput
 from jaxcb.lora import (
-    empty_slot_values,
     has_lora,
     slot_layout,
     slot_values,
@@ -38,7 +38,7 @@ from jaxcb.lora import (
 from jaxcb.models import registry
 from jaxcb.models.base import AttentionBackend, ModelSpec, Params
 from jaxcb.models.cpu_params import prepare_cpu_params
-from jaxcb.models.loading.peft import read_adapter
+from jaxcb.models.loading.peft import Adapter, read_adapter
 from jaxcb.models.stacking import run_length, stack_layers
 from jaxcb.runtime import sharding
 from jaxcb.runtime import step as step_module
@@ -200,11 +200,8 @@ class ModelRunner:
                 out_shardings=lora_shardings,
             )
             if not abstract:  # compiled now, not when an adapter first loads mid-serving:
-                # slot 1 written with what it holds (zeros)
-                layers = self.params["layers"]
-                self._adapters[0] = [empty_slot_values(run["lora"]) for run in layers]
-                self.load_lora_slot(1, 0)
-                del self._adapters[0]
+                # slot 1 written with what it holds (an adapter of no pairs: zeros)
+                self._write_slot(1, self._stacked_slot_values(Adapter(Path(), 0, {})))
         # The last step's sampled tokens on device, i32[programs.num_sampled_rows] (the
         # largest bucket's S, so one shape for every bucket): a step packed before its
         # predecessor's tokens were read back takes its decode inputs from here
@@ -218,10 +215,11 @@ class ModelRunner:
         work only: safe on any thread, so a server reads it off the engine's)."""
         if self._write_lora is None:
             raise ValueError("LoRA is off: start the engine with enable_lora=True")
+        return self._stacked_slot_values(read_adapter(path))
+
+    def _stacked_slot_values(self, adapter: Adapter) -> list[Params]:
         _, max_rank, dtype = slot_layout(self.params)
-        values = slot_values(
-            read_adapter(path), self.spec, registry.param_infos(self.spec), max_rank, dtype
-        )
+        values = slot_values(adapter, self.spec, registry.param_infos(self.spec), max_rank, dtype)
         return stack_slot_values(values, [run_length(stack) for stack in self.params["layers"]])
 
     def add_lora(self, lora_id: int, path: str, values: Any = None) -> None:
@@ -236,8 +234,11 @@ class ModelRunner:
     def load_lora_slot(self, slot: int, lora_id: int) -> None:
         """Write an added adapter into device slot `slot` (1..max_loras): an update of the
         slot arrays in place, ordered before the next step (no shape changes: no compile)."""
+        self._write_slot(slot, self._adapters[lora_id])
+
+    def _write_slot(self, slot: int, values: list[Params]) -> None:
         layers = self.params["layers"]
-        loras = self._write_lora([run["lora"] for run in layers], self._adapters[lora_id], slot - 1)
+        loras = self._write_lora([run["lora"] for run in layers], values, slot - 1)
         self.params = {
             **self.params,
             "layers": [{**run, "lora": lora} for run, lora in zip(layers, loras, strict=True)],
