@@ -144,6 +144,43 @@ def make_hf_model(family: str, path: Path, *, seed: int = 0, dtype: str = "float
     return model
 
 
+#: What make_adapter's adapters target by default, per family: Phi-3's fused modules; a
+#: mixture of experts' attention (its experts are not adapted); every module otherwise.
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = {
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+    "phi3-longrope": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+    "mixtral": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "qwen2-moe": ["q_proj", "v_proj", "o_proj"],
+    "qwen3-moe": ["q_proj", "k_proj", "v_proj", "o_proj"],
+}
+
+
+def make_adapter(family, base_dir, out_dir, *, seed, rank, targets=None, **config):
+    """A random-weight PEFT adapter for the model saved in base_dir, saved to out_dir; the
+    peft model (base + adapter) is returned for reference outputs."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir).eval()
+    cfg = LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank,
+        target_modules=targets or TARGETS.get(family, ALL_MODULES),
+        init_lora_weights=False,
+        **config,
+    )
+    model = get_peft_model(base, cfg)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    model.save_pretrained(out_dir)
+    return model.eval()
+
+
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Greedy tokens of transformers' generate for one request alone (stops at EOS)."""
     import torch

@@ -12,21 +12,11 @@ import json
 
 import numpy as np
 import pytest
-from helpers import FAMILIES, hf_greedy, make_hf_model, random_prompts
+from helpers import FAMILIES, hf_greedy, make_adapter, make_hf_model, random_prompts
 
 from jaxcb import LLM, LoRARequest, SamplingParams
 from jaxcb.runtime import step as step_module
 
-ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-#: what each family's adapters target: Phi-3's fused modules; a mixture of experts'
-#: attention (its experts are not adapted)
-TARGETS = {
-    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
-    "phi3-longrope": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
-    "mixtral": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "qwen2-moe": ["q_proj", "v_proj", "o_proj"],
-    "qwen3-moe": ["q_proj", "k_proj", "v_proj", "o_proj"],
-}
 #: one family per forward (llama, Phi-3's fused checkpoint, Gemma, a mixture of experts) by
 #: default; the rest with --runslow
 DEFAULT_FAMILIES = {"llama3", "phi3", "gemma3", "qwen3-moe"}
@@ -40,31 +30,6 @@ ENGINE_KW = dict(
     page_size=16,
 )
 MAX_TOKENS = 10
-
-
-def make_adapter(family, base_dir, out_dir, *, seed, rank, targets=None, **config):
-    """A random-weight PEFT adapter for the model saved in base_dir, saved to out_dir; the
-    peft model (base + adapter) is returned for reference outputs."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(base_dir).eval()
-    cfg = LoraConfig(
-        r=rank,
-        lora_alpha=2 * rank,
-        target_modules=targets or TARGETS.get(family, ALL_MODULES),
-        init_lora_weights=False,
-        **config,
-    )
-    model = get_peft_model(base, cfg)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
-    model.save_pretrained(out_dir)
-    return model.eval()
 
 
 def family_params(families):

@@ -1,7 +1,8 @@
 """Greedy parity with transformers under tensor parallelism 2, for four families by default and
 every one the suite has a tiny model of with --runslow (tests/helpers.py FAMILIES), in one
 subprocess with 2 CPU devices (parity_tp_worker.py): the families' parameter layouts and
-their sharding rules (heads, MLP, experts, vocabulary) keep the tokens of one device."""
+their sharding rules (heads, MLP, experts, vocabulary) keep the tokens of one device; so do
+LoRA adapters' slot arrays, sharded as their base weights are (peft's tokens)."""
 
 from __future__ import annotations
 
@@ -47,4 +48,11 @@ def test_tensor_parallel_parity(report: dict, family: str) -> None:
     run = report[family]
     assert run["kv_shards"] == 2 and run["preemptions"] > 0
     assert len({t for seq in run["expected"] for t in seq}) > 10  # not one repeated token
+    assert run["got"] == run["expected"]
+
+
+def test_tensor_parallel_lora_matches_peft(report: dict) -> None:
+    run = report["lora"]
+    assert run["kv_shards"] == 2 and run["preemptions"] > 0
+    assert run["changed"] >= 3, "the adapters were meant to change the output"
     assert run["got"] == run["expected"]
