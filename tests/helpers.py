@@ -156,14 +156,20 @@ TARGETS = {
 }
 
 
-def make_adapter(family, base_dir, out_dir, *, seed, rank, targets=None, **config):
-    """A random-weight PEFT adapter for the model saved in base_dir, saved to out_dir; the
-    peft model (base + adapter) is returned for reference outputs."""
+def make_adapter(family, base, out_dir, *, seed, rank, targets=None, std=0.3, **config):
+    """A random-weight PEFT adapter (entries of standard deviation `std`) for `base` (the
+    directory a transformers model is saved in, or the model itself, left untouched), saved
+    to out_dir; the peft model (base + adapter) is returned for reference outputs."""
+    import copy
+
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_dir).eval()
+    if isinstance(base, (str, Path)):
+        base = AutoModelForCausalLM.from_pretrained(base).eval()
+    else:
+        base = copy.deepcopy(base)  # peft puts its layers into the model it is given
     cfg = LoraConfig(
         r=rank,
         lora_alpha=2 * rank,
@@ -176,7 +182,7 @@ def make_adapter(family, base_dir, out_dir, *, seed, rank, targets=None, **confi
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+                p.copy_(torch.randn(p.shape, generator=generator) * std)
     model.save_pretrained(out_dir)
     return model.eval()
 

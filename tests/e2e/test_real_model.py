@@ -21,9 +21,9 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import hf_greedy
+from helpers import hf_greedy, make_adapter
 
-from jaxcb import LLM, SamplingParams, native
+from jaxcb import LLM, LoRARequest, SamplingParams, native
 from jaxcb.models.llama import params_from_hf
 from jaxcb.models.loading.default_model import smollm2_gguf
 from jaxcb.models.loading.gguf import GGUFFile
@@ -233,3 +233,52 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+@pytest.mark.slow  # ~50 s; test_lora.py checks every family's adapters by default
+def test_lora_adapters_equal_peft(smollm2: Path, hf_model, tmp_path: Path) -> None:
+    """Two random PEFT adapters of SmolLM2 itself, rank 8 and rank 64 (every attention and MLP
+    module), and base rows in one float32 run: each request's greedy tokens are peft's on
+    transformers' model of the same file (the tiny models' test_lora.py covers the families)."""
+    import torch
+
+    model, tokenizer = hf_model
+    adapters = [
+        make_adapter("llama3", model, tmp_path / f"r{rank}", seed=rank, rank=rank, std=0.03)
+        for rank in (8, 64)
+    ]
+    which = [0, 1, None, 1, 0, 1]
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        for q in QUESTIONS[: len(which)]
+    ]
+    prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as `reference` does
+    try:
+        expected = [
+            hf_greedy(model if w is None else adapters[w], p, 16)
+            for p, w in zip(prompts, which, strict=True)
+        ]
+        changed = sum(
+            hf_greedy(model, p, 16) != e
+            for p, e, w in zip(prompts, expected, which, strict=True)
+            if w is not None
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert changed >= 3, "the adapters were meant to change the output"
+
+    llm = LLM(
+        str(smollm2), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=64, **ENGINE
+    )
+    requests = [LoRARequest(f"r{r}", i + 1, str(tmp_path / f"r{r}")) for i, r in enumerate((8, 64))]
+    outs = llm.generate(
+        prompts,
+        SamplingParams(max_tokens=16, temperature=0.0),
+        lora_request=[None if w is None else requests[w] for w in which],
+        use_tqdm=False,
+    )
+    got = [o.token_ids for o in outs]
+    wrong = [i for i in range(len(which)) if got[i] != expected[i]]
+    assert not wrong, f"requests {wrong} differ: {got[wrong[0]]} != {expected[wrong[0]]}"
