@@ -24,7 +24,6 @@ figures and the roofline are in aot_report.py.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -236,7 +235,8 @@ def compile_for_target(
     params, infos = with_lora_slots(
         config.lora, params, infos, registry.param_infos(spec), spec, dtype
     )
-    params_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+    rules = sharding.rules_for(spec, tp)
+    params_bytes = sharding.bytes_per_device(params, sharding.param_shardings(infos, mesh, rules))
     limit = hbm_bytes if hbm_bytes is not None else memory_limit_bytes(target)
     runner_args = dict(plan.runner_args(mesh), abstract=True)
 
@@ -250,7 +250,7 @@ def compile_for_target(
             )
         except ValueError as exc:  # too little memory left for a max_model_len sequence
             raise DoesNotFit(f"does not fit on {target.name}: {exc}") from None
-        need = params_bytes // tp + sizing.num_pages * sizing.page_bytes + program
+        need = params_bytes + sizing.num_pages * sizing.page_bytes + program
         if need > limit:
             raise DoesNotFit(
                 f"does not fit on {target.name}: weights and KV pool ({sizing.describe()}) "
@@ -311,5 +311,5 @@ def measure_program_bytes(
 
 def per_device_bytes(tree: Any) -> int:
     """Bytes one device holds of a pytree of sharded (abstract) arrays: its shards."""
-    leaves = jax.tree_util.tree_leaves(tree)
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
+    shardings = jax.tree_util.tree_map(lambda x: x.sharding, tree)
+    return sharding.bytes_per_device(tree, shardings)

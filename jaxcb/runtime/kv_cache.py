@@ -110,7 +110,7 @@ class PoolSizing:
     memory_limit_bytes: int = 0  # what the device's allocator may hand out (0: not used)
     utilization: float = 0.0
     in_use_bytes: int = 0  # already allocated when sized (weights restored to the device)
-    params_bytes: int = 0  # the weights' share, not yet on the device
+    params_bytes: int = 0  # one device's share of the weights, not yet on it
     program_bytes: int = 0  # the compiled step's temporaries and fresh outputs (largest)
 
     @property
@@ -147,13 +147,13 @@ def size_kv_pool(
     memory_limit_bytes: int | None = None,
     program_bytes: int = 0,
 ) -> PoolSizing:
-    """The pool's page count and how it was found. `params_bytes`: weights not yet on the
-    devices when this is called (all of them: each of the `tensor_parallel_size` devices
-    holds its share). `memory_limit_bytes`: a device's memory for a target that is not
-    present (runtime/aot.py); else the device's allocator limit is read. `program_bytes`:
-    per device, the compiled step's temporaries and fresh outputs (runtime/aot.py's
-    `program_bytes` of the largest bucket), which the pool must leave room for. `dtype`: the
-    pages' (a quantized one's pages are counted with their scales)."""
+    """The pool's page count and how it was found. `params_bytes`: what one device will hold
+    of the weights not yet on the devices when this is called (sharding.bytes_per_device: a
+    replicated array whole, a sharded one its shard). `memory_limit_bytes`: a device's memory
+    for a target that is not present (runtime/aot.py); else the device's allocator limit is
+    read. `program_bytes`: per device, the compiled step's temporaries and fresh outputs
+    (runtime/aot.py's `program_bytes` of the largest bucket), which the pool must leave room
+    for. `dtype`: the pages' (a quantized one's pages are counted with their scales)."""
     tp = tensor_parallel_size
     per_page = page_bytes(spec, cache.page_size, dtype)
     min_pages = pages_per_seq(max_model_len, cache.page_size)
@@ -173,7 +173,7 @@ def size_kv_pool(
             memory_limit_bytes=CPU_AUTO_BUDGET_BYTES if limit is None else limit,
             utilization=cache.memory_utilization,
             in_use_bytes=in_use,
-            params_bytes=params_bytes // tp,
+            params_bytes=params_bytes,
             program_bytes=program_bytes if limit is not None else 0,
         )
         num_pages = min(wanted, sizing.spare_bytes // sizing.page_bytes)

@@ -53,7 +53,7 @@ class DevicePlan:
         )
 
     def size_pool(self, *, params_bytes: int, program_bytes: int = 0, **memory: Any) -> PoolSizing:
-        """The KV pool (kv_cache.size_kv_pool) for weights of `params_bytes` in all and a
+        """The KV pool (kv_cache.size_kv_pool) for weights of `params_bytes` a device and a
         compiled step's own buffers of `program_bytes`; `memory`: the device to read the
         memory of, or a memory_limit_bytes for a target that is not present."""
         return size_kv_pool(

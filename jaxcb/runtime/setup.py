@@ -94,7 +94,7 @@ def build_runner(
     cpu_kernels = _cpu_kernels(config, matmul, dtype, sharding.tensor_parallel_size(mesh))
     kv_dtype, buckets, max_model_len = plan.kv_dtype, plan.buckets, plan.max_model_len
     runner_args = plan.runner_args(mesh)
-    pool, probe = _size_pool(plan, model, infos, runner_args)
+    pool, probe = _size_pool(plan, params, infos, runner_args)
     num_pages = pool.num_pages
     swap_pages = 0
     swapping = sched.preemption_mode != "recompute" and sched.batching == "continuous"
@@ -238,7 +238,7 @@ def model_name(config: EngineConfig) -> str:
 
 
 def _size_pool(
-    plan: DevicePlan, model: LoadedModel, infos: Any, runner_args: dict[str, Any]
+    plan: DevicePlan, params: Any, infos: Any, runner_args: dict[str, Any]
 ) -> tuple[PoolSizing, ModelRunner | None]:
     """The KV pool's page count (DevicePlan.size_pool) and how it was found, and the
     abstract runner that measured the compiled step (None: none did).
@@ -249,9 +249,13 @@ def _size_pool(
     and fresh outputs are measured. That is one step compile more at start-up (a cache hit on
     later starts; its sampling program is the runner's, not compiled again); with num_pages or
     kv_cache_memory_gb given, or on CPU, there is none."""
-    memory = dict(
-        params_bytes=_host_bytes(model.params), device=runner_args["mesh"].devices.flat[0]
+    mesh = runner_args["mesh"]
+    shardings = sharding.param_shardings(
+        infos, mesh, sharding.rules_for(plan.spec, sharding.tensor_parallel_size(mesh))
     )
+    # (weights an orbax restore already put on the devices count as memory in use)
+    to_place = sharding.bytes_per_device(params, shardings, skip=lambda x: isinstance(x, jax.Array))
+    memory = dict(params_bytes=to_place, device=mesh.devices.flat[0])
     pool = plan.size_pool(**memory)
     if pool.source != "device memory":
         return pool, None
@@ -262,12 +266,6 @@ def _size_pool(
     )
     measured = aot.measure_program_bytes(probe, plan.buckets)
     return plan.size_pool(program_bytes=measured, **memory), probe
-
-
-def _host_bytes(params: Any) -> int:
-    """Bytes of the weights not yet on the devices (an orbax restore puts them there)."""
-    leaves = jax.tree_util.tree_leaves(params)
-    return sum(x.nbytes for x in leaves if not isinstance(x, jax.Array))
 
 
 def _compile(

@@ -29,6 +29,7 @@ after which `jax.devices()` lists every process's devices and the same mesh span
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -139,6 +140,22 @@ def param_shardings(infos: Any, mesh: Mesh, rules: dict[str, str | None] | None 
         infos,
         is_leaf=is_param_info,
     )
+
+
+def bytes_per_device(params: Any, shardings: Any, *, skip: Any = None) -> int:
+    """Bytes one device holds of `params` (arrays or their shapes) once placed as
+    `shardings` (the same tree of NamedShardings) say: a sharded array's shard, a replicated
+    one whole. `skip(leaf)`: leaves not to count."""
+    counts = jax.tree_util.tree_map(
+        lambda x, s: (
+            0
+            if skip is not None and skip(x)
+            else math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+        ),
+        params,
+        shardings,
+    )
+    return sum(jax.tree_util.tree_leaves(counts))
 
 
 def model_param_shardings(spec: ModelSpec, *, mesh: Mesh) -> Any:
