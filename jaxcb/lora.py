@@ -303,7 +303,8 @@ def add_adapters(
     *,
     native_base: bool,
 ) -> jax.Array:
-    """y (x @ the base weight `name`, f32[T, out]) plus every row's adapter term.
+    """y (x @ the base weight `name`: f32[T, out], or [T, *out] in the weight's output axes
+    on the XLA form) plus every row's adapter term.
 
     Where the base weight runs on a native CPU kernel (`native_base`), so does the term
     (native.lora_add): each real row through its own slot only, in place, nothing for a
@@ -321,7 +322,7 @@ def add_adapters(
 
     def with_term(x: jax.Array, stack: Params, index: jax.Array, mask: jax.Array) -> jax.Array:
         weights = jax.tree_util.tree_map(lambda a: a[index], stack)
-        return y + lora_delta(x, weights, name, mask)
+        return y + lora_delta(x, weights, name, mask).reshape(y.shape)
 
     def without(*_: Any) -> jax.Array:
         return y
@@ -350,9 +351,10 @@ def column_runs(name: str, part_shapes: Sequence[tuple[int, ...]]) -> list[tuple
 
 
 def lora_delta(x: jax.Array, weights: Params, name: str, mask: jax.Array) -> jax.Array:
-    """f32[T, out]: the adapters' term of `name`'s matmul for input rows x ([T, in]), each
+    """f32[T, *out]: the adapters' term of `name`'s matmul for input rows x ([T, in]), each
     row through its own slot's pair (weights: one layer's slot arrays of the weight; mask:
-    LoraRows.mask), flat as the base matmul's output."""
+    LoraRows.mask), in the base weight's output axes (gate/up [T, 2, I]: never merged, as
+    tensor parallelism shards I)."""
     a = weights["a"]  # [in, P, N, R]
     rows, (fan_in, num_parts, num_slots, rank) = x.shape[0], a.shape
     u = dense(x, a.reshape(fan_in, -1)).reshape(rows, num_parts, num_slots, rank)
@@ -364,5 +366,4 @@ def lora_delta(x: jax.Array, weights: Params, name: str, mask: jax.Array) -> jax
         for p, b in enumerate(weights["b"])
     ]
     axis = LORA_WEIGHTS[name][0]
-    out = outs[0] if axis is None else jnp.concatenate(outs, axis=1 + axis)
-    return out.reshape(rows, -1)
+    return outs[0] if axis is None else jnp.concatenate(outs, axis=1 + axis)

@@ -159,11 +159,9 @@ def mlp(
             preferred_element_type=jnp.float32,
             precision=precision(w.dtype),
         )  # [T, 2, I]
-        if adapted:
-            flat = gate_up.reshape(h.shape[0], -1)
-            flat = add_adapters(
-                flat, x, layer["lora"], "w_gate_up", lora, real_tokens, native_base=False
+        if adapted:  # (the term [T, 2, I] too)
+            gate_up = add_adapters(
+                gate_up, x, layer["lora"], "w_gate_up", lora, real_tokens, native_base=False
             )
-            gate_up = flat.reshape(gate_up.shape)
         act = activation(gate_up[:, 0]) * gate_up[:, 1]
     return project(act, layer, "w_down", real_tokens, lora)

@@ -43,7 +43,7 @@ def _reference(y, x, slots, real, layer, a, bs, name):
     real_rows = (jnp.arange(len(slots)) < real)[:, None]
     mask = (slots[:, None] == jnp.arange(1, SLOTS + 1)[None, :]) & real_rows
     weights = {"a": a[layer], "b": [b[layer] for b in bs]}
-    return y + lora.lora_delta(x, weights, name, mask.astype(jnp.float32))
+    return y + lora.lora_delta(x, weights, name, mask.astype(jnp.float32)).reshape(y.shape)
 
 
 @pytest.mark.parametrize("name", list(WEIGHTS))
