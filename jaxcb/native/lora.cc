@@ -13,7 +13,13 @@
 // R columns of slot s side by side) and one B per part, whose columns land in the output in
 // runs: part p's column c goes to offset_p + (c / run_p) * stride_p + c % run_p (`layout`:
 // (run, stride, offset) per part), e.g. q's heads interleaved with k and v per KV head.
+//
+// bfloat16 slot arrays on a CPU with AVX512-BF16 take vdpbf16ps: two rows of A (or B) are
+// interleaved into (even, odd) pairs in registers, one vector of pairs per 16 columns, and
+// each rounded input pair of a row is one broadcast against it: half the multiply
+// instructions of the widened FMA form, the interleave paid once per block of rows.
 
+#include <cstring>
 #include <type_traits>
 #include <utility>
 
@@ -53,7 +59,22 @@ float RoundTo(float v) {
 
 // Up to kBlock rows that share a slot go through it together: each value of A and B loaded
 // once per block, not once per row (a decode step's few rows per adapter; prefill's many).
-constexpr int kBlock = 4;
+constexpr int kBlock = 8;
+
+// f(std::integral_constant<int, nr>) for a block of nr rows (1..kBlock).
+template <typename F>
+void WithRows(int nr, F&& f) {
+  switch (nr) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
 
 // u_j[0:r] = x_j[0:k] @ a for the block's NR rows (x_j at x + j * k, u_j at u + j * u_stride);
 // a's row kk at a + kk * row_stride, r contiguous values a row.
@@ -130,6 +151,102 @@ void Expand(const float* u, int64_t u_stride, const W* b, int64_t r, int64_t row
   }
 }
 
+#if defined(__AVX512BF16__)
+// 16 columns of two rows of bfloat16 values as vdpbf16ps takes them: lane c holds (p[c],
+// q[c]) (q null: (p[c], 0)).
+inline __m512i PairRows(const uint16_t* p, const uint16_t* q) {
+  const __m512i lo =
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  if (q == nullptr) return lo;
+  const __m512i hi =
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+// Input values i, i + 1 of a row of bfloat16 values, as one broadcast pair.
+inline __m512bh PairAt(const uint16_t* v, int64_t i) {
+  int32_t bits;
+  std::memcpy(&bits, v + i, sizeof(bits));
+  return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+// Shrink on vdpbf16ps: xb_j (at xb + j * kp) the block's rows in bfloat16, k values padded
+// with a zero to kp (even).
+template <int NR>
+void ShrinkDot(const uint16_t* xb, int64_t kp, const uint16_t* a, int64_t k,
+               int64_t row_stride, int64_t r, float* u, int64_t u_stride) {
+  int64_t r0 = 0;
+  for (; r0 + 16 <= r; r0 += 16) {
+    __m512 acc[NR];
+    for (int j = 0; j < NR; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < k; kk += 2) {
+      const uint16_t* row = a + kk * row_stride + r0;
+      const __m512bh w = (__m512bh)PairRows(row, kk + 1 < k ? row + row_stride : nullptr);
+      for (int j = 0; j < NR; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], PairAt(xb + j * kp, kk), w);
+    }
+    for (int j = 0; j < NR; ++j) _mm512_storeu_ps(u + j * u_stride + r0, acc[j]);
+  }
+  for (; r0 < r; ++r0) {
+    for (int j = 0; j < NR; ++j) {
+      float sum = 0.0f;
+      for (int64_t kk = 0; kk < k; ++kk) {
+        sum += Bf16ToF32(xb[j * kp + kk]) * Bf16ToF32(a[kk * row_stride + r0]);
+      }
+      u[j * u_stride + r0] = sum;
+    }
+  }
+}
+
+// Expand on vdpbf16ps: ub_j (at ub + j * ub_stride) the block's u in bfloat16, r values
+// padded with a zero to an even count.
+template <int NR>
+void ExpandDot(const uint16_t* ub, int64_t ub_stride, const uint16_t* b, int64_t r,
+               int64_t row_stride, int64_t width, float* y, int64_t y_stride) {
+  int64_t c = 0;
+  for (; c + 32 <= width; c += 32) {
+    __m512 lo[NR], hi[NR];
+    for (int j = 0; j < NR; ++j) {
+      lo[j] = _mm512_loadu_ps(y + j * y_stride + c);
+      hi[j] = _mm512_loadu_ps(y + j * y_stride + c + 16);
+    }
+    for (int64_t rr = 0; rr < r; rr += 2) {
+      const uint16_t* b0 = b + rr * row_stride + c;
+      const uint16_t* b1 = rr + 1 < r ? b0 + row_stride : nullptr;
+      const __m512bh w0 = (__m512bh)PairRows(b0, b1);
+      const __m512bh w1 = (__m512bh)PairRows(b0 + 16, b1 ? b1 + 16 : nullptr);
+      for (int j = 0; j < NR; ++j) {
+        const __m512bh pair = PairAt(ub + j * ub_stride, rr);
+        lo[j] = _mm512_dpbf16_ps(lo[j], pair, w0);
+        hi[j] = _mm512_dpbf16_ps(hi[j], pair, w1);
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      _mm512_storeu_ps(y + j * y_stride + c, lo[j]);
+      _mm512_storeu_ps(y + j * y_stride + c + 16, hi[j]);
+    }
+  }
+  for (; c + 16 <= width; c += 16) {
+    __m512 acc[NR];
+    for (int j = 0; j < NR; ++j) acc[j] = _mm512_loadu_ps(y + j * y_stride + c);
+    for (int64_t rr = 0; rr < r; rr += 2) {
+      const uint16_t* b0 = b + rr * row_stride + c;
+      const __m512bh w = (__m512bh)PairRows(b0, rr + 1 < r ? b0 + row_stride : nullptr);
+      for (int j = 0; j < NR; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], PairAt(ub + j * ub_stride, rr), w);
+    }
+    for (int j = 0; j < NR; ++j) _mm512_storeu_ps(y + j * y_stride + c, acc[j]);
+  }
+  for (; c < width; ++c) {
+    for (int j = 0; j < NR; ++j) {
+      float sum = y[j * y_stride + c];
+      for (int64_t rr = 0; rr < r; ++rr) {
+        sum += Bf16ToF32(ub[j * ub_stride + rr]) * Bf16ToF32(b[rr * row_stride + c]);
+      }
+      y[j * y_stride + c] = sum;
+    }
+  }
+}
+#endif  // __AVX512BF16__
+
 // Blocks per work item: decode's few blocks go on the calling thread alone (waking the pool
 // costs more than a block's few microseconds); prefill's spread over the cores.
 constexpr int64_t kBlocksPerItem = 1;
@@ -201,41 +318,71 @@ ffi::Error LoraAddImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> y, ffi::Buffe
   const W* a_data = reinterpret_cast<const W*>(a_layer.data);
   const int64_t a_row = parts * num_slots * rank;  // A's stride over K
   const int64_t u_stride = parts * rank;
-  auto run_block = [&](int64_t i, float* xr, float* u, float* yr) {
+#if defined(__AVX512BF16__)
+  constexpr bool kDot = std::is_same_v<W, uint16_t>;  // vdpbf16ps on bfloat16 slot arrays
+#else
+  constexpr bool kDot = false;
+#endif
+  const int64_t kp = k + (k & 1), rp = rank + (rank & 1);  // (pairs: padded to even)
+  struct Scratch {
+    std::vector<float> x, u, y;
+    std::vector<uint16_t> xb, ub;
+  };
+  auto run_block = [&](int64_t i, Scratch& scratch) {
     const auto [b0, b1] = blocks[i];
     const int nr = static_cast<int>(b1 - b0);
     const int64_t s = slot[rows_by_slot[b0]] - 1;
+    float *xr = scratch.x.data(), *u = scratch.u.data(), *yr = scratch.y.data();
+    uint16_t *xb = scratch.xb.data(), *ub = scratch.ub.data();
     for (int j = 0; j < nr; ++j) {  // the rows' inputs rounded, their outputs gathered
       const int64_t t = rows_by_slot[b0 + j];
-      for (int64_t kk = 0; kk < k; ++kk) xr[j * k + kk] = RoundTo<W>(x.typed_data()[t * k + kk]);
+      const float* xt = x.typed_data() + t * k;
+      if constexpr (kDot) {
+        for (int64_t kk = 0; kk < k; ++kk) xb[j * kp + kk] = F32ToBf16(xt[kk]);
+        if (kp != k) xb[j * kp + k] = 0;
+      } else {
+        for (int64_t kk = 0; kk < k; ++kk) xr[j * k + kk] = RoundTo<W>(xt[kk]);
+      }
       std::memcpy(yr + j * cols, o + t * cols, cols * sizeof(float));
     }
-    for (int64_t p = 0; p < parts; ++p) {
-      const W* a_ps = a_data + (p * num_slots + s) * rank;
-      float* up = u + p * rank;
-      switch (nr) {
-        case 1: Shrink<W, 1>(xr, a_ps, k, a_row, rank, up, u_stride); break;
-        case 2: Shrink<W, 2>(xr, a_ps, k, a_row, rank, up, u_stride); break;
-        case 3: Shrink<W, 3>(xr, a_ps, k, a_row, rank, up, u_stride); break;
-        default: Shrink<W, 4>(xr, a_ps, k, a_row, rank, up, u_stride); break;
+    WithRows(nr, [&](auto rows) {
+      constexpr int NR = decltype(rows)::value;
+      for (int64_t p = 0; p < parts; ++p) {
+        const W* a_ps = a_data + (p * num_slots + s) * rank;
+#if defined(__AVX512BF16__)
+        if constexpr (kDot) {
+          ShrinkDot<NR>(xb, kp, a_ps, k, a_row, rank, u + p * rank, u_stride);
+          continue;
+        }
+#endif
+        Shrink<W, NR>(xr, a_ps, k, a_row, rank, u + p * rank, u_stride);
       }
-    }
-    for (int64_t i2 = 0; i2 < nr * u_stride; ++i2) u[i2] = RoundTo<W>(u[i2]);
-    for (int64_t p = 0; p < parts; ++p) {
-      const int64_t run = layout[3 * p], stride = layout[3 * p + 1], offset = layout[3 * p + 2];
-      const W* b = b_layer[p] + s * rank * widths[p];
-      const float* up = u + p * rank;
-      for (int64_t j = 0; j < widths[p] / run; ++j) {
-        const W* bj = b + j * run;
-        float* yj = yr + offset + j * stride;
-        switch (nr) {
-          case 1: Expand<W, 1>(up, u_stride, bj, rank, widths[p], run, yj, cols); break;
-          case 2: Expand<W, 2>(up, u_stride, bj, rank, widths[p], run, yj, cols); break;
-          case 3: Expand<W, 3>(up, u_stride, bj, rank, widths[p], run, yj, cols); break;
-          default: Expand<W, 4>(up, u_stride, bj, rank, widths[p], run, yj, cols); break;
+      if constexpr (kDot) {  // u rounded as XLA's dot rounds its input, in pairs per part
+        for (int j = 0; j < nr; ++j) {
+          for (int64_t p = 0; p < parts; ++p) {
+            uint16_t* dst = ub + j * parts * rp + p * rp;
+            for (int64_t rr = 0; rr < rank; ++rr) dst[rr] = F32ToBf16(u[j * u_stride + p * rank + rr]);
+            if (rp != rank) dst[rank] = 0;
+          }
+        }
+      } else {
+        for (int64_t i2 = 0; i2 < nr * u_stride; ++i2) u[i2] = RoundTo<W>(u[i2]);
+      }
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t run = layout[3 * p], stride = layout[3 * p + 1], offset = layout[3 * p + 2];
+        const W* b = b_layer[p] + s * rank * widths[p];
+        for (int64_t j = 0; j < widths[p] / run; ++j) {
+          float* yj = yr + offset + j * stride;
+#if defined(__AVX512BF16__)
+          if constexpr (kDot) {
+            ExpandDot<NR>(ub + p * rp, parts * rp, b + j * run, rank, widths[p], run, yj, cols);
+            continue;
+          }
+#endif
+          Expand<W, NR>(u + p * rank, u_stride, b + j * run, rank, widths[p], run, yj, cols);
         }
       }
-    }
+    });
     for (int j = 0; j < nr; ++j) {
       std::memcpy(o + rows_by_slot[b0 + j] * cols, yr + j * cols, cols * sizeof(float));
     }
@@ -243,12 +390,14 @@ ffi::Error LoraAddImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> y, ffi::Buffe
   const int64_t num_blocks = static_cast<int64_t>(blocks.size());
   const int64_t items = (num_blocks + kBlocksPerItem - 1) / kBlocksPerItem;
   auto item = [&](int64_t i) {
-    thread_local std::vector<float> xr, u, yr;  // reused: this runs every layer of every step
-    xr.resize(kBlock * k);
-    u.resize(kBlock * u_stride);
-    yr.resize(kBlock * cols);
+    thread_local Scratch scratch;  // reused: this runs every layer of every step
+    scratch.x.resize(kBlock * k);
+    scratch.u.resize(kBlock * u_stride);
+    scratch.y.resize(kBlock * cols);
+    scratch.xb.resize(kBlock * kp);
+    scratch.ub.resize(kBlock * parts * rp);
     const int64_t end = std::min<int64_t>((i + 1) * kBlocksPerItem, num_blocks);
-    for (int64_t j = i * kBlocksPerItem; j < end; ++j) run_block(j, xr.data(), u.data(), yr.data());
+    for (int64_t j = i * kBlocksPerItem; j < end; ++j) run_block(j, scratch);
   };
   if (items == 1) {
     item(0);

@@ -1,7 +1,8 @@
 """The native LoRA kernel (jaxcb/native/lora.py, lora.cc): each token row through its own
 slot's A and B only, added in place to the base matmul's output, against XLA's masked form
 (jaxcb/lora.py's `lora_delta`) for the weights' shapes the layers have: q/k/v interleaved per
-KV head, gate and up side by side, one part; ranks that are and are not multiples of 16; base
+KV head, gate and up side by side, one part; ranks that are and are not multiples of 16 (an
+odd one), an odd input width (pairs of the AVX512-BF16 form padded); base
 rows, padding rows, slots past the arrays (left as they are)."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ WEIGHTS = {
     "wqkv": (48, [(2, 3, 16), (2, 1, 16), (2, 1, 16)]),  # Hkv 2, G 3, D 16
     "w_gate_up": (32, [(1, 80), (1, 80)]),
     "wo": (40, [(56,)]),
+    "w_down": (41, [(24,)]),  # an odd K: the bf16 dot kernel's pairs padded
 }
 
 
@@ -47,7 +49,7 @@ def _reference(y, x, slots, real, layer, a, bs, name):
 
 
 @pytest.mark.parametrize("name", list(WEIGHTS))
-@pytest.mark.parametrize("rank", [16, 8, 40])
+@pytest.mark.parametrize("rank", [16, 8, 40, 7])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_kernel_matches_the_masked_xla_term(name, rank, dtype):
     a, bs = _stacks(name, rank, dtype, seed=rank)
