@@ -308,17 +308,27 @@ def add_adapters(
 
     Where the base weight runs on a native CPU kernel (`native_base`), so does the term
     (native.lora_add): each real row through its own slot only, in place, nothing for a
-    base row. Elsewhere, XLA's `lora_delta` over every slot under a lax.cond on
-    `rows.active`: a step whose rows are all the base model's skips it, and the layer's slot
-    arrays are sliced inside the branch (neither read nor copied)."""
-    if isinstance(x, Normed):
-        x = x.value()
+    base row (a Normed x normed there, for the adapter rows alone). Elsewhere, XLA's
+    `lora_delta` over every slot under a lax.cond on `rows.active`: a step whose rows are all
+    the base model's skips it, and the layer's slot arrays are sliced inside the branch
+    (neither read nor copied)."""
     stack = slots.stack[name]
     if native_base and native.can_add_lora(stack["a"].dtype):
         runs = column_runs(name, [b.shape[3:] for b in stack["b"]])
+        norm = (x.weight, x.eps) if isinstance(x, Normed) else None
         return native.lora_add(
-            y, x, rows.slots, real_tokens, slots.index, stack["a"], stack["b"], runs
+            y,
+            x.x if isinstance(x, Normed) else x,
+            rows.slots,
+            real_tokens,
+            slots.index,
+            stack["a"],
+            stack["b"],
+            runs,
+            norm=norm,
         )
+    if isinstance(x, Normed):
+        x = x.value()
 
     def with_term(x: jax.Array, stack: Params, index: jax.Array, mask: jax.Array) -> jax.Array:
         weights = jax.tree_util.tree_map(lambda a: a[index], stack)

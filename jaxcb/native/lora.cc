@@ -3,6 +3,8 @@
 //
 //   y[t] += round(round(x[t]) @ A[s]) @ B[s]     for every real row t whose slot s is not 0,
 //
+// x[t] RMS-normed first when a norm weight is given (the layer's input norm, which the base
+// matmul's kernel applies in its own call: only the adapter rows are normed here),
 // reading the slot arrays of one layer in place from their stacks over the layers (jaxcb/
 // lora.py's layout: A [L, K, P, N, R], one B per part p [L, N, R, cols_p]; the rounding is to
 // the slot arrays' dtype, as XLA's dot of the same arrays rounds its inputs). A row of the
@@ -255,8 +257,9 @@ template <typename W, ffi::DataType T>
 ffi::Error LoraAddImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> y, ffi::Buffer<ffi::F32> x,
                        ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> rows,
                        ffi::Buffer<ffi::S32> layer, ffi::Buffer<T> a, ffi::Buffer<T> b0,
-                       ffi::Buffer<T> b1, ffi::Buffer<T> b2, ffi::Result<ffi::Buffer<ffi::F32>> out,
-                       ffi::Span<const int64_t> layout) {
+                       ffi::Buffer<T> b1, ffi::Buffer<T> b2, ffi::AnyBuffer norm,
+                       ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Span<const int64_t> layout,
+                       float eps) {
   const auto xd = x.dimensions(), ad = a.dimensions(), yd = y.dimensions();
   if (xd.size() != 2 || yd.size() != 2 || ad.size() != 5 || yd[0] != xd[0] || ad[1] != xd[1] ||
       static_cast<int64_t>(slots.element_count()) != xd[0]) {
@@ -285,6 +288,11 @@ ffi::Error LoraAddImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> y, ffi::Buffe
     if (run < 1 || widths[p] % run || offset + (widths[p] / run - 1) * stride + run > cols) {
       return ffi::Error::InvalidArgument("lora: a part's columns fall outside y");
     }
+  }
+  const float* g32 = nullptr;  // the norm weight as f32 (none: x taken as it is)
+  if (norm.element_count() != 0) {
+    g32 = NormWeightF32(norm, k);
+    if (g32 == nullptr) return NormWeightError();
   }
   float* o = out->typed_data();
   if (o != y.typed_data()) std::memcpy(o, y.typed_data(), y.size_bytes());  // (not aliased)
@@ -334,9 +342,13 @@ ffi::Error LoraAddImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> y, ffi::Buffe
     const int64_t s = slot[rows_by_slot[b0]] - 1;
     float *xr = scratch.x.data(), *u = scratch.u.data(), *yr = scratch.y.data();
     uint16_t *xb = scratch.xb.data(), *ub = scratch.ub.data();
-    for (int j = 0; j < nr; ++j) {  // the rows' inputs rounded, their outputs gathered
+    for (int j = 0; j < nr; ++j) {  // the rows' inputs (normed) rounded, outputs gathered
       const int64_t t = rows_by_slot[b0 + j];
       const float* xt = x.typed_data() + t * k;
+      if (g32 != nullptr) {
+        RmsNormRows(xt, g32, eps, 1, k, xr + j * k);
+        xt = xr + j * k;
+      }
       if constexpr (kDot) {
         for (int64_t kk = 0; kk < k; ++kk) xb[j * kp + kk] = F32ToBf16(xt[kk]);
         if (kp != k) xb[j * kp + k] = 0;
@@ -420,8 +432,10 @@ ffi::Error LoraAddImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> y, ffi::Buffe
                                     .Arg<ffi::Buffer<ffi::dtype>>() /* B, part 0 */ \
                                     .Arg<ffi::Buffer<ffi::dtype>>() /* part 1 */  \
                                     .Arg<ffi::Buffer<ffi::dtype>>() /* part 2 */  \
+                                    .Arg<ffi::AnyBuffer>() /* norm weight [K] or [0] */ \
                                     .Ret<ffi::Buffer<ffi::F32>>() /* y, aliased */ \
-                                    .Attr<ffi::Span<const int64_t>>("layout"));
+                                    .Attr<ffi::Span<const int64_t>>("layout")     \
+                                    .Attr<float>("eps"));
 
 #endif  // JAXCB_HAVE_V16
 

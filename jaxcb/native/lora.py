@@ -51,8 +51,12 @@ def lora_add(
     a: jax.Array,  # [L, K, P, N, R]: every layer's A of the weight's P parts
     bs: Sequence[jax.Array],  # P x [L, N, R, *cols_p]: every layer's B of each part
     runs: Sequence[tuple[int, int, int]],  # each part's (run, stride, offset) in y's columns
+    norm: tuple[jax.Array, float] | None = None,  # (weight [K], eps): x's rows RMS-normed first
 ) -> jax.Array:
     """y plus each real row's adapter term (f32[M, N]; y's buffer, updated in place).
+
+    `norm`: the layer's input norm the base matmul's kernel applies in its call (a Normed
+    input): the kernel norms the adapter rows alone, so a step without them norms nothing.
 
     Part p's column c of B lands in y's column offset + (c // run) * stride + c % run (a
     part interleaved with the others, as q with k and v per KV head); the term is rounded as
@@ -62,6 +66,7 @@ def lora_add(
     target = registered_target(_TARGETS[jnp.dtype(a.dtype)], active_level())
     flat = [b.reshape(*b.shape[:3], -1) for b in bs]
     flat += [flat[0]] * (3 - len(flat))  # (unused parts: the kernel reads `parts` of them)
+    weight, eps = norm if norm is not None else (jnp.zeros((0,), jnp.float32), 0.0)
     call = jax.ffi.ffi_call(
         target, jax.ShapeDtypeStruct(y.shape, jnp.float32), input_output_aliases={0: 0}
     )
@@ -73,5 +78,7 @@ def lora_add(
         jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
         a,
         *flat,
+        weight,
         layout=np.asarray(runs, np.int64).reshape(-1),
+        eps=np.float32(eps),
     )

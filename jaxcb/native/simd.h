@@ -306,6 +306,46 @@ inline void StoreBf16(V16 x, uint16_t* p) {
 
 #endif  // AVX-512 / AVX2
 
+// The RMS-normed rows [0, m) of a [., k] into out: a_i * (1 / sqrt(mean(a_i^2) + eps)) * g,
+// in float32 as layers.rms_norm computes it.
+inline void RmsNormRows(const float* a, const float* g, float eps, int64_t m, int64_t k,
+                        float* out) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float* x = a + i * k;
+    float* y = out + i * k;
+    __m256 squares = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 8 <= k; c += 8) {
+      const __m256 v = _mm256_loadu_ps(x + c);
+      squares = _mm256_fmadd_ps(v, v, squares);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, squares);
+    float sum = 0.0f;
+    for (float lane : lanes) sum += lane;
+    for (; c < k; ++c) sum += x[c] * x[c];
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(k) + eps);
+    for (c = 0; c < k; ++c) y[c] = g[c] * (x[c] * inv);
+  }
+}
+
+// The norm weight g ([K], float32 or bfloat16 as the model stores it) as float32: its data,
+// or bf16 widened into a thread-local buffer; null if g is neither or not [K].
+inline const float* NormWeightF32(const ffi::AnyBuffer& g, int64_t k) {
+  if (static_cast<int64_t>(g.element_count()) != k) return nullptr;
+  if (g.element_type() == ffi::DataType::F32) return static_cast<const float*>(g.untyped_data());
+  if (g.element_type() != ffi::DataType::BF16) return nullptr;
+  thread_local std::vector<float> widened;
+  const uint16_t* bits = static_cast<const uint16_t*>(g.untyped_data());
+  widened.resize(k);
+  for (int64_t c = 0; c < k; ++c) widened[c] = Bf16ToF32(bits[c]);
+  return widened.data();
+}
+
+inline ffi::Error NormWeightError() {
+  return ffi::Error::InvalidArgument("the norm weight must be f32[K] or bf16[K]");
+}
+
 }  // namespace
 
 #endif  // JAXCB_HAVE_V16

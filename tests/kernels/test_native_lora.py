@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from jaxcb import lora, native
+from jaxcb.models.layers import rms_norm
 
 pytestmark = pytest.mark.skipif(
     not native.can_add_lora(jnp.float32), reason="no native LoRA kernel on this CPU"
@@ -75,6 +76,28 @@ def test_kernel_matches_the_masked_xla_term(name, rank, dtype):
     np.testing.assert_array_equal(np.asarray(y_after), np.asarray(y))
     untouched = (np.asarray(slots) == 0) | (np.asarray(slots) > SLOTS) | (np.arange(m) >= real)
     np.testing.assert_array_equal(np.asarray(out)[untouched], np.asarray(y)[untouched])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("norm_dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_norms_the_adapter_rows_of_a_normed_input(dtype, norm_dtype):
+    """Given the layer's input norm (a Normed input: the base kernel norms in its call), the
+    kernel's term is that of the RMS-normed rows."""
+    a, bs = _stacks("w_gate_up", 16, dtype, seed=3)
+    k, part_shapes = WEIGHTS["w_gate_up"]
+    rng = np.random.default_rng(2)
+    m, real, layer, eps = 21, 19, 2, 1e-5
+    x = jnp.asarray(rng.standard_normal((m, k)) * 3, jnp.float32)
+    weight = jnp.asarray(rng.uniform(0.5, 1.5, k), norm_dtype)
+    y = jnp.asarray(rng.standard_normal((m, 160)), jnp.float32)
+    slots = jnp.asarray(rng.integers(0, SLOTS + 1, m), jnp.int32)
+    runs = lora.column_runs("w_gate_up", part_shapes)
+    out = native.lora_add(y, x, slots, real, layer, a, bs, runs, norm=(weight, eps))
+    ref = _reference(y, rms_norm(x, weight, eps), slots, real, layer, a, bs, "w_gate_up")
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=tol, atol=tol)
+    unnormed = _reference(y, x, slots, real, layer, a, bs, "w_gate_up")
+    assert not np.allclose(np.asarray(out), np.asarray(unnormed), rtol=tol, atol=tol)
 
 
 def test_a_step_without_adapter_rows_returns_y():
