@@ -12,10 +12,11 @@ every pass makes the same tokens), its prefix cache reset first, as:
 - `mixed`: the LoRA engine, the requests spread evenly over the adapters.
 
 The ratios to `off` of the same round are printed (after a pass of each to warm up), then
-their medians over the rounds. Then the load test: requests decode on the LoRA engine while
-one more adapter is added with a request of its own. The adapter is read first, as the
-server reads it off the engine's thread; then written into a slot (evicting the least
-recently used) between two steps. The steps around it are timed (the slowest against the
+their medians over the rounds; every other round runs the passes backwards (mixed, base,
+off), so a drift over a round favours no pass. Then the load test: requests decode on the
+LoRA engine while one more adapter is added with a request of its own. The adapter is read
+first, as the server reads it off the engine's thread; then written into a slot (evicting
+the least recently used) between two steps. The steps around it are timed (the slowest against the
 median, and against the slowest of a control run where a base request arrives instead: a
 new request's prefill lengthens its step whatever its adapter), the step programs traced
 meanwhile counted (0: nothing recompiled), and the new request must finish.
@@ -212,10 +213,13 @@ def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
             f"{workload.name}, {len(prompts)} requests, {args.num_adapters} adapters of rank "
             f"{args.rank}; output tok/s and the ratio to `off` of the round"
         )
+        passes = {"off": (plain, None), "base": (llm, None), "mixed": (llm, mixed)}
         for r in range(args.repeats):
-            off = one_pass(plain, prompts, params, None)
-            base = one_pass(llm, prompts, params, None)
-            mix = one_pass(llm, prompts, params, mixed)
+            # in turns, every other round backwards: a machine slowing or speeding up over a
+            # round (other tenants' memory traffic) does not favour the pass that runs first
+            order = list(passes) if r % 2 == 0 else list(reversed(passes))
+            got = {n: one_pass(passes[n][0], prompts, params, passes[n][1]) for n in order}
+            off, base, mix = got["off"], got["base"], got["mixed"]
             rounds.append({"off": off, "base": base, "mixed": mix})
             print(
                 f"round {r}: off {off['tok_s']:7.1f}  base {base['tok_s']:7.1f} "
