@@ -163,7 +163,11 @@ def test_quantized_kv_pool_compiles_for_target(model_dir, target, kv_dtype, kern
 
 
 @needs_tpu
-@pytest.mark.parametrize(("target", "tp"), [("v5e:1x1", 1), ("v5e:2x2", 4)])
+@pytest.mark.parametrize(
+    ("target", "tp"),
+    # (one chip: the same fusion without the gather check; --runslow)
+    [pytest.param("v5e:1x1", 1, marks=pytest.mark.slow), ("v5e:2x2", 4)],
+)
 def test_int8_weights_fuse_into_the_dot_on_tpu(model_dir, target, tp):
     """int8 weights on an accelerator take the per-channel form (models/quant.weight_form):
     the codes converted inside the dot, the scale on its result. The compiled decode step
