@@ -30,7 +30,7 @@ from jaxcb.models.loading.gguf import GGUFFile
 from jaxcb.models.loading.loader import load_model
 from jaxcb.models.weights import CheckpointTensors
 
-MAX_TOKENS = 32
+MAX_TOKENS = 24
 QUESTIONS = [
     "What is the capital of France?",
     "Name three primary colors.",

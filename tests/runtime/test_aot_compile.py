@@ -76,7 +76,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
 
 
 CASES = [
-    pytest.param("v5e:1x1", "llama", 1, "pallas-tpu", "tpu_custom_call", marks=needs_tpu),
+    pytest.param(  # (v5e:2x2 compiles the same kernel, sharded): --runslow
+        "v5e:1x1", "llama", 1, "pallas-tpu", "tpu_custom_call", marks=[needs_tpu, pytest.mark.slow]
+    ),
     pytest.param("v5e:2x2", "qwen3", 4, "pallas-tpu", "tpu_custom_call", marks=needs_tpu),
     pytest.param(  # (h100x8 compiles the same kernel, sharded): --runslow
         "h100",
@@ -142,7 +144,8 @@ def test_step_compiles_for_target(model_dir, target, family, tp, backend, kernel
     ("target", "kv_dtype", "kernel_call"),
     [
         pytest.param("v5e:1x1", "int8", "tpu_custom_call", marks=needs_tpu),
-        pytest.param("h100", "fp8", aot_report.TRITON_CALL, marks=needs_cuda),
+        # (fp8 pages in the GPU kernel: test_rpa_gpu_compile.py; the whole step: --runslow)
+        pytest.param("h100", "fp8", aot_report.TRITON_CALL, marks=[needs_cuda, pytest.mark.slow]),
     ],
 )
 def test_quantized_kv_pool_compiles_for_target(model_dir, target, kv_dtype, kernel_call):

@@ -7,7 +7,7 @@ preemption. Every valid request that is not aborted must end with exactly the to
 generation gives; every invalid one must get a 4xx; no answer may be a 5xx; afterwards
 nothing runs or waits, every KV page is free, and the log holds no error.
 
-The CI version sends 500 requests; `--runslow` adds a long one (JAXCB_SOAK_REQUESTS,
+The CI version sends 300 requests; `--runslow` adds a long one (JAXCB_SOAK_REQUESTS,
 default 10,000).
 """
 
@@ -279,8 +279,8 @@ def sampling_params(body: dict) -> SamplingParams:
     return SamplingParams(**{k: body[k] for k in keys if k in body})
 
 
-def test_soak_500_requests(tmp_path):
-    soak(tmp_path, num_requests=500, seed=0)
+def test_soak_300_requests(tmp_path):
+    soak(tmp_path, num_requests=300, seed=0)
 
 
 @pytest.mark.slow
